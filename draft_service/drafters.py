@@ -1,0 +1,99 @@
+"""Drafter backends behind one small interface: open a session, propose k tokens.
+
+Like transformers' candidate generators, a model drafter and a model-free drafter plug into the
+same service. A proposal carries the exact distribution each token was sampled from (encoded as
+it goes on the wire), so the gateway's rejection rule uses the very q the draft used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from draft_service.ngram import prompt_lookup
+from specd.v1 import common_pb2
+from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
+from specd_common.lm import CausalLM
+from specd_common.models import LoadedModel, describe_model
+from specd_common.sequence import TokenSequence
+from specd_common.params import Warp
+from specd_common.warping import warp_probs
+
+NGRAM_MAX_LENGTH = 1 << 20  # a model-free drafter has no context limit of its own; the target's applies
+
+
+@dataclass
+class DraftSession:
+    """One request's drafting state: its token sequence (with cache, for model drafters) and warping."""
+
+    sequence: TokenSequence
+    warp: Warp
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens and, when sampling, the distribution each was drawn from."""
+
+    token_ids: list[int]
+    draft_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [len(token_ids)] or []
+
+
+class Drafter(Protocol):
+    """What the DraftService needs from a backend."""
+
+    def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession: ...
+
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal: ...
+
+    def info(self) -> common_pb2.GetModelInfoResponse: ...
+
+
+class ModelDrafter:
+    """A small causal LM sharing the target's tokenizer, drafting autoregressively with its KV cache."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.lm = CausalLM(loaded)
+        self._info = describe_model(loaded, drafter="model")
+
+    def info(self) -> common_pb2.GetModelInfoResponse:
+        return self._info
+
+    def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession:
+        return DraftSession(self.lm.new_session(prompt), warp)
+
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
+        sequence = session.sequence
+        proposal = Proposal(token_ids=[])
+        for _ in range(min(k, self.lm.max_length - len(sequence.tokens))):
+            logits = self.lm.forward(sequence)  # [1, V], feeds the pending tokens
+            if session.warp.greedy:
+                token = int(torch.argmax(logits[-1]))
+            else:
+                q = encode_distribution(warp_probs(logits, session.warp)[-1].cpu().numpy())
+                token = sample_from(decode_distribution(q), rng)
+                proposal.draft_probs.append(q)
+            proposal.token_ids.append(token)
+            sequence.tokens.append(token)  # pending: fed by the next step or the next round
+        return proposal
+
+
+class NgramDrafter:
+    """Model-free prompt lookup: deterministic proposals (q is one-hot), no cache, no weights."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+
+    def info(self) -> common_pb2.GetModelInfoResponse:
+        return common_pb2.GetModelInfoResponse(model_name=f"ngram(max_ngram={self.max_ngram})", drafter="ngram")
+
+    def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession:
+        return DraftSession(TokenSequence(tokens=list(prompt), max_length=NGRAM_MAX_LENGTH), warp)
+
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
+        tokens = prompt_lookup(session.sequence.tokens, k, max_ngram=self.max_ngram)
+        session.sequence.tokens.extend(tokens)
+        probs = [] if session.warp.greedy else [one_hot(t) for t in tokens]
+        return Proposal(token_ids=tokens, draft_probs=probs)

@@ -1,0 +1,63 @@
+"""The DraftService servicer: a thin adapter from protobuf to a Drafter and back."""
+
+from __future__ import annotations
+
+import numpy as np
+import grpc
+
+from draft_service.drafters import DraftSession, Drafter
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specd_common.errors import grpc_errors, require
+from specd_common.sequence import validate_token_ids
+from specd_common.sessions import SessionStore
+from specd_common.params import Warp
+
+MAX_DRAFT_TOKENS = 32
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    """Prefill / Propose / Release over a bounded session store."""
+
+    def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession]):
+        self.drafter = drafter
+        self.sessions = sessions
+        self.vocab_size = drafter.info().vocab_size or None  # None: a model-free drafter takes any id
+
+    def _check_ids(self, token_ids, what: str) -> None:
+        if self.vocab_size:
+            validate_token_ids(token_ids, self.vocab_size, what)
+
+    @grpc_errors
+    def Prefill(self, request: draft_pb2.DraftPrefillRequest, context: grpc.ServicerContext):
+        require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
+        self._check_ids(request.prompt_token_ids, "prompt_token_ids")
+        warp = Warp.from_proto(request.sampling)
+        session = self.drafter.open(list(request.prompt_token_ids), warp)
+        self.sessions.create(request.session_id, session)
+        return draft_pb2.DraftPrefillResponse(sequence_length=len(session.sequence.tokens))
+
+    @grpc_errors
+    def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
+        k = request.num_draft_tokens
+        require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+        self._check_ids(request.commit.append_token_ids, "commit.append_token_ids")
+        with self.sessions.use(request.session_id) as session:
+            session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            length = len(session.sequence.tokens)
+            proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))
+        return draft_pb2.ProposeResponse(
+            token_ids=proposal.token_ids, draft_probs=proposal.draft_probs, sequence_length=length
+        )
+
+    @grpc_errors
+    def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):
+        return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
+
+    @grpc_errors
+    def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):
+        return self.drafter.info()
+
+
+def add_to_server(servicer: DraftServicer, server: grpc.Server) -> None:
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)

@@ -1,0 +1,133 @@
+"""The public GenerateService: validate the request, run a Generation, shape the answer. Thin on purpose."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+
+from gateway.engine import Backends, Chunk, FinishReason, Generation, GenerationSpec
+from specd.v1 import generate_pb2, generate_pb2_grpc
+from specd_common.errors import grpc_errors, grpc_stream_errors, require
+from specd_common.params import Warp
+from specd_common.sequence import validate_token_ids
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+DEFAULT_MAX_NEW_TOKENS = 256
+MAX_NEW_TOKENS = 8192
+MAX_DRAFT_TOKENS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_PROMPT_CHARS = 1_000_000
+CHAT_ROLES = ("system", "user", "assistant")
+_FINISH = {
+    FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+}
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, backends: Backends, default_draft_tokens: int = 3):
+        self.backends = backends
+        self.default_draft_tokens = default_draft_tokens
+
+    @grpc_errors
+    def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        generation = self._start(request, context)
+        token_ids, finish = [], None
+        for chunk in generation.run():
+            token_ids.extend(chunk.token_ids)
+            finish = chunk.finish_reason
+        return generate_pb2.GenerateResponse(
+            text=generation.text,
+            token_ids=token_ids,
+            prompt_token_ids=generation.spec.prompt_ids,
+            finish_reason=_FINISH.get(finish, generate_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=_usage(generation),
+            stats=_stats(generation),
+        )
+
+    @grpc_stream_errors
+    def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        generation = self._start(request, context)
+        first = True
+        for chunk in generation.run():
+            yield _stream_message(generation, chunk, first)
+            first = False
+
+    def _start(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Generation:
+        spec = self.to_spec(request)
+        return Generation(self.backends, spec, time_remaining=context.time_remaining, is_active=context.is_active)
+
+    def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:
+        """Validate a GenerateRequest (INVALID_ARGUMENT that says what to fix) and turn it into a spec."""
+        max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        require(1 <= max_new <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new}")
+        k = request.num_draft_tokens or self.default_draft_tokens
+        require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+        require(len(request.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        for stop in request.stop:
+            require(1 <= len(stop) <= MAX_STOP_LENGTH, f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
+        prompt_ids = self.prompt_ids(request)
+        limit = self.backends.target_info.max_sequence_length
+        require(
+            len(prompt_ids) < limit,
+            f"the prompt is {len(prompt_ids)} tokens; the model's context is {limit} tokens, shorten it",
+        )
+        return GenerationSpec(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            warp=Warp.from_proto(request.sampling),
+            seed=request.seed if request.HasField("seed") else secrets.randbits(63),
+            stop=tuple(request.stop),
+            speculate=not request.disable_speculation,
+            num_draft_tokens=k,
+        )
+
+    def prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        tokenizer = self.backends.tokenizer
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            require(0 < len(request.text) <= MAX_PROMPT_CHARS, f"text must be 1..{MAX_PROMPT_CHARS} characters")
+            ids = tokenizer.encode_prompt(request.text, raw=request.raw)
+        elif kind == "messages":
+            messages = request.messages.messages
+            require(len(messages) > 0, "messages must hold at least one message")
+            for message in messages:
+                require(message.role in CHAT_ROLES, f"message role must be one of {CHAT_ROLES}, got {message.role!r}")
+            require(sum(len(m.content) for m in messages) <= MAX_PROMPT_CHARS, "messages are too long")
+            ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            validate_token_ids(ids, self.backends.target_info.vocab_size, "token_ids")
+        else:
+            require(False, "set a prompt: text, messages or token_ids")
+        require(len(ids) > 0, "the prompt tokenizes to nothing; send a non-empty prompt")
+        return ids
+
+
+def _usage(generation: Generation) -> generate_pb2.Usage:
+    return generate_pb2.Usage(prompt_tokens=len(generation.spec.prompt_ids), completion_tokens=len(generation.generated))
+
+
+def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
+    stats = generation.stats
+    return generate_pb2.SpeculationStats(
+        target_passes=stats.target_passes, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens
+    )
+
+
+def _stream_message(generation: Generation, chunk: Chunk, first: bool) -> generate_pb2.GenerateStreamResponse:
+    message = generate_pb2.GenerateStreamResponse(text=chunk.text, token_ids=chunk.token_ids)
+    if first:
+        message.prompt_token_ids.extend(generation.spec.prompt_ids)
+    if chunk.finish_reason:
+        message.finish_reason = _FINISH[chunk.finish_reason]
+        message.usage.CopyFrom(_usage(generation))
+        message.stats.CopyFrom(_stats(generation))
+    return message
+
+
+def add_to_server(servicer: GenerateServicer, server: grpc.Server) -> None:
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)

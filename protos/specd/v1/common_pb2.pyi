@@ -1,0 +1,87 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProbEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROB_ENCODING_UNSPECIFIED: _ClassVar[ProbEncoding]
+    PROB_ENCODING_FLOAT16: _ClassVar[ProbEncoding]
+    PROB_ENCODING_FLOAT32: _ClassVar[ProbEncoding]
+PROB_ENCODING_UNSPECIFIED: ProbEncoding
+PROB_ENCODING_FLOAT16: ProbEncoding
+PROB_ENCODING_FLOAT32: ProbEncoding
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class Distribution(_message.Message):
+    __slots__ = ("token_ids", "probs", "encoding", "vocab_size")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: bytes
+    encoding: ProbEncoding
+    vocab_size: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., encoding: _Optional[_Union[ProbEncoding, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("prefix_length", "append_token_ids")
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prefix_length: int
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefix_length: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    max_sequence_length: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokenizer_json: str
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    vocab_digest: str
+    drafter: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,44 @@
+from specd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyPrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class VerifyPrefillResponse(_message.Message):
+    __slots__ = ("sequence_length",)
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    sequence_length: int
+    def __init__(self, sequence_length: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "commit", "draft_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit: _common_pb2.Commit
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length")
+    ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
+    sequence_length: int
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,282 @@
+"""The `specd` command: serve one service, bring all three up, or generate through a gateway.
+
+  specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
+  specd up [--target M] [--drafter ngram|model --draft-model M]   all three on localhost
+  specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional, Sequence
+
+from specd_common.config import DEFAULT_PORTS, ServerConfig, add_flag, add_model_flags, add_server_flags
+
+log = logging.getLogger("specd")
+DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("SPECD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="Speculative decoding over gRPC.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one service").add_subparsers(dest="service", required=True)
+    verify = serve.add_parser("verify", help="the target model")
+    add_server_flags(verify, "verify")
+    add_model_flags(verify, DEFAULT_TARGET)
+    verify.set_defaults(func=serve_verify)
+    draft = serve.add_parser("draft", help="the drafter")
+    add_server_flags(draft, "draft")
+    add_model_flags(draft, "")
+    add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model) or model (needs --model)")
+    draft.set_defaults(func=serve_draft)
+    gateway = serve.add_parser("gateway", help="the public API")
+    add_server_flags(gateway, "gateway")
+    add_gateway_flags(gateway)
+    gateway.set_defaults(func=serve_gateway)
+
+    up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
+    add_flag(up, "target", DEFAULT_TARGET, "target model")
+    add_flag(up, "drafter", "ngram", "ngram or model")
+    add_flag(up, "draft-model", "", "draft model when --drafter model")
+    add_flag(up, "host", "127.0.0.1", "address all three bind")
+    add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
+    add_flag(up, "draft-port", DEFAULT_PORTS["draft"], "draft port")
+    add_flag(up, "verify-port", DEFAULT_PORTS["verify"], "verify port")
+    add_flag(up, "threads", 0, "torch threads for each model service (0 = default)")
+    add_flag(up, "num-draft-tokens", 3, "default draft tokens per round")
+    up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, help="send one demo prompt once ready")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
+    up.set_defaults(func=run_up)
+
+    generate = commands.add_parser("generate", help="send one request to a gateway")
+    add_flag(generate, "gateway", f"127.0.0.1:{DEFAULT_PORTS['gateway']}", "gateway HOST:PORT")
+    generate.add_argument("--prompt", required=True, help="prompt text (through the chat template)")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--num-draft-tokens", type=int, default=0)
+    generate.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    generate.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+    generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    generate.set_defaults(func=run_generate)
+    return parser
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT")
+    add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT ('' = none)")
+    add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round")
+    add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
+
+
+def _set_threads(threads: int) -> None:
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def serve_verify(args: argparse.Namespace) -> None:
+    from specd_common.models import load_causal_lm
+    from specd_common.server import wait_for_termination
+    from verify_service.app import start_verify_server
+
+    _set_threads(args.threads)
+    running = start_verify_server(load_causal_lm(args.model, args.device, args.dtype), ServerConfig.from_args(args))
+    wait_for_termination(running, args.grace)
+
+
+def serve_draft(args: argparse.Namespace) -> None:
+    from draft_service.app import make_drafter, start_draft_server
+    from specd_common.server import wait_for_termination
+
+    _set_threads(args.threads)
+    if args.drafter == "model" and not args.model:
+        raise SystemExit("--drafter model needs --model (hub id, folder or GGUF file)")
+    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype)
+    running = start_draft_server(drafter, ServerConfig.from_args(args))
+    wait_for_termination(running, args.grace)
+
+
+def serve_gateway(args: argparse.Namespace) -> None:
+    from gateway.app import start_gateway_server
+    from specd_common.server import wait_for_termination
+
+    running = start_gateway_server(
+        args.verify_address,
+        args.draft_address or None,
+        ServerConfig.from_args(args),
+        num_draft_tokens=args.num_draft_tokens,
+        connect_timeout_s=args.connect_timeout,
+    )
+    wait_for_termination(running, args.grace)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start the three services as child processes, wait until the gateway is healthy, optionally demo."""
+    if args.drafter == "model" and not args.draft_model:
+        raise SystemExit("--drafter model needs --draft-model")
+    specd = [sys.executable, "-m", "specd_common.cli", "serve"]
+    common = ["--host", args.host]
+    threads = ["--threads", str(args.threads)]
+    commands = {
+        "verify": specd + ["verify", *common, "--port", str(args.verify_port), "--model", args.target, *threads],
+        "draft": specd
+        + ["draft", *common, "--port", str(args.draft_port), "--drafter", args.drafter, "--model", args.draft_model, *threads],
+        "gateway": specd
+        + [
+            "gateway", *common, "--port", str(args.gateway_port),
+            "--verify-address", f"{args.host}:{args.verify_port}",
+            "--draft-address", f"{args.host}:{args.draft_port}",
+            "--num-draft-tokens", str(args.num_draft_tokens),
+        ],
+    }
+    children = {name: subprocess.Popen(command) for name, command in commands.items()}
+    gateway_address = f"{args.host}:{args.gateway_port}"
+    stop = {"requested": False}
+
+    def request_stop(*_: object) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        if not wait_until_serving(gateway_address, children, stop):
+            return 1
+        log.info("specd is up: gateway %s (draft %s:%d, verify %s:%d)", gateway_address, args.host, args.draft_port, args.host, args.verify_port)
+        if args.demo:
+            run_generate(build_parser().parse_args(["generate", "--gateway", gateway_address, "--prompt", args.demo, "--json"]))
+            if args.exit_after_demo:
+                return 0
+        log.info("serving until Ctrl-C")
+        while not stop["requested"] and all(child.poll() is None for child in children.values()):
+            time.sleep(0.2)
+        failed = [name for name, child in children.items() if child.poll() not in (None, 0)]
+        return 1 if failed else 0
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children.values():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: float = 900.0) -> bool:
+    """Poll the gateway's health until SERVING; False if a child dies, a stop is requested or time runs out."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and not stop["requested"]:
+            dead = [name for name, child in children.items() if child.poll() is not None]
+            if dead:
+                log.error("%s exited before the gateway was ready", ", ".join(dead))
+                return False
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    return False
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    request = generate_pb2.GenerateRequest(
+        text=args.prompt,
+        raw=args.raw,
+        max_new_tokens=args.max_new_tokens,
+        sampling=common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+        stop=args.stop,
+        disable_speculation=args.no_speculation,
+        num_draft_tokens=args.num_draft_tokens,
+    )
+    if args.seed is not None:
+        request.seed = args.seed
+    with grpc.insecure_channel(args.gateway) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        started = time.perf_counter()
+        try:
+            if args.stream and not args.json:
+                for message in stub.GenerateStream(request, timeout=args.timeout):
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                return 0
+            response = stub.Generate(request, timeout=args.timeout)
+        except grpc.RpcError as error:
+            sys.stderr.write(f"specd generate: {error.code().name}: {error.details()}\n")
+            return 2
+        elapsed = time.perf_counter() - started
+    result = response_to_json(response, elapsed)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        stats = result["stats"]
+        print(result["text"])
+        print(
+            f"\n[{result['finish_reason']}] {len(result['token_ids'])} tokens in {elapsed:.2f} s; "
+            f"{stats['target_passes']} target passes, {stats['accepted_tokens']}/{stats['draft_tokens']} drafts "
+            f"accepted, {stats['tokens_per_target_pass']:.2f} tokens per target pass",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def response_to_json(response, elapsed_s: float) -> dict:
+    """The --json output: text, ids, finish reason, usage and speculation stats."""
+    from specd.v1 import generate_pb2
+
+    passes = response.stats.target_passes
+    return {
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "prompt_token_ids": list(response.prompt_token_ids),
+        "finish_reason": generate_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        "usage": {"prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens},
+        "stats": {
+            "target_passes": passes,
+            "draft_tokens": response.stats.draft_tokens,
+            "accepted_tokens": response.stats.accepted_tokens,
+            "acceptance_rate": response.stats.accepted_tokens / max(1, response.stats.draft_tokens),
+            "tokens_per_target_pass": len(response.token_ids) / max(1, passes),
+        },
+        "elapsed_s": round(elapsed_s, 4),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

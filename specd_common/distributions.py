@@ -1,0 +1,79 @@
+"""Probability distributions on the wire, and sampling from them. numpy only (the gateway has no torch).
+
+The draft samples from exactly the distribution it reports (decode(encode(q))), and the gateway
+samples the target's tokens from decode(encode(p)) in both speculative and target-only mode, so
+quantizing to float16 never makes the two modes differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specd.v1 import common_pb2
+from specd_common.errors import InvalidArgument
+
+_NUMPY_DTYPES = {
+    common_pb2.PROB_ENCODING_FLOAT16: np.dtype("<f2"),
+    common_pb2.PROB_ENCODING_FLOAT32: np.dtype("<f4"),
+}
+
+
+def encode_distribution(probs: np.ndarray) -> common_pb2.Distribution:
+    """probs: [V] float. Sparse float32 when the support is small (top-k / top-p), else dense float16."""
+    vocab_size = probs.shape[0]
+    support = np.flatnonzero(probs)  # [S]
+    if support.size * 8 < vocab_size * 2:  # ids (4 B) + float32 (4 B) beat dense float16 (2 B a token)
+        return common_pb2.Distribution(
+            token_ids=support.tolist(),
+            probs=probs[support].astype("<f4").tobytes(),
+            encoding=common_pb2.PROB_ENCODING_FLOAT32,
+            vocab_size=vocab_size,
+        )
+    return common_pb2.Distribution(
+        probs=probs.astype("<f2").tobytes(), encoding=common_pb2.PROB_ENCODING_FLOAT16, vocab_size=vocab_size
+    )
+
+
+def decode_distribution(message: common_pb2.Distribution, vocab_size: int | None = None) -> np.ndarray:
+    """Inverse of encode_distribution: a dense, normalized float64 vector [V].
+
+    vocab_size, when given, overrides the message's for sparse distributions (a model-free drafter
+    does not know the vocabulary size; its one-hot proposals are padded to the target's).
+    """
+    if message.encoding not in _NUMPY_DTYPES:
+        raise InvalidArgument(f"distribution encoding {message.encoding} is not supported")
+    values = np.frombuffer(message.probs, dtype=_NUMPY_DTYPES[message.encoding]).astype(np.float64)
+    size = vocab_size if (vocab_size and message.token_ids) else message.vocab_size
+    dense = np.zeros(size, dtype=np.float64)
+    if message.token_ids:
+        ids = np.asarray(message.token_ids, dtype=np.int64)
+        if ids.shape != values.shape or ids.min() < 0 or ids.max() >= size:
+            raise InvalidArgument("sparse distribution has mismatched ids and probabilities")
+        dense[ids] = values
+    else:
+        if values.shape[0] != size:
+            raise InvalidArgument(f"dense distribution has {values.shape[0]} entries, expected {size}")
+        dense[:] = values
+    return normalize(dense)
+
+
+def normalize(weights: np.ndarray) -> np.ndarray:
+    """Scale non-negative weights [V] to sum to one."""
+    total = weights.sum()
+    if not total > 0:
+        raise InvalidArgument("distribution has no probability mass")
+    return weights / total
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from a normalized distribution [V] by inverse CDF (one uniform per draw)."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, probs.shape[0] - 1)
+
+
+def one_hot(token_id: int) -> common_pb2.Distribution:
+    """A deterministic proposal (q(token) = 1), as a model-free drafter makes; vocab_size left to the receiver."""
+    return common_pb2.Distribution(
+        token_ids=[token_id], probs=np.ones(1, "<f4").tobytes(), encoding=common_pb2.PROB_ENCODING_FLOAT32
+    )

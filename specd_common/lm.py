@@ -1,0 +1,66 @@
+"""A causal LM serving many sessions, each with its own KV cache that can be rolled back.
+
+Shared by the verify service (the target) and the model drafter. A session is a TokenSequence
+whose cache is a transformers DynamicCache; `forward` feeds the pending tokens plus any extra
+(drafted) tokens in one pass and returns logits for the positions after each.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from specd_common.errors import InvalidArgument
+from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
+from specd_common.sequence import TokenSequence
+
+
+class KVSession(TokenSequence):
+    """A TokenSequence whose cached positions live in a DynamicCache."""
+
+    cache: DynamicCache
+
+
+class CausalLM:
+    """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.vocab_size = model_vocab_size(loaded)
+        self.max_length = max_sequence_length(loaded)
+        self._forward_lock = threading.Lock()
+
+    def new_session(self, prompt: Sequence[int]) -> KVSession:
+        """A session holding `prompt`, with everything but the last token already in its cache."""
+        if not 0 < len(prompt) < self.max_length:
+            raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
+        cache = DynamicCache(config=self.loaded.model.config)
+        session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
+        session.cache = cache
+        if len(prompt) > 1:
+            self._run(session, session.tokens[:-1])
+            session.cached = len(prompt) - 1
+        return session
+
+    def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
+        """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
+        the last committed token and after each extra token. `extra` joins the sequence (speculatively)."""
+        if len(session.tokens) + len(extra) > self.max_length:
+            raise InvalidArgument(
+                f"{len(session.tokens)} tokens + {len(extra)} drafts exceed the model's {self.max_length}-token limit"
+            )
+        fed = session.pending() + list(extra)
+        logits = self._run(session, fed)  # [len(fed), V]
+        session.tokens.extend(extra)
+        session.cached = len(session.tokens)
+        return logits[-(len(extra) + 1) :]
+
+    @torch.inference_mode()
+    def _run(self, session: KVSession, token_ids: Sequence[int]) -> torch.Tensor:
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)  # [1, n]
+        with self._forward_lock:
+            output = self.loaded.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+        return output.logits[0].float()  # [n, V]

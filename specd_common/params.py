@@ -1,0 +1,38 @@
+"""Sampling parameters, validated once at every entry point (torch-free: the gateway uses them too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd_common.errors import require
+
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True)
+class Warp:
+    """Temperature / top-k / top-p after validation. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(cls, params) -> "Warp":
+        """Validate a specd.v1.SamplingParams (INVALID_ARGUMENT saying what to fix); unset top_p means off."""
+        temperature, top_k, top_p = float(params.temperature), int(params.top_k), float(params.top_p)
+        require(
+            0.0 <= temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE}] (0 = greedy), got {temperature}",
+        )
+        require(top_k >= 0, f"top_k must be >= 0 (0 = off), got {top_k}")
+        require(0.0 <= top_p <= 1.0, f"top_p must be in (0, 1] (0 or 1 = off), got {top_p}")
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p if top_p > 0 else 1.0)
+
+    def to_proto(self, message_type):
+        """Fill a specd.v1.SamplingParams (passed in to keep this module free of generated imports)."""
+        return message_type(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)

@@ -1,0 +1,49 @@
+"""A session's token sequence and how much of it a cache holds: the KV-sync bookkeeping, torch-free.
+
+Invariant: `cached` positions of `tokens` have keys/values in the drafter's or target's cache, and
+at least one token is always pending (cached < len(tokens)), so every forward pass feeds at least
+the last token and yields the next position's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from specd_common.errors import InvalidArgument, require
+
+
+@dataclass
+class TokenSequence:
+    """Tokens of one session (prompt, accepted output, and the last round's speculation)."""
+
+    tokens: list[int]
+    max_length: int
+    cached: int = 0
+    on_crop: Callable[[int], None] = field(default=lambda n: None, repr=False)  # drop n cached positions
+
+    def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
+        """Keep tokens[:prefix_length], append `append`, and roll the cache back to match. Idempotent."""
+        require(
+            0 < prefix_length <= len(self.tokens),
+            f"commit.prefix_length {prefix_length} must be in [1, {len(self.tokens)}] (the session's length)",
+        )
+        new_length = prefix_length + len(append)
+        if new_length > self.max_length:
+            raise InvalidArgument(f"sequence would reach {new_length} tokens; the model's limit is {self.max_length}")
+        self.tokens = self.tokens[:prefix_length] + list(append)
+        keep = min(self.cached, prefix_length, len(self.tokens) - 1)
+        if keep < self.cached:
+            self.on_crop(self.cached - keep)
+            self.cached = keep
+
+    def pending(self) -> list[int]:
+        """Tokens not yet in the cache: what the next forward pass must feed."""
+        return self.tokens[self.cached :]
+
+
+def validate_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """INVALID_ARGUMENT unless every id is in [0, vocab_size)."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(f"{what} contains token id {token_id}, outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,114 @@
+"""A bounded, thread-safe store of per-session state (KV caches) with idle expiry.
+
+Both model services keep one entry per generation request. The store bounds how many sessions
+exist (RESOURCE_EXHAUSTED past that), serializes work on one session, and frees sessions that
+nobody touched for `idle_timeout_s`, so a vanished client cannot leak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Iterator, TypeVar
+
+from specd_common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+State = TypeVar("State")
+MAX_SESSION_ID_LENGTH = 128
+
+
+@dataclass
+class _Entry(Generic[State]):
+    state: State
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore(Generic[State]):
+    """session id → state, at most `max_sessions`, expiring after `idle_timeout_s` without use."""
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._entries: dict[str, _Entry[State]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def create(self, session_id: str, state: State) -> None:
+        """Add a session; ALREADY_EXISTS for a live id, RESOURCE_EXHAUSTED when the store is full."""
+        validate_session_id(session_id)
+        with self._lock:
+            if session_id in self._entries:
+                raise AlreadyExists(f"session {session_id!r} already exists; use a new id or release it first")
+            if len(self._entries) >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"{len(self._entries)} sessions are open (the limit); retry later or release finished sessions"
+                )
+            self._entries[session_id] = _Entry(state, last_used=self._clock())
+
+    @contextlib.contextmanager
+    def use(self, session_id: str) -> Iterator[State]:
+        """Hold a session exclusively for one round of work; NOT_FOUND for an unknown or expired id."""
+        validate_session_id(session_id)
+        with self._lock:
+            entry = self._entries.get(session_id)
+        if entry is None:
+            raise NotFound(f"session {session_id!r} not found (never opened, released, or expired after idling)")
+        with entry.lock:
+            entry.last_used = self._clock()
+            yield entry.state
+            entry.last_used = self._clock()
+
+    def release(self, session_id: str) -> bool:
+        """Drop a session; False when it did not exist. Idempotent."""
+        validate_session_id(session_id)
+        with self._lock:
+            return self._entries.pop(session_id, None) is not None
+
+    def expire_idle(self) -> list[str]:
+        """Drop sessions idle longer than the timeout and not in use; return their ids."""
+        now = self._clock()
+        with self._lock:
+            stale = [
+                sid
+                for sid, entry in self._entries.items()
+                if now - entry.last_used > self.idle_timeout_s and not entry.lock.locked()
+            ]
+            for sid in stale:
+                del self._entries[sid]
+        if stale:
+            log.info("expired %d idle sessions", len(stale))
+        return stale
+
+    def start_reaper(self, interval_s: float | None = None) -> threading.Thread:
+        """Run expire_idle periodically in a daemon thread until close()."""
+        interval = interval_s if interval_s is not None else max(0.05, min(5.0, self.idle_timeout_s / 4))
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                self.expire_idle()
+
+        thread = threading.Thread(target=loop, name="session-reaper", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Stop the reaper and drop every session."""
+        self._stop.set()
+        with self._lock:
+            self._entries.clear()
+
+
+def validate_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+        raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters")

@@ -1,0 +1,25 @@
+"""Temperature / top-k / top-p warping of logits, the same function on the draft and the target side.
+
+The rejection rule is lossless only if p and q are warped identically, so both services call this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd_common.params import Warp
+
+def warp_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """logits [n, V] → probabilities [n, V] float32 after temperature, then top-k, then top-p."""
+    scores = logits.float() / warp.temperature  # [n, V]
+    if 0 < warp.top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if warp.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [n, V]
+        sorted_probs = sorted_scores.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, V] mass of strictly better tokens
+        drop_sorted = mass_before >= warp.top_p  # keeps the best token always
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)

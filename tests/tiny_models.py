@@ -1,0 +1,65 @@
+"""Tiny random Llama models with a real (tiny, freshly trained) tokenizer and chat template: no download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts tokens and the target verifies them in one pass",
+    "def add(a, b):\n    return a + b\n",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "hello world, how are you today? I am fine, thank you.",
+] * 20
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE (~300 tokens) trained on a fixed corpus; deterministic."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, tokenizer=None) -> Path:
+    """Save a random Llama (and the tiny tokenizer) to path; the same seed gives the same weights."""
+    tokenizer = tokenizer or build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharpen the random logits so greedy and sampled outputs vary meaningfully
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,1 @@
+"""VerifyService: the target model scores k drafted tokens plus one in a single forward pass."""

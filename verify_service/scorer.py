@@ -1,0 +1,53 @@
+"""The target side of a round: apply the commit, one forward over pending + drafted tokens, report p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specd.v1 import common_pb2
+from specd_common.distributions import encode_distribution
+from specd_common.lm import CausalLM, KVSession
+from specd_common.models import LoadedModel, describe_model
+from specd_common.params import Warp
+from specd_common.warping import warp_probs
+
+
+@dataclass
+class VerifySession:
+    """One request's target state: token sequence with KV cache, and its warping."""
+
+    sequence: KVSession
+    warp: Warp
+
+
+@dataclass
+class Scores:
+    """The target's view of k + 1 positions: argmax ids when greedy, encoded p when sampling."""
+
+    argmax_token_ids: list[int] = field(default_factory=list)  # [k + 1] (greedy)
+    target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling)
+
+
+class Scorer:
+    """Wraps the target model for many sessions."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.lm = CausalLM(loaded)
+        self._info = describe_model(loaded)
+
+    def info(self) -> common_pb2.GetModelInfoResponse:
+        return self._info
+
+    def open(self, prompt: Sequence[int], warp: Warp) -> VerifySession:
+        return VerifySession(self.lm.new_session(prompt), warp)
+
+    def score(self, session: VerifySession, draft_token_ids: Sequence[int]) -> Scores:
+        """One target forward over the pending token(s) and the drafts: k + 1 next-token positions."""
+        logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
+        if session.warp.greedy:
+            return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist())
+        probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]
+        return Scores(target_probs=[encode_distribution(row) for row in probs])

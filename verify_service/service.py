@@ -1,0 +1,59 @@
+"""The VerifyService servicer: a thin adapter from protobuf to the Scorer and back."""
+
+from __future__ import annotations
+
+import grpc
+
+from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from specd_common.errors import grpc_errors, require
+from specd_common.sequence import validate_token_ids
+from specd_common.sessions import SessionStore
+from specd_common.params import Warp
+from verify_service.scorer import Scorer, VerifySession
+
+MAX_DRAFT_TOKENS = 32
+SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
+
+
+class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
+    """Prefill / Verify / Release over a bounded session store."""
+
+    def __init__(self, scorer: Scorer, sessions: SessionStore[VerifySession]):
+        self.scorer = scorer
+        self.sessions = sessions
+        self.vocab_size = scorer.lm.vocab_size
+
+    @grpc_errors
+    def Prefill(self, request: verify_pb2.VerifyPrefillRequest, context: grpc.ServicerContext):
+        require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
+        validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
+        warp = Warp.from_proto(request.sampling)
+        session = self.scorer.open(list(request.prompt_token_ids), warp)
+        self.sessions.create(request.session_id, session)
+        return verify_pb2.VerifyPrefillResponse(sequence_length=len(session.sequence.tokens))
+
+    @grpc_errors
+    def Verify(self, request: verify_pb2.VerifyRequest, context: grpc.ServicerContext):
+        drafts = list(request.draft_token_ids)
+        require(len(drafts) <= MAX_DRAFT_TOKENS, f"at most {MAX_DRAFT_TOKENS} draft tokens, got {len(drafts)}")
+        validate_token_ids(drafts, self.vocab_size, "draft_token_ids")
+        validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
+        with self.sessions.use(request.session_id) as session:
+            session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            length = len(session.sequence.tokens)
+            scores = self.scorer.score(session, drafts)
+        return verify_pb2.VerifyResponse(
+            argmax_token_ids=scores.argmax_token_ids, target_probs=scores.target_probs, sequence_length=length
+        )
+
+    @grpc_errors
+    def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):
+        return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
+
+    @grpc_errors
+    def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):
+        return self.scorer.info()
+
+
+def add_to_server(servicer: VerifyServicer, server: grpc.Server) -> None:
+    verify_pb2_grpc.add_VerifyServiceServicer_to_server(servicer, server)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
 from specd_common.config import ServerConfig
@@ -20,10 +22,10 @@ def make_drafter(kind: str, model: str = "", device: str = "auto", dtype: str = 
     raise ValueError(f"unknown drafter {kind!r}; use 'model' or 'ngram'")
 
 
-def start_draft_server(drafter: Drafter, config: ServerConfig) -> RunningServer:
+def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
+    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers, interceptors)
     running.servicer = servicer
     return running

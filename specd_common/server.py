@@ -49,9 +49,12 @@ def start_server(
     host: str,
     port: int,
     max_workers: int = 32,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> RunningServer:
     """Start a server with the given servicers plus grpc.health.v1 and reflection; port 0 picks a free one."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=list(interceptors)
+    )
     add_servicers(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -54,12 +54,24 @@ def build_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, tokeni
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharpen the random logits so greedy and sampled outputs vary meaningfully
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(3.0)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_noisy_copy(source: Path, path: Path, noise: float, seed: int = 7) -> Path:
+    """A draft that agrees with `source` only partly: its output head plus Gaussian noise (noise × std)."""
+    model = LlamaForCausalLM.from_pretrained(source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=generator) * head.std() * noise)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(path)
     return path

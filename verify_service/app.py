@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
 from specd_common.server import RunningServer, start_server
@@ -10,10 +12,10 @@ from verify_service.scorer import Scorer
 from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 
 
-def start_verify_server(loaded: LoadedModel, config: ServerConfig) -> RunningServer:
+def start_verify_server(loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = VerifyServicer(Scorer(loaded), sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
+    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers, interceptors)
     running.servicer = servicer
     return running

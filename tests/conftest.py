@@ -1,0 +1,126 @@
+"""Shared fixtures: tiny random models (built once per run) and an in-process three-service cluster."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import grpc
+import pytest
+
+from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@dataclass
+class TinyModels:
+    target: Path
+    draft_same: Path  # identical weights: greedy drafts are always accepted
+    draft_noisy: Path  # noisy output head: partial agreement
+    draft_other: Path  # unrelated random weights
+    other_vocab: Path  # a different tokenizer: must be refused
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    target = build_model(root / "target", seed=0, tokenizer=tokenizer)
+    from transformers import PreTrainedTokenizerFast
+
+    other_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>")
+    other_tokenizer.add_tokens(["<extra_a>", "<extra_b>"])
+    return TinyModels(
+        target=target,
+        draft_same=build_model(root / "draft_same", seed=0, tokenizer=tokenizer),
+        draft_noisy=build_noisy_copy(target, root / "draft_noisy", noise=0.6),
+        draft_other=build_model(root / "draft_other", seed=1, layers=1, tokenizer=tokenizer),
+        other_vocab=build_model(root / "other_vocab", seed=2, layers=1, tokenizer=other_tokenizer),
+    )
+
+
+class CallCounter(grpc.ServerInterceptor):
+    """Counts RPCs by method name: proves a round costs one Propose and one Verify."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, handler_call_details):
+        with self._lock:
+            self.counts[handler_call_details.method.rsplit("/", 1)[-1]] += 1
+        return continuation(handler_call_details)
+
+
+@dataclass
+class Cluster:
+    """Verify, draft and gateway servers on 127.0.0.1 with ports picked by the OS."""
+
+    verify: object
+    draft: Optional[object]
+    gateway: object
+    calls: CallCounter = field(default_factory=CallCounter)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def stub(self):
+        from specd.v1 import generate_pb2_grpc
+
+        return generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(self.address))
+
+    def open_sessions(self) -> dict[str, int]:
+        counts = {"verify": len(self.verify.servicer.sessions)}
+        if self.draft is not None:
+            counts["draft"] = len(self.draft.servicer.sessions)
+        return counts
+
+    def stop(self) -> None:
+        for server in (self.gateway, self.draft, self.verify):
+            if server is not None:
+                server.stop(0)
+
+
+def start_cluster(
+    target: Path,
+    drafter: str = "model",
+    draft_model: Optional[Path] = None,
+    max_sessions: int = 16,
+    idle_timeout_s: float = 300.0,
+    num_draft_tokens: int = 3,
+) -> Cluster:
+    """Start the three services in this process (real gRPC over loopback sockets)."""
+    from draft_service.app import make_drafter, start_draft_server
+    from gateway.app import start_gateway_server
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
+    calls = CallCounter()
+    config = ServerConfig(port=0, max_sessions=max_sessions, session_idle_timeout_s=idle_timeout_s)
+    verify = start_verify_server(load_causal_lm(str(target)), config, interceptors=[calls])
+    draft = None
+    if drafter:
+        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), config, interceptors=[calls])
+    gateway = start_gateway_server(
+        f"127.0.0.1:{verify.port}",
+        f"127.0.0.1:{draft.port}" if draft else None,
+        config,
+        num_draft_tokens=num_draft_tokens,
+        connect_timeout_s=30,
+    )
+    return Cluster(verify, draft, gateway, calls)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: TinyModels) -> Iterator[Cluster]:
+    """Target + a partly-agreeing model draft."""
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy)
+    yield running
+    running.stop()

@@ -1,0 +1,137 @@
+"""The accept/reject/correct rule: exact cases, and chi-square proof that sampling is lossless.
+
+Significance: each chi-square test rejects at p < 0.001 with fixed seeds, so a correct sampler
+fails a given test with probability 1e-3 if the seeds were redrawn; with fixed seeds it is deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gateway.rejection import expected_tokens_per_pass, greedy_verify, recovered_token, rejection_sample
+from specd_common.params import Warp
+from specd_common.warping import warp_probs
+
+SIGNIFICANCE = 1e-3
+
+
+def test_greedy_accepts_matching_prefix_and_corrects_first_miss():
+    outcome = greedy_verify([5, 6, 7], [5, 6, 9, 4])
+    assert (outcome.accepted, outcome.next_token, outcome.bonus) == (2, 9, False)
+    assert outcome.emitted([5, 6, 7]) == [5, 6, 9]
+
+
+def test_greedy_all_accepted_takes_bonus():
+    outcome = greedy_verify([5, 6], [5, 6, 8])
+    assert (outcome.accepted, outcome.next_token, outcome.bonus) == (2, 8, True)
+
+
+def test_greedy_without_drafts_is_plain_decoding():
+    assert greedy_verify([], [3]).emitted([]) == [3]
+
+
+def test_identical_distributions_always_accept():
+    p = np.array([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        outcome = rejection_sample([1, 2], p[:2], p, rng)
+        assert outcome.accepted == 2 and outcome.bonus and outcome.next_token == 0
+
+
+def test_draft_token_impossible_under_target_is_always_rejected():
+    q = np.array([[0.0, 1.0, 0.0]])
+    p = np.array([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0]])
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        outcome = rejection_sample([1], q, p, rng)
+        assert outcome.accepted == 0 and outcome.next_token in (0, 2)
+
+
+def test_recovered_token_comes_from_the_residual():
+    p, q = np.array([0.5, 0.5, 0.0]), np.array([0.9, 0.1, 0.0])
+    draws = {recovered_token(p, q, np.random.default_rng(s)) for s in range(50)}
+    assert draws == {1}  # max(0, p - q) is zero everywhere but token 1
+
+
+def test_expected_tokens_per_pass():
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+
+
+def chi_square_p_value(samples: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Goodness of fit of integer samples to probs, pooling bins with small expected counts."""
+    n = samples.size
+    probs = probs / probs.sum()
+    observed = np.bincount(samples, minlength=probs.size).astype(float)
+    expected = probs * n
+    big = expected >= min_expected
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert observed[probs == 0].sum() == 0, "sampled a token the target gives zero probability"
+    return stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+def speculative_first_tokens(p_logits, q_logits, warp: Warp, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run n rounds of draft-then-verify on fixed toy logits; return the first emitted token of each,
+    and the target's warped distribution for that position."""
+    p = warp_probs(torch.as_tensor(p_logits), warp).double().numpy()  # [k + 1, V]
+    q = warp_probs(torch.as_tensor(q_logits), warp).double().numpy()  # [k, V]
+    rng = np.random.default_rng(seed)
+    firsts = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        drafts = [int(rng.choice(q.shape[1], p=q[j] / q[j].sum())) for j in range(k)]
+        outcome = rejection_sample(drafts, q, p, rng)
+        firsts[i] = outcome.emitted(drafts)[0]
+    return firsts, p[0]
+
+
+@pytest.mark.parametrize(
+    "warp",
+    [Warp(temperature=1.0), Warp(temperature=0.7), Warp(temperature=1.3, top_k=5), Warp(temperature=1.0, top_p=0.8)],
+    ids=["t1", "t0.7", "t1.3-topk5", "t1-topp0.8"],
+)
+def test_sampling_follows_target_distribution_on_toy_logits(warp: Warp):
+    generator = torch.Generator().manual_seed(0)
+    vocab = 12
+    p_logits = torch.randn(3, vocab, generator=generator) * 1.5
+    q_logits = p_logits[:2] + torch.randn(2, vocab, generator=generator)  # a draft that is close but wrong
+    firsts, p0 = speculative_first_tokens(p_logits, q_logits, warp, k=2, n=20_000, seed=1)
+    assert chi_square_p_value(firsts, p0) > SIGNIFICANCE
+
+
+def test_tokens_after_an_accepted_draft_follow_the_target():
+    """Second position: when x1 is accepted, t1 ~ norm(min(p1, q1)) and t2 ~ p2 (toy rows do not depend on t1)."""
+    p = np.array([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])  # [k + 1, V]
+    q = np.array([[0.2, 0.2, 0.6], [0.6, 0.2, 0.2]])  # [k, V]
+    rng = np.random.default_rng(3)
+    firsts, seconds = [], []
+    for _ in range(30_000):
+        drafts = [int(rng.choice(3, p=q[0])), int(rng.choice(3, p=q[1]))]
+        outcome = rejection_sample(drafts, q, p, rng)
+        if outcome.accepted >= 1:
+            emitted = outcome.emitted(drafts)
+            firsts.append(emitted[0])
+            seconds.append(emitted[1])
+    assert len(seconds) > 1000
+    assert chi_square_p_value(np.array(seconds), p[1]) > SIGNIFICANCE
+    assert chi_square_p_value(np.array(firsts), np.minimum(p[0], q[0])) > SIGNIFICANCE
+
+
+def test_a_sampler_that_ignores_the_residual_is_caught():
+    """The test has teeth: correcting from p instead of max(0, p - q) biases the output and is detected."""
+    p = np.array([[0.5, 0.3, 0.2], [0.3, 0.3, 0.4]])
+    q = np.array([[0.1, 0.1, 0.8]])
+    rng = np.random.default_rng(5)
+    firsts = []
+    for _ in range(20_000):
+        draft = int(rng.choice(3, p=q[0]))
+        if rng.random() < min(1.0, p[0][draft] / q[0][draft]):
+            firsts.append(draft)
+        else:
+            firsts.append(int(rng.choice(3, p=p[0])))  # the bug
+    assert chi_square_p_value(np.array(firsts), p[0]) < SIGNIFICANCE

@@ -1,0 +1,274 @@
+"""The three services in-process over real gRPC sockets, with tiny random models (no download)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verify_pb2, verify_pb2_grpc
+from specd_common.errors import FailedPrecondition
+from tests.conftest import start_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["hello world", "the quick brown fox", "def add(a, b):", "Natalia sold clips to 48 of her friends"]
+
+
+def generate(stub, **fields) -> generate_pb2.GenerateResponse:
+    return stub.Generate(generate_pb2.GenerateRequest(**fields), timeout=60)
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def wait_for_no_sessions(cluster, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(cluster.open_sessions().values()):
+            break
+        time.sleep(0.05)
+    return cluster.open_sessions()
+
+
+# --- exactness --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculation_equals_target_only_and_transformers(cluster, tiny, prompt):
+    stub = cluster.stub()
+    speculative = generate(stub, text=prompt, max_new_tokens=40)
+    target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+    assert list(speculative.token_ids) == list(target_only.token_ids)
+    assert speculative.text == target_only.text
+    expected = hf_greedy(tiny.target, list(speculative.prompt_token_ids), 40)
+    assert list(speculative.token_ids) == expected
+    assert speculative.stats.draft_tokens > 0 and target_only.stats.draft_tokens == 0
+    assert target_only.stats.target_passes == len(target_only.token_ids)
+    assert speculative.stats.target_passes < len(speculative.token_ids)  # speculation saved passes
+
+
+def test_identical_draft_is_always_accepted(tiny):
+    running = start_cluster(tiny.target, "model", tiny.draft_same, num_draft_tokens=4)
+    try:
+        reply = generate(running.stub(), text="hello world", max_new_tokens=25)
+        assert reply.stats.accepted_tokens == reply.stats.draft_tokens
+        assert reply.stats.target_passes == 5  # 5 tokens a pass: 4 drafts + the bonus
+    finally:
+        running.stop()
+
+
+def test_ngram_drafter_is_exact_too(tiny):
+    running = start_cluster(tiny.target, "ngram")
+    try:
+        stub = running.stub()
+        prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox"
+        speculative = generate(stub, text=prompt, raw=True, max_new_tokens=30)
+        target_only = generate(stub, text=prompt, raw=True, max_new_tokens=30, disable_speculation=True)
+        assert list(speculative.token_ids) == list(target_only.token_ids)
+        assert speculative.stats.draft_tokens > 0
+    finally:
+        running.stop()
+
+
+def test_same_seed_same_sample_and_seeds_matter(cluster):
+    stub = cluster.stub()
+    sampling = common_pb2.SamplingParams(temperature=1.0, top_p=0.95)
+    first = generate(stub, text="hello world", max_new_tokens=20, sampling=sampling, seed=11)
+    again = generate(stub, text="hello world", max_new_tokens=20, sampling=sampling, seed=11)
+    others = {tuple(generate(stub, text="hello world", max_new_tokens=20, sampling=sampling, seed=s).token_ids) for s in range(3)}
+    assert list(first.token_ids) == list(again.token_ids)
+    assert len(others) > 1
+
+
+def test_stream_matches_unary_and_reports_at_the_end(cluster):
+    stub = cluster.stub()
+    request = generate_pb2.GenerateRequest(text="the quick brown fox", max_new_tokens=24)
+    messages = list(stub.GenerateStream(request, timeout=60))
+    unary = stub.Generate(request, timeout=60)
+    assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
+    assert "".join(m.text for m in messages) == unary.text
+    assert list(messages[0].prompt_token_ids) == list(unary.prompt_token_ids)
+    assert messages[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == 24 and messages[-1].stats.target_passes > 0
+    assert all(m.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+
+
+def test_stop_string_cuts_the_text(cluster):
+    stub = cluster.stub()
+    full = generate(stub, text="hello world", max_new_tokens=40)
+    stop = full.text[10:13]
+    assert len(stop) == 3
+    cut = generate(stub, text="hello world", max_new_tokens=40, stop=[stop])
+    assert cut.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_prompt_forms_agree(cluster):
+    stub = cluster.stub()
+    as_text = generate(stub, text="hello world", max_new_tokens=5)
+    as_messages = generate(
+        stub,
+        messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="hello world")]),
+        max_new_tokens=5,
+    )
+    as_ids = generate(stub, token_ids=generate_pb2.TokenIds(ids=as_text.prompt_token_ids), max_new_tokens=5)
+    assert as_text.prompt_token_ids == as_messages.prompt_token_ids == as_ids.prompt_token_ids
+    assert as_text.token_ids == as_messages.token_ids == as_ids.token_ids
+    raw = generate(stub, text="hello world", raw=True, max_new_tokens=5)
+    assert len(raw.prompt_token_ids) < len(as_text.prompt_token_ids)
+
+
+def test_gateway_chat_template_matches_transformers(cluster, tiny):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.target)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert cluster.gateway.servicer.backends.tokenizer.encode_chat(messages) == list(expected)
+
+
+# --- one RPC per service per round ------------------------------------------------------------------
+def test_each_round_costs_one_propose_and_one_verify(tiny):
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy)
+    try:
+        running.calls.counts.clear()
+        reply = generate(running.stub(), text="hello world", max_new_tokens=30)
+        counts = running.calls.counts
+        passes = reply.stats.target_passes
+        assert counts["Verify"] == passes
+        # every round drafts except a last round with a single token left (k = 0 saves the draft call)
+        assert counts["Propose"] in (passes, passes - 1)
+        assert counts["Prefill"] == 2 and counts["Release"] == 2
+    finally:
+        running.stop()
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+BAD_REQUESTS = {
+    "no prompt": dict(max_new_tokens=5),
+    "empty text": dict(text=""),
+    "negative max_new_tokens": dict(text="hi", max_new_tokens=-1),
+    "huge max_new_tokens": dict(text="hi", max_new_tokens=10**6),
+    "negative temperature": dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)),
+    "top_p above one": dict(text="hi", sampling=common_pb2.SamplingParams(temperature=1, top_p=2)),
+    "negative top_k": dict(text="hi", sampling=common_pb2.SamplingParams(top_k=-5)),
+    "too many drafts": dict(text="hi", num_draft_tokens=99),
+    "token id out of vocabulary": dict(token_ids=generate_pb2.TokenIds(ids=[1, 10**6])),
+    "negative token id": dict(token_ids=generate_pb2.TokenIds(ids=[-3])),
+    "empty token ids": dict(token_ids=generate_pb2.TokenIds(ids=[])),
+    "unknown role": dict(messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="robot", content="x")])),
+    "no messages": dict(messages=generate_pb2.ChatMessages()),
+    "too many stop strings": dict(text="hi", stop=["x"] * 17),
+    "empty stop string": dict(text="hi", stop=[""]),
+    "prompt longer than the context": dict(token_ids=generate_pb2.TokenIds(ids=[5] * 600)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_requests_get_invalid_argument_and_leak_nothing(cluster, name):
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(cluster.stub(), **BAD_REQUESTS[name])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert len(caught.value.details()) > 10
+    assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
+
+
+def test_model_services_validate_their_own_input(cluster):
+    verify = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{cluster.verify.port}"))
+    draft = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{cluster.draft.port}"))
+
+    def code_of(call, request):
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request, timeout=10)
+        return caught.value.code()
+
+    commit = common_pb2.Commit(prefix_length=1)
+    assert code_of(verify.Verify, verify_pb2.VerifyRequest(session_id="nope", commit=commit)) == grpc.StatusCode.NOT_FOUND
+    assert code_of(draft.Propose, draft_pb2.ProposeRequest(session_id="nope", commit=commit, num_draft_tokens=2)) == grpc.StatusCode.NOT_FOUND
+    assert code_of(verify.Verify, verify_pb2.VerifyRequest(session_id="", commit=commit)) == grpc.StatusCode.INVALID_ARGUMENT
+    verify.Prefill(verify_pb2.VerifyPrefillRequest(session_id="s1", prompt_token_ids=[1, 2, 3]), timeout=10)
+    try:
+        duplicate = verify_pb2.VerifyPrefillRequest(session_id="s1", prompt_token_ids=[1])
+        assert code_of(verify.Prefill, duplicate) == grpc.StatusCode.ALREADY_EXISTS
+        too_far = verify_pb2.VerifyRequest(session_id="s1", commit=common_pb2.Commit(prefix_length=9))
+        assert code_of(verify.Verify, too_far) == grpc.StatusCode.INVALID_ARGUMENT
+        bad_draft = verify_pb2.VerifyRequest(session_id="s1", commit=commit, draft_token_ids=[10**6])
+        assert code_of(verify.Verify, bad_draft) == grpc.StatusCode.INVALID_ARGUMENT
+        zero_k = draft_pb2.ProposeRequest(session_id="s1", commit=commit, num_draft_tokens=0)
+        assert code_of(draft.Propose, zero_k) == grpc.StatusCode.INVALID_ARGUMENT
+        # a retried Verify with the same commit gives the same answer (idempotent KV sync)
+        again = verify_pb2.VerifyRequest(session_id="s1", commit=common_pb2.Commit(prefix_length=3), draft_token_ids=[4, 5])
+        assert verify.Verify(again, timeout=10) == verify.Verify(again, timeout=10)
+    finally:
+        verify.Release(common_pb2.ReleaseRequest(session_id="s1"), timeout=10)
+
+
+def test_full_services_answer_resource_exhausted(tiny):
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy, max_sessions=1)
+    try:
+        stub = running.stub()
+        holder = stub.GenerateStream(generate_pb2.GenerateRequest(text="hello", max_new_tokens=400), timeout=60)
+        next(holder)  # the only session is now taken
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(stub, text="hello", max_new_tokens=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        holder.cancel()
+        assert wait_for_no_sessions(running) == {"verify": 0, "draft": 0}
+        assert len(generate(stub, text="hello", max_new_tokens=5).token_ids) == 5  # capacity is back
+    finally:
+        running.stop()
+
+
+def test_client_disconnect_mid_stream_frees_both_sessions(cluster):
+    stream = cluster.stub().GenerateStream(generate_pb2.GenerateRequest(text="hello", max_new_tokens=400), timeout=60)
+    next(stream)
+    assert cluster.open_sessions() == {"verify": 1, "draft": 1}
+    stream.cancel()
+    assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
+
+
+def test_idle_sessions_expire_on_both_services(tiny):
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy, idle_timeout_s=0.3)
+    try:
+        verify = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.verify.port}"))
+        verify.Prefill(verify_pb2.VerifyPrefillRequest(session_id="abandoned", prompt_token_ids=[1, 2]), timeout=10)
+        assert running.open_sessions()["verify"] == 1
+        assert wait_for_no_sessions(running, timeout_s=5) == {"verify": 0, "draft": 0}
+    finally:
+        running.stop()
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny):
+    with pytest.raises(FailedPrecondition, match="different vocabularies"):
+        start_cluster(tiny.target, "model", tiny.other_vocab).stop()
+
+
+# --- build hygiene -------------------------------------------------------------------------------------
+def test_committed_stubs_are_fresh(tmp_path):
+    protos = sorted((REPO / "protos/specd/v1").glob("*.proto"))
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(REPO / "protos"), f"--python_out={tmp_path}",
+         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *map(str, protos)],
+        check=True,
+    )
+    generated = sorted(p for p in (tmp_path / "specd/v1").iterdir() if p.suffix in (".py", ".pyi"))
+    assert generated, "protoc produced nothing"
+    for fresh in generated:
+        committed = REPO / "protos/specd/v1" / fresh.name
+        assert committed.exists() and committed.read_text() == fresh.read_text(), f"{fresh.name} is stale: run `make protos`"
+
+
+def test_gateway_does_not_import_torch():
+    code = (
+        "import sys, gateway.app, gateway.service, gateway.engine, gateway.tokenizer;"
+        "assert 'torch' not in sys.modules, 'torch imported'; assert 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

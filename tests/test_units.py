@@ -1,0 +1,168 @@
+"""Small pure pieces: n-gram lookup, KV-sync commits, wire distributions, warping, text stream, session store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.ngram import prompt_lookup
+from gateway.engine import ServiceSync
+from gateway.text import TextStream
+from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
+from specd_common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specd_common.params import Warp
+from specd_common.sequence import TokenSequence
+from specd_common.sessions import SessionStore
+from specd_common.warping import warp_probs
+
+
+# --- n-gram prompt lookup ---------------------------------------------------------------------
+def test_prompt_lookup_continues_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert prompt_lookup(tokens, k=2) == [7, 8]  # the latest earlier "1 2 3" is followed by 7 8
+
+
+def test_prompt_lookup_falls_back_to_shorter_ngrams_and_to_nothing():
+    assert prompt_lookup([4, 5, 6, 5], k=3) == [6, 5]
+    assert prompt_lookup([1, 2, 3], k=3) == []
+    assert prompt_lookup([7], k=3) == []
+
+
+# --- KV sync ------------------------------------------------------------------------------------
+def test_commit_rolls_back_speculation_and_is_idempotent():
+    cropped = []
+    sequence = TokenSequence(tokens=[1, 2, 3, 10, 11, 12], max_length=100, cached=6, on_crop=cropped.append)
+    sequence.apply_commit(4, [20])  # keep the prompt + 1 accepted draft, append the correction
+    assert sequence.tokens == [1, 2, 3, 10, 20] and sequence.cached == 4 and cropped == [2]
+    sequence.apply_commit(4, [20])  # a retried RPC
+    assert sequence.tokens == [1, 2, 3, 10, 20] and sequence.cached == 4 and cropped == [2]
+    assert sequence.pending() == [20]
+
+
+def test_commit_keeps_one_token_pending_when_everything_was_accepted():
+    sequence = TokenSequence(tokens=[1, 2, 3], max_length=100, cached=3, on_crop=lambda n: None)
+    sequence.apply_commit(3, [])
+    assert sequence.pending() == [3]
+
+
+@pytest.mark.parametrize("prefix", [0, 7, -1])
+def test_commit_outside_the_sequence_is_refused(prefix):
+    with pytest.raises(InvalidArgument, match="prefix_length"):
+        TokenSequence(tokens=[1, 2, 3], max_length=100).apply_commit(prefix, [])
+
+
+def test_commit_past_the_model_limit_is_refused():
+    with pytest.raises(InvalidArgument, match="limit"):
+        TokenSequence(tokens=[1, 2, 3], max_length=4).apply_commit(3, [4, 5])
+
+
+def test_service_sync_sends_what_the_service_has_not_seen():
+    sync = ServiceSync(agreed=3)
+    commit = sync.commit([1, 2, 3, 4, 5])
+    assert commit.prefix_length == 3 and list(commit.append_token_ids) == [4, 5]
+
+
+# --- distributions on the wire -------------------------------------------------------------------
+def test_dense_distribution_round_trips_within_float16():
+    probs = np.random.default_rng(0).dirichlet(np.ones(1000)).astype(np.float32)
+    message = encode_distribution(probs)
+    assert not message.token_ids and len(message.probs) == 2000
+    np.testing.assert_allclose(decode_distribution(message), probs, rtol=2e-3, atol=1e-7)
+
+
+def test_sparse_distribution_is_exact_and_small():
+    probs = np.zeros(5000, dtype=np.float32)
+    probs[[3, 77, 4000]] = [0.5, 0.25, 0.25]
+    message = encode_distribution(probs)
+    assert list(message.token_ids) == [3, 77, 4000]
+    np.testing.assert_array_equal(decode_distribution(message), probs)
+
+
+def test_one_hot_takes_the_receivers_vocabulary():
+    dense = decode_distribution(one_hot(4), vocab_size=10)
+    assert dense.shape == (10,) and dense[4] == 1.0
+
+
+def test_malformed_distribution_is_invalid_argument():
+    message = encode_distribution(np.full(8, 0.125, dtype=np.float32))
+    message.vocab_size = 9
+    with pytest.raises(InvalidArgument):
+        decode_distribution(message)
+
+
+def test_sample_from_respects_zeros():
+    probs = np.array([0.0, 0.3, 0.0, 0.7])
+    rng = np.random.default_rng(0)
+    assert {sample_from(probs, rng) for _ in range(200)} == {1, 3}
+
+
+# --- warping ------------------------------------------------------------------------------------
+def test_top_k_keeps_k_tokens():
+    probs = warp_probs(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), Warp(temperature=1.0, top_k=2))
+    assert (probs[0] > 0).tolist() == [False, True, True, False]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = warp_probs(logits, Warp(temperature=1.0, top_p=0.75))
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
+    torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[0.0, 1.0]])
+    assert warp_probs(logits, Warp(temperature=0.5))[0, 1] > warp_probs(logits, Warp(temperature=1.0))[0, 1]
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(temperature=-1), dict(temperature=1e9), dict(top_k=-3), dict(top_p=1.5), dict(top_p=-0.1)]
+)
+def test_bad_sampling_params_are_refused(fields):
+    from specd.v1 import common_pb2
+
+    with pytest.raises(InvalidArgument):
+        Warp.from_proto(common_pb2.SamplingParams(**fields))
+
+
+# --- text stream --------------------------------------------------------------------------------
+def _decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_cuts_before_a_stop_string_across_rounds():
+    stream = TextStream(_decode, stop=["END"])
+    first = stream.push([ord(c) for c in "hello E"])
+    assert first.text == "hello" and not first.stopped  # the last len("END") - 1 characters wait
+    second = stream.push([ord(c) for c in "ND more"])
+    assert second.stopped and first.text + second.text == "hello " and stream.text == "hello "
+
+
+def test_text_stream_holds_back_incomplete_characters():
+    stream = TextStream(lambda ids: "ab\ufffd" if len(ids) == 1 else "ab€")
+    assert stream.push([1]).text == "ab"
+    assert stream.push([2]).text == "€"
+
+
+# --- session store ------------------------------------------------------------------------------
+def test_session_store_bounds_and_errors():
+    store = SessionStore(max_sessions=1, idle_timeout_s=10)
+    store.create("a", 1)
+    with pytest.raises(AlreadyExists):
+        store.create("a", 2)
+    with pytest.raises(ResourceExhausted):
+        store.create("b", 2)
+    with pytest.raises(NotFound):
+        with store.use("b"):
+            pass
+    assert store.release("a") and not store.release("a")
+
+
+def test_idle_sessions_expire():
+    now = [0.0]
+    store = SessionStore(max_sessions=4, idle_timeout_s=5, clock=lambda: now[0])
+    store.create("old", 1)
+    now[0] = 3.0
+    store.create("new", 2)
+    now[0] = 6.0
+    assert store.expire_idle() == ["old"] and len(store) == 1

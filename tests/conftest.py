@@ -124,3 +124,11 @@ def cluster(tiny: TinyModels) -> Iterator[Cluster]:
     running = start_cluster(tiny.target, "model", tiny.draft_noisy)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    """The real embedded default target (SmolLM2-135M-Instruct), loaded once in this process."""
+    from specd_common.models import DEFAULT_TARGET, load_causal_lm
+
+    return load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32")

@@ -36,8 +36,11 @@ test-slow: setup  ## long tests (soak) and everything else
 protos:  ## regenerate the Python stubs next to the .proto files
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
 
-bench: setup  ## see issue "Performance"
-	$(SPECD) bench --prompts ../shared/data/seed_tasks.jsonl --limit 8
+BENCH_DATA ?= ../shared/data
+bench: setup  ## target-only vs specd vs transformers on the first 4 prompts of each task kind; writes docs/benchmarks/results.json
+	mkdir -p docs/benchmarks
+	$(SPECD) bench --prompts $(BENCH_DATA)/gsm8k_train.jsonl $(BENCH_DATA)/humaneval.jsonl $(BENCH_DATA)/seed_tasks.jsonl \
+		--limit 4 --max-new-tokens 64 --output docs/benchmarks/results.json
 
 deploy-check:  ## render and validate the Kubernetes manifests offline
 	@test -x deploy/check.sh && deploy/check.sh || (echo "deploy/check.sh not present yet" && exit 1)

@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
     up.set_defaults(func=run_up)
 
+    bench = commands.add_parser("bench", help="compare target-only, specd and transformers on a prompt file")
+    bench.add_argument("--prompts", required=True, nargs="+", help="JSONL files, a prompt (and category) a line")
+    bench.add_argument("--limit", type=int, default=8, help="first N prompts of each file")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--num-draft-tokens", type=int, default=3)
+    bench.add_argument("--gateway", default="", help="a running gateway; default: start `specd up` on free ports")
+    bench.add_argument("--target", default=DEFAULT_TARGET, help="target for the in-process transformers modes")
+    bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
+    bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    bench.add_argument("--output", default="", help="also write the JSON report to this file")
+    bench.set_defaults(func=run_bench)
+
     generate = commands.add_parser("generate", help="send one request to a gateway")
     add_flag(generate, "gateway", f"127.0.0.1:{DEFAULT_PORTS['gateway']}", "gateway HOST:PORT")
     generate.add_argument("--prompt", required=True, help="prompt text (through the chat template)")
@@ -139,22 +151,10 @@ def run_up(args: argparse.Namespace) -> int:
     """Start the three services as child processes, wait until the gateway is healthy, optionally demo."""
     if args.drafter == "model" and not args.draft_model:
         raise SystemExit("--drafter model needs --draft-model")
-    specd = [sys.executable, "-m", "specd_common.cli", "serve"]
-    common = ["--host", args.host]
-    threads = ["--threads", str(args.threads)]
-    commands = {
-        "verify": specd + ["verify", *common, "--port", str(args.verify_port), "--model", args.target, *threads],
-        "draft": specd
-        + ["draft", *common, "--port", str(args.draft_port), "--drafter", args.drafter, "--model", args.draft_model, *threads],
-        "gateway": specd
-        + [
-            "gateway", *common, "--port", str(args.gateway_port),
-            "--verify-address", f"{args.host}:{args.verify_port}",
-            "--draft-address", f"{args.host}:{args.draft_port}",
-            "--num-draft-tokens", str(args.num_draft_tokens),
-        ],
-    }
-    children = {name: subprocess.Popen(command) for name, command in commands.items()}
+    ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port}
+    children = spawn_services(
+        args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens
+    )
     gateway_address = f"{args.host}:{args.gateway_port}"
     stop = {"requested": False}
 
@@ -168,7 +168,8 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         log.info("specd is up: gateway %s (draft %s:%d, verify %s:%d)", gateway_address, args.host, args.draft_port, args.host, args.verify_port)
         if args.demo:
-            run_generate(build_parser().parse_args(["generate", "--gateway", gateway_address, "--prompt", args.demo, "--json"]))
+            log.info("demo prompt: %s", args.demo)
+            run_generate(build_parser().parse_args(["generate", "--gateway", gateway_address, "--prompt", args.demo]))
             if args.exit_after_demo:
                 return 0
         log.info("serving until Ctrl-C")
@@ -185,6 +186,26 @@ def run_up(args: argparse.Namespace) -> int:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def spawn_services(
+    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
+) -> dict:
+    """verify, draft and gateway as child processes (`specd serve ...`); returns name → Popen."""
+    serve = [sys.executable, "-m", "specd_common.cli", "serve"]
+    common = ["--host", host, "--threads", str(threads)]
+    commands = {
+        "verify": serve + ["verify", *common, "--port", str(ports["verify"]), "--model", target],
+        "draft": serve + ["draft", *common, "--port", str(ports["draft"]), "--drafter", drafter, "--model", draft_model],
+        "gateway": serve
+        + [
+            "gateway", "--host", host, "--port", str(ports["gateway"]),
+            "--verify-address", f"{host}:{ports['verify']}",
+            "--draft-address", f"{host}:{ports['draft']}",
+            "--num-draft-tokens", str(num_draft_tokens),
+        ],
+    }
+    return {name: subprocess.Popen(command) for name, command in commands.items()}
 
 
 def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: float = 900.0) -> bool:
@@ -208,6 +229,52 @@ def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: floa
                 pass
             time.sleep(0.5)
     return False
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from specd_common import bench
+
+    rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
+    children: dict = {}
+    address = args.gateway
+    if not address:
+        address, children = start_local_stack(args.target, args.num_draft_tokens)
+    try:
+        results = {}
+        for mode, speculate in (("target_only", False), ("specd", True)):
+            log.info("bench: %s on %d prompts", mode, len(rows))
+            results[mode] = bench.run_service_mode(address, rows, args.max_new_tokens, speculate, args.num_draft_tokens)
+    finally:
+        for child in children.values():
+            child.send_signal(signal.SIGTERM)
+            child.wait(timeout=60)
+    if not args.no_hf:
+        for mode, lookup in (("hf_target", None), ("hf_assisted", args.num_draft_tokens)):
+            log.info("bench: %s on %d prompts", mode, len(rows))
+            results[mode] = bench.run_hf_mode(args.target, rows, args.max_new_tokens, lookup)
+    report = bench.report(results, args.num_draft_tokens)
+    report["settings"] = {"prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    if args.output:
+        with open(args.output, "w") as out:
+            json.dump(report, out, indent=2)
+    print(json.dumps(report, indent=2) if args.json else bench.markdown_table(report))
+    return 0
+
+
+def start_local_stack(target: str, num_draft_tokens: int) -> tuple[str, dict]:
+    """The three services as child processes on free ports; returns the gateway address and the children."""
+    import socket
+
+    ports = []
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    children = spawn_services("127.0.0.1", dict(zip(("gateway", "draft", "verify"), ports)), target, "ngram", "", 0, num_draft_tokens)
+    address = f"127.0.0.1:{ports[0]}"
+    if not wait_until_serving(address, children, {"requested": False}):
+        raise SystemExit("the local stack did not start; see the log above")
+    return address, children
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 
-from specd_stack import REPO, ensure_node_modules
+from tests.specd_stack import REPO, ensure_node_modules
 
 
 def test_buf_lint_passes_on_protos():

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from specd_stack import REPO, repo_env, require_tool
+from tests.specd_stack import REPO, repo_env, require_tool
 
 CHECK = REPO / "deploy" / "check.sh"
 

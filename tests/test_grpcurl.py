@@ -10,8 +10,8 @@ import json
 import subprocess
 
 import pytest
-from specd_stack import SERVICES, grpcurl_path, specd_up
-from tiny_models import build_model
+from tests.specd_stack import SERVICES, grpcurl_path, specd_up
+from tests.tiny_models import build_model
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import json
 import subprocess
 
 import pytest
-from specd_stack import NODE_CLIENT, ensure_node_modules, require_tool, specd_up
-from tiny_models import build_model
+from tests.specd_stack import NODE_CLIENT, ensure_node_modules, require_tool, specd_up
+from tests.tiny_models import build_model
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
-.PHONY: setup run demo test test-slow protos check-protos bench deploy-check clean
+.PHONY: setup run demo test test-slow protos check-protos bench deploy-check clients lint-protos clean
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -42,8 +42,14 @@ bench: setup  ## target-only vs specd vs transformers on the first 4 prompts of 
 	$(SPECD) bench --prompts $(BENCH_DATA)/gsm8k_train.jsonl $(BENCH_DATA)/humaneval.jsonl $(BENCH_DATA)/seed_tasks.jsonl \
 		--limit 4 --max-new-tokens 64 --output docs/benchmarks/results.json
 
-deploy-check:  ## render and validate the Kubernetes manifests offline
-	@test -x deploy/check.sh && deploy/check.sh || (echo "deploy/check.sh not present yet" && exit 1)
+deploy-check:  ## render every overlay, validate strictly offline (kubernetes-validate), lint policies and Dockerfiles
+	PYTHON=$(PY) deploy/check.sh
+
+clients:  ## install the Node.js example client's packages (clients/node, npm ci; the tests do this too)
+	cd clients/node && npm ci --no-audit --no-fund
+
+lint-protos: clients  ## buf lint on protos/ (exceptions explained in protos/buf.yaml)
+	clients/node/node_modules/.bin/buf lint protos
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from gateway.engine import Backends
+from gateway.backends import Backends
+from gateway.engine import DRAFT_TIMEOUT_S
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.server import RunningServer, channel, start_server
 
 
 def start_gateway_server(
-    verify_address: str,
-    draft_address: Optional[str],
+    verify_addresses: str | Sequence[str],
+    draft_addresses: Optional[str | Sequence[str]],
     config: ServerConfig,
     num_draft_tokens: int = 3,
     connect_timeout_s: float = 300.0,
+    draft_timeout_s: float = DRAFT_TIMEOUT_S,
 ) -> RunningServer:
-    """Connect to the model services (waiting up to connect_timeout_s for them), then serve."""
-    draft_channel = channel(draft_address) if draft_address else None
-    backends = Backends.connect(channel(verify_address), draft_channel, connect_timeout_s)
-    servicer = GenerateServicer(backends, default_draft_tokens=num_draft_tokens)
+    """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
+
+    Addresses may be lists (or comma-separated): each request pins one replica of each service.
+    """
+    verify = {address: channel(address) for address in split_addresses(verify_addresses)}
+    draft = {address: channel(address) for address in split_addresses(draft_addresses)}
+    backends = Backends.connect(verify, draft, connect_timeout_s)
+    servicer = GenerateServicer(backends, default_draft_tokens=num_draft_tokens, draft_timeout_s=draft_timeout_s)
     running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
     running.servicer = servicer
     return running
+
+
+def split_addresses(addresses: Optional[str | Sequence[str]]) -> list[str]:
+    """'a:1,b:2' or ['a:1', 'b:2'] → ['a:1', 'b:2']; None or '' → []."""
+    if not addresses:
+        return []
+    if isinstance(addresses, str):
+        addresses = addresses.split(",")
+    return [address.strip() for address in addresses if address.strip()]

@@ -12,25 +12,36 @@ request to each service, so a round costs exactly one RPC per service.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import grpc
 import numpy as np
 
 from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
-from gateway.tokenizer import GatewayTokenizer
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from gateway.backends import Backends, Pool
+from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common.distributions import decode_distribution
-from specd_common.errors import FailedPrecondition
+from specd_common.errors import ResourceExhausted, Unavailable
 from specd_common.params import Warp
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RPC_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 5.0
+DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
+DRAFT_BACKOFF_S = 1.0
+DRAFT_MAX_BACKOFF_S = 30.0
+REPLICA_FAULTS = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.NOT_FOUND,  # the replica restarted and lost the session
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 
 
 class FinishReason:
@@ -69,39 +80,6 @@ class Chunk:
 
 
 @dataclass
-class Backends:
-    """The model services as the gateway sees them: stubs, what they reported, the shared tokenizer."""
-
-    verify: verify_pb2_grpc.VerifyServiceStub
-    draft: Optional[draft_pb2_grpc.DraftServiceStub]
-    target_info: common_pb2.GetModelInfoResponse
-    draft_info: Optional[common_pb2.GetModelInfoResponse]
-    tokenizer: GatewayTokenizer
-
-    @classmethod
-    def connect(cls, verify_channel: grpc.Channel, draft_channel: Optional[grpc.Channel], timeout_s: float) -> "Backends":
-        """Ask both services who they are; refuse a draft whose vocabulary differs from the target's."""
-        verify = verify_pb2_grpc.VerifyServiceStub(verify_channel)
-        target_info = verify.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-        draft, draft_info = None, None
-        if draft_channel is not None:
-            draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
-            draft_info = draft.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-            check_same_vocabulary(target_info, draft_info)
-        return cls(verify, draft, target_info, draft_info, GatewayTokenizer(target_info))
-
-
-def check_same_vocabulary(target: common_pb2.GetModelInfoResponse, draft: common_pb2.GetModelInfoResponse) -> None:
-    """A model drafter must speak the target's token ids; a model-free drafter (no vocabulary) always does."""
-    if draft.vocab_digest and draft.vocab_digest != target.vocab_digest:
-        raise FailedPrecondition(
-            f"draft {draft.model_name!r} and target {target.model_name!r} have different vocabularies "
-            f"(digests {draft.vocab_digest[:12]} vs {target.vocab_digest[:12]}); pick a draft that shares "
-            "the target's tokenizer"
-        )
-
-
-@dataclass
 class ServiceSync:
     """How far a service's token sequence agrees with the gateway's committed one."""
 
@@ -112,8 +90,29 @@ class ServiceSync:
         return common_pb2.Commit(prefix_length=self.agreed, append_token_ids=sequence[self.agreed :])
 
 
+@dataclass
+class Link:
+    """This request's session on one replica of a service."""
+
+    session_id: str = ""
+    index: Optional[int] = None  # replica in use; None while closed
+    sync: ServiceSync = field(default_factory=lambda: ServiceSync(agreed=0))
+    failed: list[int] = field(default_factory=list)  # replicas that failed during this request
+
+    @property
+    def open(self) -> bool:
+        return self.index is not None
+
+
 class Generation:
-    """One request's life: prefill both services, run rounds, release both, whatever happens."""
+    """One request's life: prefill both services, run rounds, release both, whatever happens.
+
+    Faults: a draft that errors or is slower than draft_timeout_s is dropped and the request goes
+    on with target-only rounds (still exact), re-opening the draft after a back-off. A verify
+    replica that fails is replaced by another one, primed with the prompt plus everything
+    generated so far, and the round is retried: nothing is duplicated or lost. With no replica
+    left, the client gets UNAVAILABLE with the tokens generated so far in the trailing metadata.
+    """
 
     def __init__(
         self,
@@ -121,22 +120,27 @@ class Generation:
         spec: GenerationSpec,
         time_remaining: Callable[[], Optional[float]] = lambda: None,
         is_active: Callable[[], bool] = lambda: True,
+        draft_timeout_s: float = DRAFT_TIMEOUT_S,
     ):
         self.backends = backends
         self.spec = spec
-        self.session_id = uuid.uuid4().hex
+        self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated
         self.generated: list[int] = []
         self.stats = SpeculationStats()
-        self.speculate = spec.speculate and backends.draft is not None
+        self.speculate = spec.speculate and len(backends.draft) > 0
         self.max_length = backends.target_info.max_sequence_length
+        self.draft_timeout_s = draft_timeout_s
         self._time_remaining = time_remaining
         self._is_active = is_active
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
-        self._verify_sync = ServiceSync(agreed=len(self.sequence))
-        self._draft_sync = ServiceSync(agreed=len(self.sequence))
-        self._opened: list = []  # stubs holding this session
+        self._verify = Link()
+        self._draft = Link()
+        self._draft_retry_at = 0.0
+        self._draft_backoff_s = DRAFT_BACKOFF_S
+        self._opened: list[tuple[Any, str]] = []  # (stub, session id) to release at the end
+        self._sessions_opened = 0
 
     @property
     def text(self) -> str:
@@ -145,7 +149,9 @@ class Generation:
     def run(self) -> Iterator[Chunk]:
         """Yield one Chunk per round until a stop condition; sessions are released on every exit path."""
         try:
-            self._prefill()
+            self._open_verify()
+            if self.speculate:
+                self._open_draft()
             while self._is_active():
                 chunk = self._round()
                 yield chunk
@@ -154,69 +160,134 @@ class Generation:
         finally:
             self._release()
 
-    def _timeout(self) -> float:
-        remaining = self._time_remaining()  # None, or a huge number, when the client set no deadline
-        return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)
-
-    def _prefill(self) -> None:
-        """Open the session on both services at once."""
-        sampling = self.spec.warp.to_proto(common_pb2.SamplingParams)
-        opens = [(self.backends.verify, verify_pb2.VerifyPrefillRequest)]
-        if self.speculate:
-            opens.append((self.backends.draft, draft_pb2.DraftPrefillRequest))
-        self._opened = [stub for stub, _ in opens]
-        calls = [
-            stub.Prefill.future(
-                request_type(session_id=self.session_id, prompt_token_ids=self.sequence, sampling=sampling),
-                timeout=self._timeout(),
-            )
-            for stub, request_type in opens
-        ]
-        for call in calls:
-            call.result()
-
-    def _draft_length(self) -> int:
-        """k for this round: no more drafts than tokens left to generate (the last slot is the bonus)."""
-        if not self.speculate:
-            return 0
-        left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
-        return max(0, min(self.spec.num_draft_tokens, left - 1))
-
     def _round(self) -> Chunk:
-        # 1. Propose
+        # 1. Propose (skipped when the draft is down or no tokens are left to draft)
         k = self._draft_length()
-        drafts: list[int] = []
-        draft_probs: list[common_pb2.Distribution] = []
-        if k > 0:
-            proposal = self.backends.draft.Propose(
-                draft_pb2.ProposeRequest(
-                    session_id=self.session_id,
-                    commit=self._draft_sync.commit(self.sequence),
-                    num_draft_tokens=k,
-                    seed=int(self.rng.integers(2**63)),
-                ),
-                timeout=self._timeout(),
-            )
-            drafts, draft_probs = list(proposal.token_ids), list(proposal.draft_probs)
-            self._draft_sync.agreed = len(self.sequence)
-        # 2. Verify
-        scores = self.backends.verify.Verify(
-            verify_pb2.VerifyRequest(
-                session_id=self.session_id, commit=self._verify_sync.commit(self.sequence), draft_token_ids=drafts
-            ),
-            timeout=self._timeout(),
-        )
-        self._verify_sync.agreed = len(self.sequence)
+        drafts, draft_probs = self._propose(k) if k > 0 else ([], [])
+        # 2. Verify, on another replica if this one fails
+        scores = self._verify_drafts(drafts)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores)
-        # 4. Commit and emit
-        self._verify_sync.agreed += outcome.accepted
+        # 4. Commit (both services learn it on their next request) and emit
+        self._verify.sync.agreed += outcome.accepted
         if drafts:
-            self._draft_sync.agreed += outcome.accepted
+            self._draft.sync.agreed += outcome.accepted
         self.stats.target_passes += 1
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += outcome.accepted
         return self._emit(outcome.emitted(drafts))
+
+    # --- sessions ------------------------------------------------------------------------------
+    def _timeout(self) -> float:
+        remaining = self._time_remaining()  # None, or a huge number, when the client set no deadline
+        return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)
+
+    def _prefill(self, link: Link, pool: Pool, request_type: type, index: int, timeout_s: float) -> None:
+        """Open a session holding the whole committed sequence on replica `index` of `pool`."""
+        self._sessions_opened += 1
+        session_id = f"{self.request_id}-{self._sessions_opened}"
+        stub = pool.stubs[index]
+        self._opened.append((stub, session_id))
+        sampling = self.spec.warp.to_proto(common_pb2.SamplingParams)
+        stub.Prefill(
+            request_type(session_id=session_id, prompt_token_ids=self.sequence, sampling=sampling), timeout=timeout_s
+        )
+        link.session_id, link.index, link.sync = session_id, index, ServiceSync(agreed=len(self.sequence))
+
+    def _open_verify(self) -> None:
+        """Prime a verify replica with the sequence so far, trying each healthy replica once."""
+        pool = self.backends.verify
+        codes = []
+        while (index := pool.pick(exclude=self._verify.failed)) is not None:
+            try:
+                self._prefill(self._verify, pool, verify_pb2.VerifyPrefillRequest, index, self._timeout())
+                return
+            except grpc.RpcError as error:
+                if not self._replica_fault(error):
+                    raise
+                log.warning("verify replica %s failed (%s); trying another", pool.addresses[index], error.code())
+                self._verify.failed.append(index)
+                codes.append(error.code())
+        if codes and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code in codes):
+            raise ResourceExhausted("every verify replica is at its session limit; retry later")
+        raise self._interrupted("no verify replica is available")
+
+    def _open_draft(self) -> None:
+        """(Re)open a draft session; on failure speculation pauses and is retried after a back-off."""
+        pool = self.backends.draft
+        index = pool.pick()
+        try:
+            self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, index, self._draft_timeout())
+            self._draft_backoff_s = DRAFT_BACKOFF_S
+        except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer
+            self._draft_down(pool.addresses[index], error)
+
+    def _draft_down(self, address: str, error: grpc.RpcError) -> None:
+        log.warning("draft %s failed (%s); target-only rounds for %.1f s", address, error.code(), self._draft_backoff_s)
+        self._draft.index = None
+        self._draft_retry_at = time.monotonic() + self._draft_backoff_s
+        self._draft_backoff_s = min(self._draft_backoff_s * 2, DRAFT_MAX_BACKOFF_S)
+
+    def _draft_timeout(self) -> float:
+        return min(self._timeout(), self.draft_timeout_s)
+
+    def _release(self) -> None:
+        """Free every session this request opened; failures are logged, never raised."""
+        calls = [
+            stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
+            for stub, session_id in self._opened
+        ]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as error:
+                log.info("release failed (the replica may be gone): %s", error.code())
+        self._opened.clear()
+
+    # --- one round -----------------------------------------------------------------------------
+    def _draft_length(self) -> int:
+        """k for this round: 0 without a live draft; never more drafts than tokens left (the last is the bonus)."""
+        if not self.speculate:
+            return 0
+        if not self._draft.open and time.monotonic() >= self._draft_retry_at:
+            self._open_draft()
+        if not self._draft.open:
+            return 0
+        left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
+        return max(0, min(self.spec.num_draft_tokens, left - 1))
+
+    def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution]]:
+        stub = self.backends.draft.stubs[self._draft.index]
+        request = draft_pb2.ProposeRequest(
+            session_id=self._draft.session_id,
+            commit=self._draft.sync.commit(self.sequence),
+            num_draft_tokens=k,
+            seed=int(self.rng.integers(2**63)),
+        )
+        try:
+            proposal = stub.Propose(request, timeout=self._draft_timeout())
+        except grpc.RpcError as error:
+            self._draft_down(self.backends.draft.addresses[self._draft.index], error)
+            return [], []
+        self._draft.sync.agreed = len(self.sequence)
+        return list(proposal.token_ids), list(proposal.draft_probs)
+
+    def _verify_drafts(self, drafts: list[int]) -> verify_pb2.VerifyResponse:
+        while True:
+            request = verify_pb2.VerifyRequest(
+                session_id=self._verify.session_id, commit=self._verify.sync.commit(self.sequence), draft_token_ids=drafts
+            )
+            try:
+                scores = self.backends.verify.stubs[self._verify.index].Verify(request, timeout=self._timeout())
+            except grpc.RpcError as error:
+                if not self._replica_fault(error):
+                    raise
+                log.warning("verify replica %s failed (%s) mid-request; replaying on another", self.backends.verify.addresses[self._verify.index], error.code())
+                self._verify.failed.append(self._verify.index)
+                self._open_verify()
+                continue
+            self._verify.sync.agreed = len(self.sequence)
+            return scores
 
     def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
         if self.spec.warp.greedy:
@@ -249,13 +320,19 @@ class Generation:
         text = delta.text + (self._text.flush() if finish else "")
         return Chunk(taken, text, finish)
 
-    def _release(self) -> None:
-        """Free the session on every service it was opened on; failures are logged, never raised."""
-        request = common_pb2.ReleaseRequest(session_id=self.session_id)
-        calls = [stub.Release.future(request, timeout=RELEASE_TIMEOUT_S) for stub in self._opened]
-        for call in calls:
-            try:
-                call.result()
-            except grpc.RpcError as error:
-                log.warning("release of session %s failed: %s", self.session_id, error)
-        self._opened.clear()
+    def _interrupted(self, reason: str) -> Unavailable:
+        """UNAVAILABLE that reports what was generated so far (trailing metadata), so nothing is lost."""
+        error = Unavailable(f"{reason}; {len(self.generated)} tokens were generated before it (see trailing metadata)")
+        error.trailing_metadata = (
+            ("specd-generated-token-ids", ",".join(map(str, self.generated))),
+            ("specd-generated-text-bin", self._text.text.encode()),
+        )
+        return error
+
+    def _replica_fault(self, error: grpc.RpcError) -> bool:
+        """Errors that say the replica, not the request, is at fault: try elsewhere rather than fail.
+        A deadline is the replica's fault only while the client's own deadline has not passed."""
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            remaining = self._time_remaining()
+            return remaining is None or remaining > 0.05
+        return error.code() in REPLICA_FAULTS

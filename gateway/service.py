@@ -6,7 +6,8 @@ import secrets
 
 import grpc
 
-from gateway.engine import Backends, Chunk, FinishReason, Generation, GenerationSpec
+from gateway.backends import Backends
+from gateway.engine import DRAFT_TIMEOUT_S, Chunk, FinishReason, Generation, GenerationSpec
 from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.errors import grpc_errors, grpc_stream_errors, require
 from specd_common.params import Warp
@@ -28,9 +29,10 @@ _FINISH = {
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, backends: Backends, default_draft_tokens: int = 3):
+    def __init__(self, backends: Backends, default_draft_tokens: int = 3, draft_timeout_s: float = DRAFT_TIMEOUT_S):
         self.backends = backends
         self.default_draft_tokens = default_draft_tokens
+        self.draft_timeout_s = draft_timeout_s
 
     @grpc_errors
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
@@ -58,7 +60,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _start(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Generation:
         spec = self.to_spec(request)
-        return Generation(self.backends, spec, time_remaining=context.time_remaining, is_active=context.is_active)
+        return Generation(
+            self.backends,
+            spec,
+            time_remaining=context.time_remaining,
+            is_active=context.is_active,
+            draft_timeout_s=self.draft_timeout_s,
+        )
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:
         """Validate a GenerateRequest (INVALID_ARGUMENT that says what to fix) and turn it into a spec."""

@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT")
-    add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT ('' = none)")
+    add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT, or several comma-separated replicas")
+    add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT, comma-separated replicas ('' = none)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
+    add_flag(parser, "draft-timeout", 5.0, "a Propose slower than this drops to target-only rounds for a while")
 
 
 def _set_threads(threads: int) -> None:
@@ -143,6 +144,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         ServerConfig.from_args(args),
         num_draft_tokens=args.num_draft_tokens,
         connect_timeout_s=args.connect_timeout,
+        draft_timeout_s=args.draft_timeout,
     )
     wait_for_termination(running, args.grace)
 

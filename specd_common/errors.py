@@ -19,6 +19,7 @@ class SpecdError(Exception):
     """Base class: a failure with a gRPC status code and a message meant for the caller."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    trailing_metadata: tuple = ()  # extra facts for the client, e.g. what was generated before a failure
 
 
 class InvalidArgument(SpecdError):
@@ -59,7 +60,7 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except SpecdError as error:
-            context.abort(error.code, str(error))
+            _abort(context, error)
         except grpc.RpcError as error:  # an upstream service failed: pass its status on
             context.abort(_upstream_code(error), f"upstream: {_upstream_details(error)}")
         except Exception:
@@ -77,7 +78,7 @@ def grpc_stream_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             yield from method(self, request, context)
         except SpecdError as error:
-            context.abort(error.code, str(error))
+            _abort(context, error)
         except grpc.RpcError as error:
             context.abort(_upstream_code(error), f"upstream: {_upstream_details(error)}")
         except Exception:
@@ -85,6 +86,12 @@ def grpc_stream_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see server log")
 
     return wrapper
+
+
+def _abort(context: grpc.ServicerContext, error: SpecdError) -> None:
+    if error.trailing_metadata:
+        context.set_trailing_metadata(error.trailing_metadata)
+    context.abort(error.code, str(error))
 
 
 def _upstream_code(error: grpc.RpcError) -> grpc.StatusCode:

@@ -1,0 +1,134 @@
+"""Faults, multi-process on loopback: kill -9 a draft or a verify replica mid-stream.
+
+Each service runs as its own `specd serve` process with a tiny model and one torch thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from specd.v1 import generate_pb2, generate_pb2_grpc
+from tests.specd_stack import REPO, _serving, free_ports, repo_env
+
+PROMPT = "hello world"
+MAX_NEW = 400
+
+
+@contextlib.contextmanager
+def serve(service: str, port: int, log_dir: Path, *flags: str) -> Iterator[subprocess.Popen]:
+    """`specd serve <service>` on port, stopped (or already killed) at the end."""
+    command = [sys.executable, "-m", "specd_common.cli", "serve", service, "--port", str(port), *flags]
+    with open(log_dir / f"{service}-{port}.log", "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def wait_serving(*ports: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(_serving(f"127.0.0.1:{port}") for port in ports):
+        assert time.monotonic() < deadline, f"services on {ports} did not become SERVING"
+        time.sleep(0.3)
+
+
+def kill9(process: subprocess.Popen) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+def stream(address: str, **fields):
+    stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(address))
+    return stub.GenerateStream(generate_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, **fields), timeout=120)
+
+
+def target_only(address: str) -> list[int]:
+    return [t for m in stream(address, disable_speculation=True) for t in m.token_ids]
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    return tiny
+
+
+def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tmp_path):
+    verify_port, draft_port, gateway_port = free_ports(3)
+    with serve("verify", verify_port, tmp_path, "--model", str(models.target), "--threads", "1"), serve(
+        "draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_same), "--threads", "1"
+    ) as draft:
+        wait_serving(verify_port, draft_port)
+        with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{verify_port}",
+                   "--draft-address", f"127.0.0.1:{draft_port}", "--num-draft-tokens", "3"):
+            wait_serving(gateway_port)
+            address = f"127.0.0.1:{gateway_port}"
+            messages = stream(address)
+            received = list(next(messages).token_ids)
+            kill9(draft)
+            rest = list(messages)
+            received += [t for m in rest for t in m.token_ids]
+            stats = rest[-1].stats
+            assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            assert received == target_only(address)  # exact, despite losing the draft
+            assert stats.draft_tokens > 0, "speculation never ran before the kill"
+            # with an identical draft every speculative round emits 4 tokens; target-only rounds emit 1
+            assert stats.target_passes > MAX_NEW // 4 + 10, "no round ran without the draft: the kill came too late"
+
+
+def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_path):
+    port_a, port_b, draft_port, gateway_port = free_ports(4)
+    with serve("verify", port_a, tmp_path, "--model", str(models.target), "--threads", "1") as verify_a, serve(
+        "verify", port_b, tmp_path, "--model", str(models.target), "--threads", "1"
+    ), serve("draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_noisy), "--threads", "1"):
+        wait_serving(port_a, port_b, draft_port)
+        with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
+                   "--draft-address", f"127.0.0.1:{draft_port}"):
+            wait_serving(gateway_port)
+            address = f"127.0.0.1:{gateway_port}"
+            expected = target_only(address)  # first request pins replica A, the next one B (round-robin)
+            messages = stream(address)  # pinned to A again
+            received = list(next(messages).token_ids)
+            kill9(verify_a)
+            rest = list(messages)
+            received += [t for m in rest for t in m.token_ids]
+            assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            assert received == expected  # nothing duplicated, nothing missing
+        gateway_log = (tmp_path / f"gateway-{gateway_port}.log").read_text()
+        assert "replaying on another" in gateway_log, "the stream ended before the kill: failover not exercised"
+
+
+def test_losing_the_only_verify_gives_unavailable_with_the_partial_output(models, tmp_path):
+    verify_port, gateway_port = free_ports(2)
+    with serve("verify", verify_port, tmp_path, "--model", str(models.target), "--threads", "1") as verify:
+        wait_serving(verify_port)
+        with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{verify_port}", "--draft-address", ""):
+            wait_serving(gateway_port)
+            messages = stream(f"127.0.0.1:{gateway_port}")
+            received = list(next(messages).token_ids)
+            kill9(verify)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                for message in messages:
+                    received += message.token_ids
+            assert time.monotonic() - started < 30, "the client waited too long for the failure"
+            error = caught.value
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            metadata = dict(error.trailing_metadata())
+            generated = [int(t) for t in metadata["specd-generated-token-ids"].split(",") if t]
+            assert generated[: len(received)] == received and len(generated) >= len(received) > 0

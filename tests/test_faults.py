@@ -93,18 +93,18 @@ def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tm
 
 def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_path):
     port_a, port_b, draft_port, gateway_port = free_ports(4)
-    with serve("verify", port_a, tmp_path, "--model", str(models.target), "--threads", "1") as verify_a, serve(
+    with serve("verify", port_a, tmp_path, "--model", str(models.target), "--threads", "1"), serve(
         "verify", port_b, tmp_path, "--model", str(models.target), "--threads", "1"
-    ), serve("draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_noisy), "--threads", "1"):
+    ) as verify_b, serve("draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_noisy), "--threads", "1"):
         wait_serving(port_a, port_b, draft_port)
         with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
                    "--draft-address", f"127.0.0.1:{draft_port}"):
             wait_serving(gateway_port)
             address = f"127.0.0.1:{gateway_port}"
-            expected = target_only(address)  # first request pins replica A, the next one B (round-robin)
-            messages = stream(address)  # pinned to A again
+            expected = target_only(address)  # the first request pins replica A (round-robin) ...
+            messages = stream(address)  # ... and the second one B
             received = list(next(messages).token_ids)
-            kill9(verify_a)
+            kill9(verify_b)
             rest = list(messages)
             received += [t for m in rest for t in m.token_ids]
             assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from gateway.admission import Admission
 from gateway.backends import Backends
 from gateway.engine import DRAFT_TIMEOUT_S
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
@@ -18,6 +19,7 @@ def start_gateway_server(
     num_draft_tokens: int = 3,
     connect_timeout_s: float = 300.0,
     draft_timeout_s: float = DRAFT_TIMEOUT_S,
+    max_waiting: int = 64,
 ) -> RunningServer:
     """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
 
@@ -26,8 +28,11 @@ def start_gateway_server(
     verify = {address: channel(address) for address in split_addresses(verify_addresses)}
     draft = {address: channel(address) for address in split_addresses(draft_addresses)}
     backends = Backends.connect(verify, draft, connect_timeout_s)
-    servicer = GenerateServicer(backends, default_draft_tokens=num_draft_tokens, draft_timeout_s=draft_timeout_s)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
+    admission = Admission(max_active=config.max_sessions, max_waiting=max_waiting)
+    servicer = GenerateServicer(backends, num_draft_tokens, draft_timeout_s, admission)
+    # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
+    workers = config.max_sessions + max_waiting + 8
+    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, workers)
     running.servicer = servicer
     return running
 

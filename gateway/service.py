@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import secrets
+from typing import Optional
 
 import grpc
 
+from gateway.admission import Admission
 from gateway.backends import Backends
 from gateway.engine import DRAFT_TIMEOUT_S, Chunk, FinishReason, Generation, GenerationSpec
 from specd.v1 import generate_pb2, generate_pb2_grpc
@@ -29,8 +31,15 @@ _FINISH = {
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, backends: Backends, default_draft_tokens: int = 3, draft_timeout_s: float = DRAFT_TIMEOUT_S):
+    def __init__(
+        self,
+        backends: Backends,
+        default_draft_tokens: int = 3,
+        draft_timeout_s: float = DRAFT_TIMEOUT_S,
+        admission: Optional[Admission] = None,
+    ):
         self.backends = backends
+        self.admission = admission or Admission(max_active=64, max_waiting=64)
         self.default_draft_tokens = default_draft_tokens
         self.draft_timeout_s = draft_timeout_s
 
@@ -38,9 +47,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         generation = self._start(request, context)
         token_ids, finish = [], None
-        for chunk in generation.run():
-            token_ids.extend(chunk.token_ids)
-            finish = chunk.finish_reason
+        with self.admission.slot(_deadline(context)):
+            for chunk in generation.run():
+                token_ids.extend(chunk.token_ids)
+                finish = chunk.finish_reason
         return generate_pb2.GenerateResponse(
             text=generation.text,
             token_ids=token_ids,
@@ -54,9 +64,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         generation = self._start(request, context)
         first = True
-        for chunk in generation.run():
-            yield _stream_message(generation, chunk, first)
-            first = False
+        with self.admission.slot(_deadline(context)):
+            for chunk in generation.run():
+                yield _stream_message(generation, chunk, first)
+                first = False
 
     def _start(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Generation:
         spec = self.to_spec(request)
@@ -113,6 +124,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             require(False, "set a prompt: text, messages or token_ids")
         require(len(ids) > 0, "the prompt tokenizes to nothing; send a non-empty prompt")
         return ids
+
+
+def _deadline(context: grpc.ServicerContext) -> Optional[float]:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e6 else remaining
 
 
 def _usage(generation: Generation) -> generate_pb2.Usage:

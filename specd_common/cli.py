@@ -102,6 +102,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT, comma-separated replicas ('' = none)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
+    add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", 5.0, "a Propose slower than this drops to target-only rounds for a while")
 
 
@@ -145,6 +146,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         num_draft_tokens=args.num_draft_tokens,
         connect_timeout_s=args.connect_timeout,
         draft_timeout_s=args.draft_timeout,
+        max_waiting=args.max_waiting,
     )
     wait_for_termination(running, args.grace)
 

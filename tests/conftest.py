@@ -94,6 +94,7 @@ def start_cluster(
     max_sessions: int = 16,
     idle_timeout_s: float = 300.0,
     num_draft_tokens: int = 3,
+    max_waiting: int = 64,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets)."""
     from draft_service.app import make_drafter, start_draft_server
@@ -114,6 +115,7 @@ def start_cluster(
         config,
         num_draft_tokens=num_draft_tokens,
         connect_timeout_s=30,
+        max_waiting=max_waiting,
     )
     return Cluster(verify, draft, gateway, calls)
 

@@ -212,7 +212,7 @@ def test_model_services_validate_their_own_input(cluster):
 
 
 def test_full_services_answer_resource_exhausted(tiny):
-    running = start_cluster(tiny.target, "model", tiny.draft_noisy, max_sessions=1)
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy, max_sessions=1, max_waiting=0)
     try:
         stub = running.stub()
         holder = stub.GenerateStream(generate_pb2.GenerateRequest(text="hello", max_new_tokens=400), timeout=60)
@@ -225,6 +225,20 @@ def test_full_services_answer_resource_exhausted(tiny):
         assert len(generate(stub, text="hello", max_new_tokens=5).token_ids) == 5  # capacity is back
     finally:
         running.stop()
+
+
+def test_deadlines_propagate_and_free_sessions(cluster):
+    stub = cluster.stub()
+    outcomes = set()
+    for timeout_s in (0.01, 0.03, 0.1, 0.3):
+        try:
+            stub.Generate(generate_pb2.GenerateRequest(text="hello", max_new_tokens=480), timeout=timeout_s)
+            outcomes.add("finished")
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+            outcomes.add("expired")
+    assert "expired" in outcomes
+    assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
 
 
 def test_client_disconnect_mid_stream_frees_both_sessions(cluster):

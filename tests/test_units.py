@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from draft_service.ngram import prompt_lookup
+from gateway.admission import Admission
 from gateway.engine import ServiceSync
 from gateway.text import TextStream
 from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
@@ -166,3 +170,44 @@ def test_idle_sessions_expire():
     store.create("new", 2)
     now[0] = 6.0
     assert store.expire_idle() == ["old"] and len(store) == 1
+
+
+# --- admission ----------------------------------------------------------------------------------
+def test_admission_queues_then_refuses():
+    admission = Admission(max_active=1, max_waiting=1, max_wait_s=5)
+    order: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def first():
+        with admission.slot():
+            order.append("first")
+            first_in.set()
+            release_first.wait(5)
+
+    def second():
+        with admission.slot():
+            order.append("second")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    assert first_in.wait(5)
+    threads[1].start()
+    deadline = time.monotonic() + 5
+    while admission.waiting < 1:  # the second request is queued behind the first
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(ResourceExhausted, match="busy"):  # a third finds the queue full
+        with admission.slot():
+            pass
+    release_first.set()
+    for thread in threads:
+        thread.join(5)
+    assert order == ["first", "second"]
+
+
+def test_admission_wait_is_bounded_by_the_deadline():
+    admission = Admission(max_active=1, max_waiting=4)
+    with admission.slot():
+        with pytest.raises(ResourceExhausted, match="within 0.1"):
+            with admission.slot(deadline_s=0.1):
+                pass

@@ -6,6 +6,7 @@ import secrets
 from typing import Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gateway.admission import Admission
 from gateway.backends import Backends
@@ -81,6 +82,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:
         """Validate a GenerateRequest (INVALID_ARGUMENT that says what to fix) and turn it into a spec."""
+        require(
+            not isinstance(request, MalformedRequest),
+            f"the request is not a valid specd.v1.GenerateRequest ({getattr(request, 'reason', '')}); "
+            "string fields must be valid UTF-8",
+        )
         max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         require(1 <= max_new <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new}")
         k = request.num_draft_tokens or self.default_draft_tokens
@@ -153,5 +159,30 @@ def _stream_message(generation: Generation, chunk: Chunk, first: bool) -> genera
     return message
 
 
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def parse_request(data: bytes):
+    """GenerateRequest.FromString that turns a parse failure into a MalformedRequest instead of INTERNAL."""
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except DecodeError as error:
+        return MalformedRequest(str(error))
+
+
 def add_to_server(servicer: GenerateServicer, server: grpc.Server) -> None:
-    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+    """Register like the generated helper, but with a parser that reports bad bytes as INVALID_ARGUMENT."""
+    serialize = lambda message: message.SerializeToString()  # noqa: E731
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_request, response_serializer=serialize
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=parse_request, response_serializer=serialize
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -7,6 +7,7 @@ from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.server import RunningServer, start_server
 from specd_common.sessions import SessionStore
+from specd_common.telemetry import Observability
 
 
 def make_drafter(kind: str, model: str = "", device: str = "auto", dtype: str = "auto") -> Drafter:
@@ -24,6 +25,11 @@ def start_draft_server(drafter: Drafter, config: ServerConfig) -> RunningServer:
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
-    running.servicer = servicer
+    obs = Observability.start("draft", config.host, config.metrics_port)
+    obs.metrics.watch_sessions(sessions)
+    running = start_server(
+        lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers,
+        interceptors=obs.server_interceptors(),
+    )
+    running.servicer, running.observability = servicer, obs
     return running

@@ -7,7 +7,9 @@ from typing import Optional
 from gateway.engine import Backends
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
+from specd_common.metrics import GatewayMetrics
 from specd_common.server import RunningServer, channel, start_server
+from specd_common.telemetry import Observability
 
 
 def start_gateway_server(
@@ -21,6 +23,10 @@ def start_gateway_server(
     draft_channel = channel(draft_address) if draft_address else None
     backends = Backends.connect(channel(verify_address), draft_channel, connect_timeout_s)
     servicer = GenerateServicer(backends, default_draft_tokens=num_draft_tokens)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
-    running.servicer = servicer
+    obs = Observability.start("gateway", config.host, config.metrics_port, metrics=GatewayMetrics())
+    running = start_server(
+        lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers,
+        interceptors=obs.server_interceptors(),
+    )
+    running.servicer, running.observability = servicer, obs
     return running

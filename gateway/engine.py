@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import grpc
 import numpy as np
 
+from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.tokenizer import GatewayTokenizer
@@ -144,14 +145,16 @@ class Generation:
 
     def run(self) -> Iterator[Chunk]:
         """Yield one Chunk per round until a stop condition; sessions are released on every exit path."""
+        observer = GenerationObserver(self)  # spans and metrics (gateway/observe.py)
         try:
-            self._prefill()
+            observer.prefill(self._prefill)
             while self._is_active():
-                chunk = self._round()
+                chunk = observer.round(self._round)
                 yield chunk
                 if chunk.finish_reason:
                     return
         finally:
+            observer.finish()
             self._release()
 
     def _timeout(self) -> float:

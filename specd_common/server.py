@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd_common.telemetry import instrument_channel
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a round of dense float16 distributions is ~100 KB a position
@@ -31,6 +33,7 @@ class RunningServer:
     health: health.HealthServicer
     service_names: Sequence[str]
     servicer: Any = None  # the service's own servicer, for tests and metrics
+    observability: Any = None  # specd_common.telemetry.Observability: tracer, metrics, /metrics endpoint
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,6 +44,8 @@ class RunningServer:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.observability is not None:
+            self.observability.close()
 
 
 def start_server(
@@ -49,9 +54,12 @@ def start_server(
     host: str,
     port: int,
     max_workers: int = 32,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> RunningServer:
     """Start a server with the given servicers plus grpc.health.v1 and reflection; port 0 picks a free one."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=interceptors
+    )
     add_servicers(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -78,5 +86,5 @@ def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callab
 
 
 def channel(address: str) -> grpc.Channel:
-    """An insecure channel to an internal service with specd's message limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """An insecure channel to an internal service with specd's message limits and trace propagation."""
+    return instrument_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address)

@@ -6,6 +6,7 @@ from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
 from specd_common.server import RunningServer, start_server
 from specd_common.sessions import SessionStore
+from specd_common.telemetry import Observability
 from verify_service.scorer import Scorer
 from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 
@@ -14,6 +15,11 @@ def start_verify_server(loaded: LoadedModel, config: ServerConfig) -> RunningSer
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = VerifyServicer(Scorer(loaded), sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers)
-    running.servicer = servicer
+    obs = Observability.start("verify", config.host, config.metrics_port)
+    obs.metrics.watch_sessions(sessions)
+    running = start_server(
+        lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers,
+        interceptors=obs.server_interceptors(),
+    )
+    running.servicer, running.observability = servicer, obs
     return running

@@ -106,9 +106,9 @@ class GenerationObserver:
     def _count(self, draft_length, accepted, emitted, draft_wait, verify_wait, accept, now) -> None:
         metrics = self.metrics
         metrics.count_round(draft_length, accepted, emitted)
-        metrics.round_seconds.labels("draft_wait").observe(draft_wait)
-        metrics.round_seconds.labels("verify_wait").observe(verify_wait)
-        metrics.round_seconds.labels("accept").observe(accept)
+        metrics.draft_wait_seconds.observe(draft_wait)
+        metrics.verify_wait_seconds.observe(verify_wait)
+        metrics.accept_seconds.observe(accept)
         if emitted:
             if self._last_emit is None:
                 metrics.time_to_first_token.observe(now - self.started)

@@ -58,6 +58,16 @@ class ServiceMetrics:
             ["service"], registry=r,
         ).labels(service)
 
+        self._rpc_children: dict = {}  # (method, code) → (counter, histogram) children: labels() is not free
+
+    def count_rpc(self, method: str, code: str, seconds: float) -> None:
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = self.requests.labels(self.service, method, code), self.request_seconds.labels(self.service, method)
+            self._rpc_children[(method, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
     def watch_sessions(self, store: Any) -> None:
         """Report a SessionStore's size and cached tokens, read at scrape time."""
         self._active_sessions.labels(self.service).set_function(lambda: len(store))
@@ -89,10 +99,13 @@ class GatewayMetrics(ServiceMetrics):
             f"{PREFIX}_tokens_per_target_pass", "Tokens emitted per target forward pass (speculative round).",
             buckets=TOKENS_PER_PASS_BUCKETS, registry=r,
         )
-        self.round_seconds = Histogram(
+        round_seconds = Histogram(
             f"{PREFIX}_round_phase_seconds", "A round's time split: draft_wait, verify_wait, accept.",
             ["phase"], buckets=STEP_BUCKETS, registry=r,
         )
+        self.draft_wait_seconds = round_seconds.labels("draft_wait")
+        self.verify_wait_seconds = round_seconds.labels("verify_wait")
+        self.accept_seconds = round_seconds.labels("accept")
         self.target_passes = Counter(f"{PREFIX}_target_passes", "Target forward passes (rounds).", registry=r)
         self.num_drafts = Counter(
             f"{PREFIX}_spec_decode_num_drafts", "Rounds that had drafts (vLLM: spec_decode_num_drafts).", registry=r
@@ -115,6 +128,7 @@ class GatewayMetrics(ServiceMetrics):
             "Proposed draft tokens by draft position, 0-based: the denominator of acceptance per position.",
             ["position"], registry=r,
         )
+        self._per_pos: list = []
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter(
@@ -130,9 +144,17 @@ class GatewayMetrics(ServiceMetrics):
             self.num_draft_tokens.inc(draft_length)
             self.num_accepted_tokens.inc(accepted)
             for position in range(draft_length):
-                self.drafted_per_pos.labels(str(position)).inc()
+                drafted, accepted_child = self._position(position)
+                drafted.inc()
                 if position < accepted:
-                    self.accepted_per_pos.labels(str(position)).inc()
+                    accepted_child.inc()
+
+    def _position(self, position: int) -> tuple:
+        """The per-position counter children, created on first use (labels() is not free)."""
+        if position >= len(self._per_pos):
+            for p in range(len(self._per_pos), position + 1):
+                self._per_pos.append((self.drafted_per_pos.labels(str(p)), self.accepted_per_pos.labels(str(p))))
+        return self._per_pos[position]
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:

@@ -9,12 +9,9 @@ services in one process (the tests) apart. Torch-free: the gateway imports it.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORTS = {"gateway": 9464, "draft": 9465, "verify": 9466}
 PREFIX = "specd"
@@ -26,7 +23,7 @@ TOKENS_PER_PASS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 33)
 class ServiceMetrics:
     """Metrics every service exports; `service` is a label so one Prometheus job can scrape all three."""
 
-    def __init__(self, service: str, registry: Optional[CollectorRegistry] = None):
+    def __init__(self, service: str, registry: Optional[CollectorRegistry] = None, model_service: bool = True):
         self.service = service
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -49,14 +46,16 @@ class ServiceMetrics:
             f"{PREFIX}_kv_cache_tokens", "Token positions held in KV caches, summed over open sessions.",
             ["service"], registry=r,
         )
-        self.model_forward_seconds = Histogram(
-            f"{PREFIX}_model_forward_seconds", "Time of one model forward pass (prefill, draft step or verify).",
-            ["service"], buckets=STEP_BUCKETS, registry=r,
-        ).labels(service)
-        self.kv_rollback_tokens = Counter(
-            f"{PREFIX}_kv_rollback_tokens", "Cached positions dropped by commits (rejected speculation).",
-            ["service"], registry=r,
-        ).labels(service)
+        self.model_forward_seconds = self.kv_rollback_tokens = None  # model services only
+        if model_service:
+            self.model_forward_seconds = Histogram(
+                f"{PREFIX}_model_forward_seconds", "Time of one model forward pass (prefill, draft step or verify).",
+                ["service"], buckets=STEP_BUCKETS, registry=r,
+            ).labels(service)
+            self.kv_rollback_tokens = Counter(
+                f"{PREFIX}_kv_rollback_tokens", "Cached positions dropped by commits (rejected speculation).",
+                ["service"], registry=r,
+            ).labels(service)
 
         self._rpc_children: dict = {}  # (method, code) → (counter, histogram) children: labels() is not free
 
@@ -83,7 +82,7 @@ class GatewayMetrics(ServiceMetrics):
     """The gateway's request-level and speculative-decoding metrics on top of the common ones."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None):
-        super().__init__("gateway", registry)
+        super().__init__("gateway", registry, model_service=False)
         r = self.registry
         self.active_generations = self._active_sessions.labels("gateway")
         self.time_to_first_token = Histogram(

@@ -157,7 +157,9 @@ def model_forward(num_tokens: int) -> Iterator[None]:
     started = time.perf_counter()
     with span("specd.model_forward", {"specd.forward.tokens": num_tokens}):
         yield
-    scope.obs.metrics.model_forward_seconds.observe(time.perf_counter() - started)
+    histogram = scope.obs.metrics.model_forward_seconds
+    if histogram is not None:
+        histogram.observe(time.perf_counter() - started)
 
 
 @contextlib.contextmanager
@@ -171,7 +173,7 @@ def kv_rollback(sequence: Any) -> Iterator[None]:
     with span("specd.kv_rollback") as current_span:
         yield
         dropped = cached - sequence.cached
-        if dropped:
+        if dropped and scope.obs.metrics.kv_rollback_tokens is not None:
             scope.obs.metrics.kv_rollback_tokens.inc(dropped)
         if current_span.is_recording():
             current_span.set_attributes(

@@ -6,6 +6,7 @@ its own CollectorRegistry, so their numbers stay apart in one process.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -166,3 +167,19 @@ def test_metrics_port_flag_defaults_per_service(monkeypatch):
     assert parser.parse_args(["serve", "verify", "--metrics-port", "-1"]).metrics_port == -1
     monkeypatch.setenv("SPECD_METRICS_PORT", "0")
     assert build_parser().parse_args(["serve", "draft"]).metrics_port == 0
+
+
+def test_a_cancelled_stream_leaves_no_active_generation(services):
+    stream = services["stub"].GenerateStream(request(max_new_tokens=200), timeout=60)
+    assert next(stream).token_ids
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the server notices the cancellation at its next message
+        gateway = scrape(services["gateway"])
+        if value(gateway, "specd_queue_depth", service="gateway") == 0:
+            break
+        time.sleep(0.05)
+    assert value(gateway, "specd_active_sessions", service="gateway") == 0
+    assert value(gateway, "specd_queue_depth", service="gateway") == 0
+    assert value(gateway, "specd_requests_total", service="gateway", method="GenerateStream", code="CANCELLED") >= 1
+    assert value(gateway, "specd_request_finish_total", finish_reason="cancelled") >= 1

@@ -1,4 +1,4 @@
-"""Tracing for the three services: OTEL_* configuration, gRPC interceptors, and the small hooks deep code calls.
+"""Tracing for the three services: OTEL_* configuration, gRPC server/client plumbing, hooks for deep code.
 
 Configuration is only the standard OpenTelemetry environment variables. Tracing is on when an OTLP
 endpoint is set (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT) and neither
@@ -12,7 +12,9 @@ Each service owns an `Observability` (its tracer provider and its Prometheus met
 process-global provider, so three services in one process (the in-process tests) stay apart. The
 server interceptor makes the service current for the duration of each RPC (a context variable), which
 is how hooks in the engine, the model and the KV cache find the right tracer and metrics without
-plumbing. Trace context crosses services as W3C `traceparent` in gRPC metadata (OTEL_PROPAGATORS).
+plumbing. On the client side `instrument_channel` (used by specd_common.server.channel) opens a
+CLIENT span per unary call made while serving and injects W3C `traceparent` into its gRPC metadata
+(OTEL_PROPAGATORS); the server interceptor extracts it, so one request is one trace.
 """
 
 from __future__ import annotations

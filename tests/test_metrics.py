@@ -6,8 +6,13 @@ its own CollectorRegistry, so their numbers stay apart in one process.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draft_service.app import start_draft_server
 from draft_service.drafters import ModelDrafter
 from gateway.app import start_gateway_server
-from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_common.cli import build_parser
 from specd_common.config import ServerConfig
 from specd_common.models import load_causal_lm
@@ -183,3 +188,52 @@ def test_a_cancelled_stream_leaves_no_active_generation(services):
     assert value(gateway, "specd_queue_depth", service="gateway") == 0
     assert value(gateway, "specd_requests_total", service="gateway", method="GenerateStream", code="CANCELLED") >= 1
     assert value(gateway, "specd_request_finish_total", finish_reason="cancelled") >= 1
+
+
+def test_specd_serve_exposes_metrics_on_the_flagged_port(tmp_path):
+    """The CLI path: `specd serve draft --metrics-port N` in its own process, scraped over HTTP."""
+    grpc_port, metrics_port = free_ports(2)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, SPECD_LOG_LEVEL="WARNING")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), str(repo / "protos"), env.get("PYTHONPATH")]))
+    command = [
+        sys.executable, "-m", "specd_common.cli", "serve", "draft", "--drafter", "ngram", "--host", "127.0.0.1",
+        "--port", str(grpc_port), "--metrics-port", str(metrics_port),
+    ]
+    log_path = tmp_path / "draft.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(
+                common_pb2.GetModelInfoRequest(), timeout=60, wait_for_ready=True
+            )
+        assert info.drafter == "ngram"
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert value(samples, "specd_requests_total", service="draft", method="GetModelInfo", code="OK") == 1
+        assert value(samples, "specd_active_sessions", service="draft") == 0
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 0, log_path.read_text()[-2000:]
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -7,7 +7,7 @@ from typing import Sequence
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
 from specd_common.config import ServerConfig
-from specd_common.server import RunningServer, start_server
+from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 
 
@@ -26,6 +26,4 @@ def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Seq
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers, interceptors)
-    running.servicer = servicer
-    return running
+    return start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)

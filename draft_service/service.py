@@ -10,6 +10,7 @@ from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore
+from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 
 MAX_DRAFT_TOKENS = 32
@@ -43,7 +44,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
         self._check_ids(request.commit.append_token_ids, "commit.append_token_ids")
         with self.sessions.use(request.session_id) as session:
-            session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            with kv_rollback(session.sequence):
+                session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
             proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))
         return draft_pb2.ProposeResponse(

@@ -9,7 +9,8 @@ from gateway.backends import Backends
 from gateway.engine import DRAFT_TIMEOUT_S
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
-from specd_common.server import RunningServer, channel, start_server
+from specd_common.metrics import GatewayMetrics
+from specd_common.server import RunningServer, channel, start_observed_server
 
 
 def start_gateway_server(
@@ -32,9 +33,10 @@ def start_gateway_server(
     servicer = GenerateServicer(backends, num_draft_tokens, draft_timeout_s, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + max_waiting + 8
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, workers)
-    running.servicer = servicer
-    return running
+    return start_observed_server(
+        "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
+        metrics=GatewayMetrics(), max_workers=workers,
+    )
 
 
 def split_addresses(addresses: Optional[str | Sequence[str]]) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import grpc
 import numpy as np
 
+from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.backends import Backends, Pool
@@ -148,16 +149,16 @@ class Generation:
 
     def run(self) -> Iterator[Chunk]:
         """Yield one Chunk per round until a stop condition; sessions are released on every exit path."""
+        observer = GenerationObserver(self)  # spans and metrics (gateway/observe.py)
         try:
-            self._open_verify()
-            if self.speculate:
-                self._open_draft()
+            observer.prefill(self._open_sessions)
             while self._is_active():
-                chunk = self._round()
+                chunk = observer.round(self._round)
                 yield chunk
                 if chunk.finish_reason:
                     return
         finally:
+            observer.finish()
             self._release()
 
     def _round(self) -> Chunk:
@@ -178,6 +179,11 @@ class Generation:
         return self._emit(outcome.emitted(drafts))
 
     # --- sessions ------------------------------------------------------------------------------
+    def _open_sessions(self) -> None:
+        self._open_verify()
+        if self.speculate:
+            self._open_draft()
+
     def _timeout(self) -> float:
         remaining = self._time_remaining()  # None, or a huge number, when the client set no deadline
         return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from specd_common.metrics import DEFAULT_METRICS_PORTS
+
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
 
 
@@ -39,6 +41,7 @@ class ServerConfig:
     session_idle_timeout_s: float = 300.0
     grace_s: float = 10.0
     max_workers: int = 32
+    metrics_port: int = -1  # Prometheus /metrics: > 0 that port, 0 a free one, < 0 off (the CLI defaults to 946x)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -48,6 +51,7 @@ class ServerConfig:
             max_sessions=args.max_sessions,
             session_idle_timeout_s=args.session_idle_timeout,
             grace_s=args.grace,
+            metrics_port=args.metrics_port,
         )
 
 
@@ -57,6 +61,7 @@ def add_server_flags(parser: argparse.ArgumentParser, service: str) -> None:
     add_flag(parser, "max-sessions", 64, "concurrent sessions before RESOURCE_EXHAUSTED")
     add_flag(parser, "session-idle-timeout", 300.0, "seconds after which an untouched session is freed")
     add_flag(parser, "grace", 10.0, "seconds in-flight requests get to finish on SIGTERM")
+    add_flag(parser, "metrics-port", DEFAULT_METRICS_PORTS[service], "Prometheus /metrics port (0 = a free one, -1 = off)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:

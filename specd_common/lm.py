@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
+from specd_common.telemetry import model_forward
 
 
 class KVSession(TokenSequence):
@@ -61,6 +62,6 @@ class CausalLM:
     @torch.inference_mode()
     def _run(self, session: KVSession, token_ids: Sequence[int]) -> torch.Tensor:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)  # [1, n]
-        with self._forward_lock:
+        with self._forward_lock, model_forward(len(token_ids)):
             output = self.loaded.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
         return output.logits[0].float()  # [n, V]

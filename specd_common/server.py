@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd_common.telemetry import Observability, instrument_channel
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a round of dense float16 distributions is ~100 KB a position
@@ -31,6 +33,7 @@ class RunningServer:
     health: health.HealthServicer
     service_names: Sequence[str]
     servicer: Any = None  # the service's own servicer, for tests and metrics
+    observability: Any = None  # specd_common.telemetry.Observability: tracer, metrics, /metrics endpoint
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -41,6 +44,8 @@ class RunningServer:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.observability is not None:
+            self.observability.close()
 
 
 def start_server(
@@ -69,6 +74,34 @@ def start_server(
     return running
 
 
+def start_observed_server(
+    service: str,
+    add_servicers: Callable[[grpc.Server], None],
+    service_name: str,
+    servicer: Any,
+    sessions: Any,
+    config: Any,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    metrics: Any = None,
+    max_workers: int | None = None,
+) -> RunningServer:
+    """start_server with tracing and metrics for `service` (draft, verify, gateway); observability is the
+    outermost interceptor so every RPC, refused or not, is traced and counted."""
+    observability = Observability.start(service, config.host, config.metrics_port, metrics=metrics)
+    if sessions is not None:
+        observability.metrics.watch_sessions(sessions)
+    running = start_server(
+        add_servicers,
+        [service_name],
+        config.host,
+        config.port,
+        max_workers or config.max_workers,
+        interceptors=[*observability.server_interceptors(), *interceptors],
+    )
+    running.servicer, running.observability = servicer, observability
+    return running
+
+
 def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callable[[], None] = lambda: None) -> None:
     """Block until SIGTERM/SIGINT, then drain gracefully."""
     stop = threading.Event()
@@ -81,5 +114,5 @@ def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callab
 
 
 def channel(address: str) -> grpc.Channel:
-    """An insecure channel to an internal service with specd's message limits."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """An insecure channel to an internal service with specd's message limits and trace propagation."""
+    return instrument_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address)

@@ -75,6 +75,11 @@ class SessionStore(Generic[State]):
         with self._lock:
             return self._entries.pop(session_id, None) is not None
 
+    def snapshot(self) -> list[State]:
+        """The open sessions' states, for metrics (read them, do not mutate them)."""
+        with self._lock:
+            return [entry.state for entry in self._entries.values()]
+
     def expire_idle(self) -> list[str]:
         """Drop sessions idle longer than the timeout and not in use; return their ids."""
         now = self._clock()

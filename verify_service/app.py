@@ -6,7 +6,7 @@ from typing import Sequence
 
 from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
-from specd_common.server import RunningServer, start_server
+from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 from verify_service.scorer import Scorer
 from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
@@ -16,6 +16,4 @@ def start_verify_server(loaded: LoadedModel, config: ServerConfig, interceptors:
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
     servicer = VerifyServicer(Scorer(loaded), sessions)
-    running = start_server(lambda s: add_to_server(servicer, s), [SERVICE_NAME], config.host, config.port, config.max_workers, interceptors)
-    running.servicer = servicer
-    return running
+    return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)

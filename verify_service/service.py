@@ -8,6 +8,7 @@ from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore
+from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
@@ -39,7 +40,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         validate_token_ids(drafts, self.vocab_size, "draft_token_ids")
         validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
         with self.sessions.use(request.session_id) as session:
-            session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            with kv_rollback(session.sequence):
+                session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
             scores = self.scorer.score(session, drafts)
         return verify_pb2.VerifyResponse(

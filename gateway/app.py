@@ -21,6 +21,7 @@ def start_gateway_server(
     connect_timeout_s: float = 300.0,
     draft_timeout_s: float = DRAFT_TIMEOUT_S,
     max_waiting: int = 64,
+    draft_length_policy: str = "adaptive",
 ) -> RunningServer:
     """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
 
@@ -30,7 +31,11 @@ def start_gateway_server(
     draft = {address: channel(address) for address in split_addresses(draft_addresses)}
     backends = Backends.connect(verify, draft, connect_timeout_s)
     admission = Admission(max_active=config.max_sessions, max_waiting=max_waiting)
-    servicer = GenerateServicer(backends, num_draft_tokens, draft_timeout_s, admission)
+    if draft_length_policy not in ("adaptive", "fixed"):
+        raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {draft_length_policy!r}")
+    servicer = GenerateServicer(
+        backends, num_draft_tokens, draft_timeout_s, admission, adaptive_by_default=draft_length_policy == "adaptive"
+    )
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + max_waiting + 8
     return start_observed_server(

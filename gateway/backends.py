@@ -15,6 +15,7 @@ from typing import Generic, Optional, Sequence, TypeVar
 
 import grpc
 
+from gateway.adaptive import StepCosts
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
 from specd_common.errors import FailedPrecondition, Unavailable
@@ -56,6 +57,7 @@ class Backends:
     target_info: common_pb2.GetModelInfoResponse
     draft_info: Optional[common_pb2.GetModelInfoResponse]
     tokenizer: GatewayTokenizer
+    costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
 
     @classmethod
     def connect(

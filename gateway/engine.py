@@ -23,6 +23,7 @@ import numpy as np
 from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
+from gateway.adaptive import AcceptanceEstimate, best_draft_length
 from gateway.backends import Backends, Pool
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common.distributions import decode_distribution
@@ -36,6 +37,7 @@ RELEASE_TIMEOUT_S = 5.0
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 DRAFT_BACKOFF_S = 1.0
 DRAFT_MAX_BACKOFF_S = 30.0
+PROBE_EVERY_ROUNDS = 8  # adaptive k: after this many rounds without drafts, draft one token to re-measure
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.NOT_FOUND,  # the replica restarted and lost the session
@@ -62,6 +64,7 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()
     speculate: bool = True
     num_draft_tokens: int = 3
+    adaptive: bool = True  # choose k each round (gateway.adaptive); num_draft_tokens is then the cap
 
 
 @dataclass
@@ -140,6 +143,8 @@ class Generation:
         self._draft = Link()
         self._draft_retry_at = 0.0
         self._draft_backoff_s = DRAFT_BACKOFF_S
+        self._acceptance = AcceptanceEstimate()
+        self._rounds_since_draft = 0
         self._opened: list[tuple[Any, str]] = []  # (stub, session id) to release at the end
         self._sessions_opened = 0
 
@@ -164,11 +169,17 @@ class Generation:
     def _round(self) -> Chunk:
         # 1. Propose (skipped when the draft is down or no tokens are left to draft)
         k = self._draft_length()
+        started = time.perf_counter()
         drafts, draft_probs = self._propose(k) if k > 0 else ([], [])
+        proposed = time.perf_counter()
         # 2. Verify, on another replica if this one fails
         scores = self._verify_drafts(drafts)
+        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
+        if k > 0:
+            self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores)
+        self._acceptance.update(len(drafts), outcome.accepted)
         # 4. Commit (both services learn it on their next request) and emit
         self._verify.sync.agreed += outcome.accepted
         if drafts:
@@ -260,7 +271,15 @@ class Generation:
         if not self._draft.open:
             return 0
         left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
-        return max(0, min(self.spec.num_draft_tokens, left - 1))
+        cap = max(0, min(self.spec.num_draft_tokens, left - 1))
+        if not self.spec.adaptive:
+            return cap
+        k = best_draft_length(self._acceptance.value, cap, self.backends.costs.round_cost_s)
+        self._rounds_since_draft = 0 if k else self._rounds_since_draft + 1
+        if self._rounds_since_draft > PROBE_EVERY_ROUNDS:  # a one-token probe keeps the estimate current
+            self._rounds_since_draft = 0
+            return min(1, cap)
+        return k
 
     def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution]]:
         stub = self.backends.draft.stubs[self._draft.index]

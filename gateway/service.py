@@ -24,6 +24,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
 CHAT_ROLES = ("system", "user", "assistant")
+_POLICIES = {generate_pb2.DRAFT_LENGTH_POLICY_FIXED, generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE}
 _FINISH = {
     FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
@@ -38,8 +39,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         default_draft_tokens: int = 3,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
         admission: Optional[Admission] = None,
+        adaptive_by_default: bool = True,
     ):
         self.backends = backends
+        self.adaptive_by_default = adaptive_by_default
         self.admission = admission or Admission(max_active=64, max_waiting=64)
         self.default_draft_tokens = default_draft_tokens
         self.draft_timeout_s = draft_timeout_s
@@ -108,7 +111,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             stop=tuple(request.stop),
             speculate=not request.disable_speculation,
             num_draft_tokens=k,
+            adaptive=self._adaptive(request),
         )
+
+    def _adaptive(self, request: generate_pb2.GenerateRequest) -> bool:
+        """The server default is adaptive, except for seeded sampling: the adaptive k follows measured
+        timings, and a different k consumes the seed's random numbers differently, so "same seed, same
+        output" would break. Greedy output never depends on k."""
+        policy = request.draft_length_policy
+        if policy == generate_pb2.DRAFT_LENGTH_POLICY_UNSPECIFIED:
+            seeded_sampling = request.HasField("seed") and request.sampling.temperature > 0
+            return self.adaptive_by_default and not seeded_sampling
+        require(policy in _POLICIES, f"draft_length_policy {policy} is not one of {sorted(_POLICIES)}")
+        return policy == generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE
 
     def prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         tokenizer = self.backends.tokenizer

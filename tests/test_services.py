@@ -17,6 +17,8 @@ from specd_common.errors import FailedPrecondition
 from tests.conftest import start_cluster
 
 REPO = Path(__file__).resolve().parents[1]
+FIXED = generate_pb2.DRAFT_LENGTH_POLICY_FIXED
+ADAPTIVE = generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE
 PROMPTS = ["hello world", "the quick brown fox", "def add(a, b):", "Natalia sold clips to 48 of her friends"]
 
 
@@ -44,7 +46,7 @@ def wait_for_no_sessions(cluster, timeout_s: float = 10.0) -> dict:
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_speculation_equals_target_only_and_transformers(cluster, tiny, prompt):
     stub = cluster.stub()
-    speculative = generate(stub, text=prompt, max_new_tokens=40)
+    speculative = generate(stub, text=prompt, max_new_tokens=40, draft_length_policy=FIXED)
     target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
     assert list(speculative.token_ids) == list(target_only.token_ids)
     assert speculative.text == target_only.text
@@ -58,11 +60,30 @@ def test_greedy_speculation_equals_target_only_and_transformers(cluster, tiny, p
 def test_identical_draft_is_always_accepted(tiny):
     running = start_cluster(tiny.target, "model", tiny.draft_same, num_draft_tokens=4)
     try:
-        reply = generate(running.stub(), text="hello world", max_new_tokens=25)
+        reply = generate(running.stub(), text="hello world", max_new_tokens=25, draft_length_policy=FIXED)
         assert reply.stats.accepted_tokens == reply.stats.draft_tokens
         assert reply.stats.target_passes == 5  # 5 tokens a pass: 4 drafts + the bonus
     finally:
         running.stop()
+
+
+def test_adaptive_draft_length_follows_acceptance(tiny):
+    """A cheap drafter that is mostly right (n-gram on looping text) keeps drafting; an expensive,
+    unrelated model draft is mostly not asked at all. The policy never changes greedy output."""
+    cases = (("ngram", None, lambda fixed, adaptive: adaptive > 1.0),
+             ("model", tiny.draft_other, lambda fixed, adaptive: adaptive < 0.5 * fixed))
+    for drafter, draft_model, check in cases:
+        running = start_cluster(tiny.target, drafter, draft_model, num_draft_tokens=4)
+        try:
+            stub = running.stub()
+            request = dict(text="the quick brown fox", max_new_tokens=80)
+            fixed = generate(stub, **request, draft_length_policy=FIXED)
+            adaptive = generate(stub, **request, draft_length_policy=ADAPTIVE)
+            assert list(adaptive.token_ids) == list(fixed.token_ids)
+            per_pass = [r.stats.draft_tokens / r.stats.target_passes for r in (fixed, adaptive)]
+            assert check(*per_pass), (drafter, per_pass)
+        finally:
+            running.stop()
 
 
 def test_ngram_drafter_is_exact_too(tiny):
@@ -140,7 +161,8 @@ def test_each_round_costs_one_propose_and_one_verify(tiny):
     running = start_cluster(tiny.target, "model", tiny.draft_noisy)
     try:
         running.calls.counts.clear()
-        reply = generate(running.stub(), text="hello world", max_new_tokens=30)
+        # FIXED: every round drafts (under ADAPTIVE a round may choose k = 0 and skip the draft call)
+        reply = generate(running.stub(), text="hello world", max_new_tokens=30, draft_length_policy=FIXED)
         counts = running.calls.counts
         passes = reply.stats.target_passes
         assert counts["Verify"] == passes
@@ -161,6 +183,7 @@ BAD_REQUESTS = {
     "top_p above one": dict(text="hi", sampling=common_pb2.SamplingParams(temperature=1, top_p=2)),
     "negative top_k": dict(text="hi", sampling=common_pb2.SamplingParams(top_k=-5)),
     "too many drafts": dict(text="hi", num_draft_tokens=99),
+    "unknown draft length policy": dict(text="hi", draft_length_policy=7),
     "token id out of vocabulary": dict(token_ids=generate_pb2.TokenIds(ids=[1, 10**6])),
     "negative token id": dict(token_ids=generate_pb2.TokenIds(ids=[-3])),
     "empty token ids": dict(token_ids=generate_pb2.TokenIds(ids=[])),

@@ -55,7 +55,10 @@ def test_system_samples_follow_the_target(tiny, warp):
     try:
         stub = running.stub()
         sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)
-        request = dict(text="hello world", max_new_tokens=3, sampling=sampling)
+        request = dict(
+            text="hello world", max_new_tokens=3, sampling=sampling,
+            draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED,  # always draft: exercise the rule
+        )
         prompt = list(stub.Generate(generate_pb2.GenerateRequest(**request, seed=0), timeout=30).prompt_token_ids)
         firsts, accepted = [], 0
         for seed in range(1000):

@@ -211,3 +211,50 @@ def test_admission_wait_is_bounded_by_the_deadline():
         with pytest.raises(ResourceExhausted, match="within 0.1"):
             with admission.slot(deadline_s=0.1):
                 pass
+
+
+# --- adaptive draft length ------------------------------------------------------------------------
+def test_best_draft_length_trades_acceptance_against_cost():
+    from gateway.adaptive import best_draft_length
+
+    flat = lambda k: 1.0  # noqa: E731  verifying more positions is free: draft as much as allowed
+    assert best_draft_length(0.8, 4, flat) == 4
+    steep = lambda k: 1.0 + 0.5 * k  # noqa: E731  each draft costs half a target step
+    assert best_draft_length(0.1, 4, steep) == 0  # drafts that are rarely accepted are not worth it
+    measured = {0: 0.052, 1: 0.057, 2: 0.059, 3: 0.080, 4: 0.101}.get  # feasibility.md's step costs
+    assert best_draft_length(0.7, 4, measured) == 2
+
+
+def test_step_costs_are_measured_and_extrapolated_optimistically():
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=0.5)
+    assert costs.round_cost_s(3) == 1.0  # nothing measured yet
+    costs.observe_verify(1, 0.05)
+    costs.observe_verify(3, 0.06)
+    costs.observe_draft(2, 0.004)
+    assert costs.verify_s(2) == 0.05 and costs.verify_s(4) == 0.06
+    assert costs.round_cost_s(4) == pytest.approx(0.06 + 0.008)
+    costs.observe_verify(3, 0.08)
+    assert costs.verify_s(3) == pytest.approx(0.07)
+
+
+def test_acceptance_estimate_ignores_drafts_after_the_first_rejection():
+    from gateway.adaptive import AcceptanceEstimate
+
+    estimate = AcceptanceEstimate(prior=0.9, prior_weight=1e-9, decay=1.0)
+    for _ in range(10):
+        estimate.update(drafted=4, accepted=1)  # accept, reject, (two unexamined)
+    assert estimate.value == pytest.approx(0.5)
+
+
+def test_acceptance_estimate_returns_to_the_prior_when_not_drafting():
+    from gateway.adaptive import AcceptanceEstimate
+
+    estimate = AcceptanceEstimate(prior=0.5)
+    for _ in range(5):
+        estimate.update(drafted=3, accepted=0)
+    low = estimate.value
+    for _ in range(30):
+        estimate.update(drafted=0, accepted=0)
+    assert low < 0.2 and estimate.value == pytest.approx(0.5, abs=0.05)

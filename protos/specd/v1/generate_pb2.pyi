@@ -8,12 +8,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftLengthPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_LENGTH_POLICY_UNSPECIFIED: _ClassVar[DraftLengthPolicy]
+    DRAFT_LENGTH_POLICY_FIXED: _ClassVar[DraftLengthPolicy]
+    DRAFT_LENGTH_POLICY_ADAPTIVE: _ClassVar[DraftLengthPolicy]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+DRAFT_LENGTH_POLICY_UNSPECIFIED: DraftLengthPolicy
+DRAFT_LENGTH_POLICY_FIXED: DraftLengthPolicy
+DRAFT_LENGTH_POLICY_ADAPTIVE: DraftLengthPolicy
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -40,7 +49,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens")
+    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens", "draft_length_policy")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +60,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_POLICY_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -61,7 +71,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     disable_speculation: bool
     num_draft_tokens: int
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    draft_length_policy: DraftLengthPolicy
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., draft_length_policy: _Optional[_Union[DraftLengthPolicy, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

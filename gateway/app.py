@@ -22,6 +22,7 @@ def start_gateway_server(
     draft_timeout_s: float = DRAFT_TIMEOUT_S,
     max_waiting: int = 64,
     draft_length_policy: str = "adaptive",
+    max_speculative_requests: int = 0,
 ) -> RunningServer:
     """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
 
@@ -34,7 +35,8 @@ def start_gateway_server(
     if draft_length_policy not in ("adaptive", "fixed"):
         raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {draft_length_policy!r}")
     servicer = GenerateServicer(
-        backends, num_draft_tokens, draft_timeout_s, admission, adaptive_by_default=draft_length_policy == "adaptive"
+        backends, num_draft_tokens, draft_timeout_s, admission, adaptive_by_default=draft_length_policy == "adaptive",
+        max_speculative_requests=max_speculative_requests,
     )
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + max_waiting + 8

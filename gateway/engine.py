@@ -125,8 +125,10 @@ class Generation:
         time_remaining: Callable[[], Optional[float]] = lambda: None,
         is_active: Callable[[], bool] = lambda: True,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
+        speculation_allowed: Callable[[], bool] = lambda: True,
     ):
         self.backends = backends
+        self._speculation_allowed = speculation_allowed
         self.spec = spec
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
@@ -268,8 +270,8 @@ class Generation:
             return 0
         if not self._draft.open and time.monotonic() >= self._draft_retry_at:
             self._open_draft()
-        if not self._draft.open:
-            return 0
+        if not self._draft.open or not self._speculation_allowed():
+            return 0  # no draft, or the server is busy enough that drafts would cost throughput
         left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
         cap = max(0, min(self.spec.num_draft_tokens, left - 1))
         if not self.spec.adaptive:

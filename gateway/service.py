@@ -40,8 +40,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
         admission: Optional[Admission] = None,
         adaptive_by_default: bool = True,
+        max_speculative_requests: int = 0,
     ):
         self.backends = backends
+        self.max_speculative_requests = max_speculative_requests
         self.adaptive_by_default = adaptive_by_default
         self.admission = admission or Admission(max_active=64, max_waiting=64)
         self.default_draft_tokens = default_draft_tokens
@@ -81,7 +83,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             time_remaining=context.time_remaining,
             is_active=context.is_active,
             draft_timeout_s=self.draft_timeout_s,
+            speculation_allowed=self._speculation_allowed,
         )
+
+    def _speculation_allowed(self) -> bool:
+        """Under load the target is busy anyway and drafts cost throughput: plain decoding, as servers do."""
+        return not self.max_speculative_requests or self.admission.active <= self.max_speculative_requests
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:
         """Validate a GenerateRequest (INVALID_ARGUMENT that says what to fix) and turn it into a spec."""

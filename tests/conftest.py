@@ -95,6 +95,7 @@ def start_cluster(
     idle_timeout_s: float = 300.0,
     num_draft_tokens: int = 3,
     max_waiting: int = 64,
+    max_speculative_requests: int = 0,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets)."""
     from draft_service.app import make_drafter, start_draft_server
@@ -116,6 +117,7 @@ def start_cluster(
         num_draft_tokens=num_draft_tokens,
         connect_timeout_s=30,
         max_waiting=max_waiting,
+        max_speculative_requests=max_speculative_requests,
     )
     return Cluster(verify, draft, gateway, calls)
 

@@ -86,6 +86,24 @@ def test_adaptive_draft_length_follows_acceptance(tiny):
             running.stop()
 
 
+def test_speculation_pauses_under_load(tiny):
+    """Past max_speculative_requests running requests, rounds are target-only; the output is unchanged."""
+    running = start_cluster(tiny.target, "model", tiny.draft_same, max_speculative_requests=1)
+    try:
+        stub = running.stub()
+        alone = generate(stub, text="hello world", max_new_tokens=20, draft_length_policy=FIXED)
+        holder = stub.GenerateStream(
+            generate_pb2.GenerateRequest(text="hello", max_new_tokens=480, disable_speculation=True), timeout=60
+        )
+        next(holder)  # one request is running: a second one makes two, above the limit
+        busy = generate(stub, text="hello world", max_new_tokens=20, draft_length_policy=FIXED)
+        holder.cancel()
+        assert alone.stats.draft_tokens > 0 and busy.stats.draft_tokens == 0
+        assert list(busy.token_ids) == list(alone.token_ids)
+    finally:
+        running.stop()
+
+
 def test_ngram_drafter_is_exact_too(tiny):
     running = start_cluster(tiny.target, "ngram")
     try:

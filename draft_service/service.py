@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import grpc
 
@@ -9,7 +11,7 @@ from draft_service.drafters import DraftSession, Drafter
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
-from specd_common.sessions import SessionStore
+from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 
@@ -36,6 +38,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         warp = Warp.from_proto(request.sampling)
         session = self.drafter.open(list(request.prompt_token_ids), warp)
         self.sessions.create(request.session_id, session)
+        drop_if_abandoned(self.sessions, request.session_id, context)
         return draft_pb2.DraftPrefillResponse(sequence_length=len(session.sequence.tokens))
 
     @grpc_errors
@@ -47,9 +50,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
+            started = time.perf_counter()
             proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))
+            model_seconds = time.perf_counter() - started
         return draft_pb2.ProposeResponse(
-            token_ids=proposal.token_ids, draft_probs=proposal.draft_probs, sequence_length=length
+            token_ids=proposal.token_ids,
+            draft_probs=proposal.draft_probs,
+            sequence_length=length,
+            model_seconds=model_seconds,
         )
 
     @grpc_errors

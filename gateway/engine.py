@@ -72,6 +72,24 @@ class SpeculationStats:
     target_passes: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    draft_tokens_per_position: list[int] = field(default_factory=list)  # [max k seen]
+    accepted_tokens_per_position: list[int] = field(default_factory=list)  # [max k seen]
+    wire_bytes: int = 0  # Propose + Verify messages, both directions
+    round_seconds: float = 0.0
+    model_seconds: float = 0.0  # inside the services' model work
+
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """One target pass with `drafted` drafts of which the first `accepted` were kept."""
+        self.target_passes += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.draft_tokens_per_position)
+        if grow > 0:
+            self.draft_tokens_per_position += [0] * grow
+            self.accepted_tokens_per_position += [0] * grow
+        for position in range(drafted):
+            self.draft_tokens_per_position[position] += 1
+            self.accepted_tokens_per_position[position] += position < accepted
 
 
 @dataclass
@@ -186,9 +204,8 @@ class Generation:
         self._verify.sync.agreed += outcome.accepted
         if drafts:
             self._draft.sync.agreed += outcome.accepted
-        self.stats.target_passes += 1
-        self.stats.draft_tokens += len(drafts)
-        self.stats.accepted_tokens += outcome.accepted
+        self.stats.count_round(len(drafts), outcome.accepted)
+        self.stats.round_seconds += time.perf_counter() - started
         return self._emit(outcome.emitted(drafts))
 
     # --- sessions ------------------------------------------------------------------------------
@@ -297,6 +314,7 @@ class Generation:
             self._draft_down(self.backends.draft.addresses[self._draft.index], error)
             return [], []
         self._draft.sync.agreed = len(self.sequence)
+        self._account(request, proposal)
         return list(proposal.token_ids), list(proposal.draft_probs)
 
     def _verify_drafts(self, drafts: list[int]) -> verify_pb2.VerifyResponse:
@@ -314,7 +332,13 @@ class Generation:
                 self._open_verify()
                 continue
             self._verify.sync.agreed = len(self.sequence)
+            self._account(request, scores)
             return scores
+
+    def _account(self, request: Any, response: Any) -> None:
+        """Bytes on the wire and time inside the model, for the overhead numbers in the stats."""
+        self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
+        self.stats.model_seconds += response.model_seconds
 
     def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
         if self.spec.warp.greedy:

@@ -166,7 +166,14 @@ def _usage(generation: Generation) -> generate_pb2.Usage:
 def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
     stats = generation.stats
     return generate_pb2.SpeculationStats(
-        target_passes=stats.target_passes, draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens
+        target_passes=stats.target_passes,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        draft_tokens_per_position=stats.draft_tokens_per_position,
+        accepted_tokens_per_position=stats.accepted_tokens_per_position,
+        wire_bytes=stats.wire_bytes,
+        round_seconds=stats.round_seconds,
+        model_seconds=stats.model_seconds,
     )
 
 

@@ -42,6 +42,10 @@ class FailedPrecondition(SpecdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Cancelled(SpecdError):
+    code = grpc.StatusCode.CANCELLED
+
+
 class Unavailable(SpecdError):
     code = grpc.StatusCode.UNAVAILABLE
 

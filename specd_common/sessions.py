@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterator, TypeVar
 
-from specd_common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from specd_common.errors import AlreadyExists, Cancelled, InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +117,11 @@ class SessionStore(Generic[State]):
 def validate_session_id(session_id: str) -> None:
     if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
         raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters")
+
+
+def drop_if_abandoned(store: SessionStore, session_id: str, context) -> None:
+    """After a slow Prefill: if the caller gave up meanwhile (deadline, cancel), its Release may already
+    have come and gone, so free the session now instead of leaving it to the idle reaper."""
+    if not context.is_active():
+        store.release(session_id)
+        raise Cancelled(f"session {session_id!r} was opened after the caller gave up; it has been released")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
-from specd_common.sessions import SessionStore
+from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
@@ -31,6 +33,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         warp = Warp.from_proto(request.sampling)
         session = self.scorer.open(list(request.prompt_token_ids), warp)
         self.sessions.create(request.session_id, session)
+        drop_if_abandoned(self.sessions, request.session_id, context)
         return verify_pb2.VerifyPrefillResponse(sequence_length=len(session.sequence.tokens))
 
     @grpc_errors
@@ -43,9 +46,14 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
+            started = time.perf_counter()
             scores = self.scorer.score(session, drafts)
+            model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
-            argmax_token_ids=scores.argmax_token_ids, target_probs=scores.target_probs, sequence_length=length
+            argmax_token_ids=scores.argmax_token_ids,
+            target_probs=scores.target_probs,
+            sequence_length=length,
+            model_seconds=model_seconds,
         )
 
     @grpc_errors

@@ -36,11 +36,13 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "sequence_length")
+    __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ...) -> None: ...
+    model_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ...) -> None: ...

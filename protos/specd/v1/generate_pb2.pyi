@@ -83,14 +83,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens")
+    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_tokens_per_position: _containers.RepeatedScalarFieldContainer[int]
+    wire_bytes: int
+    round_seconds: float
+    model_seconds: float
+    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats")

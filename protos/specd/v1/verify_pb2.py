@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/verify.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"p\n\x14VerifyPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"0\n\x15VerifyPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\"^\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\"q\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12,\n\x0ctarget_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x32\xa7\x02\n\rVerifyService\x12J\n\x07Prefill\x12\x1e.specd.v1.VerifyPrefillRequest\x1a\x1f.specd.v1.VerifyPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/verify.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"p\n\x14VerifyPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\"0\n\x15VerifyPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\"^\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\"\x88\x01\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12,\n\x0ctarget_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x12\x15\n\rmodel_seconds\x18\x04 \x01(\x01\x32\xa7\x02\n\rVerifyService\x12J\n\x07Prefill\x12\x1e.specd.v1.VerifyPrefillRequest\x1a\x1f.specd.v1.VerifyPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYPREFILLRESPONSE']._serialized_end=220
   _globals['_VERIFYREQUEST']._serialized_start=222
   _globals['_VERIFYREQUEST']._serialized_end=316
-  _globals['_VERIFYRESPONSE']._serialized_start=318
-  _globals['_VERIFYRESPONSE']._serialized_end=431
-  _globals['_VERIFYSERVICE']._serialized_start=434
-  _globals['_VERIFYSERVICE']._serialized_end=729
+  _globals['_VERIFYRESPONSE']._serialized_start=319
+  _globals['_VERIFYRESPONSE']._serialized_end=455
+  _globals['_VERIFYSERVICE']._serialized_start=458
+  _globals['_VERIFYSERVICE']._serialized_end=753
 # @@protoc_insertion_point(module_scope)

@@ -34,11 +34,13 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length")
+    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ...) -> None: ...
+    model_seconds: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ...) -> None: ...

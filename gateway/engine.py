@@ -77,12 +77,14 @@ class SpeculationStats:
     wire_bytes: int = 0  # Propose + Verify messages, both directions
     round_seconds: float = 0.0
     model_seconds: float = 0.0  # inside the services' model work
+    rejected_rounds: int = 0
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
         self.target_passes += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        self.rejected_rounds += accepted < drafted
         grow = drafted - len(self.draft_tokens_per_position)
         if grow > 0:
             self.draft_tokens_per_position += [0] * grow

@@ -174,6 +174,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         wire_bytes=stats.wire_bytes,
         round_seconds=stats.round_seconds,
         model_seconds=stats.model_seconds,
+        rejected_rounds=stats.rejected_rounds,
     )
 
 

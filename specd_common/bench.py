@@ -1,18 +1,27 @@
 """`specd bench`: the same prompts through target-only, specd, and in-process transformers baselines.
 
-Modes: target_only (the services with speculation off), specd (speculation on), hf_target
-(transformers generate, target alone) and hf_assisted (transformers generate with the same kind of
-draft: prompt lookup for the n-gram drafter). Greedy, one stream at a time. Reports tokens/s,
-speedup over target-only, acceptance, tokens per target pass against (1 - α^(k+1)) / (1 - α),
-time to first token and inter-token latency, overall and per task kind.
+Modes (keys of the JSON report):
+  target_only   the services with speculation off (one target pass per token)
+  specd         speculation on, adaptive draft length (the server default)
+  specd_k<N>    speculation on with a fixed k = N (each N in --fixed-k), to compare with adaptive
+  hf_target     transformers `generate`, the target alone, in this process
+  hf_assisted   transformers `generate` with the same kind of draft: the same draft model, or its
+                prompt-lookup assistant for the n-gram drafter
+Greedy. Reports tokens/s, speedup (services modes over target_only, hf modes over hf_target),
+acceptance overall and per draft position, tokens per target pass against (1 − α^(k+1)) / (1 − α),
+time to first token, p50/p95 inter-token latency, bytes on the wire per round and the share of a
+round spent outside the two models; overall and per task kind (the prompt file's `category`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
+import threading
 import time
 from collections import defaultdict
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -20,6 +29,8 @@ import grpc
 
 from gateway.rejection import expected_tokens_per_pass
 from specd.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,10 +41,8 @@ class Sample:
     tokens: int
     seconds: float
     ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks, per token
-    target_passes: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # per token, from the gaps between streamed chunks
+    stats: Optional[generate_pb2.SpeculationStats] = None
 
 
 def load_prompts(path: str, limit: int) -> list[dict]:
@@ -47,36 +56,44 @@ def load_prompts(path: str, limit: int) -> list[dict]:
     return rows
 
 
-def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, speculate: bool, k: int) -> list[Sample]:
-    """Stream each prompt through the gateway; time the first token and the gaps between chunks."""
-    samples = []
+def stream_one(stub, row: dict, max_new_tokens: int, **fields) -> Sample:
+    """One streamed request; timestamps give time to first token and inter-token latency."""
+    request = generate_pb2.GenerateRequest(text=row["prompt"], max_new_tokens=max_new_tokens, **fields)
+    sample = Sample(category=row.get("category", "all"), tokens=0, seconds=0.0)
+    started = last = time.perf_counter()
+    for message in stub.GenerateStream(request, timeout=900):
+        now = time.perf_counter()
+        if message.token_ids:
+            if sample.tokens == 0:
+                sample.ttft_s = now - started
+            else:
+                sample.itl_s += [(now - last) / len(message.token_ids)] * len(message.token_ids)
+            sample.tokens += len(message.token_ids)
+            last = now
+        if message.finish_reason:
+            sample.stats = message.stats
+    sample.seconds = time.perf_counter() - started
+    return sample
+
+
+def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concurrency: int, progress, **fields) -> tuple[list[Sample], float]:
+    """All rows through the gateway with `concurrency` streams at a time; returns samples and wall seconds."""
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        for row in rows:
-            request = generate_pb2.GenerateRequest(
-                text=row["prompt"], max_new_tokens=max_new_tokens, disable_speculation=not speculate, num_draft_tokens=k
-            )
-            started = last = time.perf_counter()
-            sample = Sample(category=row.get("category", "all"), tokens=0, seconds=0.0)
-            for message in stub.GenerateStream(request, timeout=600):
-                now = time.perf_counter()
-                if sample.tokens == 0:
-                    sample.ttft_s = now - started
-                elif message.token_ids:
-                    sample.itl_s += [(now - last) / len(message.token_ids)] * len(message.token_ids)
-                sample.tokens += len(message.token_ids)
-                last = now
-                if message.finish_reason:
-                    sample.target_passes = message.stats.target_passes
-                    sample.draft_tokens = message.stats.draft_tokens
-                    sample.accepted_tokens = message.stats.accepted_tokens
-            sample.seconds = time.perf_counter() - started
-            samples.append(sample)
-    return samples
+        stream_one(stub, rows[0], 8, **fields)  # warm-up, not counted: first-call allocations, caches
+        started = time.perf_counter()
+        with futures.ThreadPoolExecutor(concurrency) as pool:
+            calls = [pool.submit(stream_one, stub, row, max_new_tokens, **fields) for row in rows]
+            samples = []
+            for call in futures.as_completed(calls):
+                samples.append(call.result())
+                progress()
+        return samples, time.perf_counter() - started
 
 
-def run_hf_mode(target_spec: str, rows: list[dict], max_new_tokens: int, prompt_lookup: Optional[int]) -> list[Sample]:
-    """transformers generate in this process, greedy; prompt_lookup=k uses its prompt-lookup assistant."""
+def run_hf_mode(target_spec: str, draft_spec: str, rows: list[dict], max_new_tokens: int, k: Optional[int], progress) -> tuple[list[Sample], float]:
+    """transformers generate in this process, greedy, one prompt at a time. k: assisted, with the draft
+    model (draft_spec) or, without one, transformers' prompt-lookup assistant (k tokens)."""
     import torch
 
     from gateway.tokenizer import GatewayTokenizer
@@ -84,8 +101,18 @@ def run_hf_mode(target_spec: str, rows: list[dict], max_new_tokens: int, prompt_
 
     loaded = load_causal_lm(target_spec)
     tokenizer = GatewayTokenizer(describe_model(loaded))
-    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    extra: dict = {}
+    if k and draft_spec:
+        assistant = load_causal_lm(draft_spec).model
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        extra = {"assistant_model": assistant}
+    elif k:
+        extra = {"prompt_lookup_num_tokens": k}
     samples = []
+    with torch.inference_mode():  # warm-up, not counted
+        loaded.model.generate(torch.tensor([tokenizer.encode_prompt(rows[0]["prompt"], raw=False)]), max_new_tokens=8, do_sample=False, **extra)
+    wall = time.perf_counter()
     for row in rows:
         ids = torch.tensor([tokenizer.encode_prompt(row["prompt"], raw=False)])
         started = time.perf_counter()
@@ -93,62 +120,139 @@ def run_hf_mode(target_spec: str, rows: list[dict], max_new_tokens: int, prompt_
             out = loaded.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
         seconds = time.perf_counter() - started
         samples.append(Sample(category=row.get("category", "all"), tokens=out.shape[1] - ids.shape[1], seconds=seconds))
-    return samples
+        progress()
+    return samples, time.perf_counter() - wall
 
 
-def summarize(samples: Iterable[Sample], k: int) -> dict:
+def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None) -> dict:
     samples = list(samples)
     tokens = sum(s.tokens for s in samples)
-    seconds = sum(s.seconds for s in samples)
-    drafts = sum(s.draft_tokens for s in samples)
-    accepted = sum(s.accepted_tokens for s in samples)
-    passes = sum(s.target_passes for s in samples)
-    gaps = sorted(g for s in samples for g in s.itl_s)
+    seconds = wall_s if wall_s is not None else sum(s.seconds for s in samples)
     summary = {"prompts": len(samples), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}
+    stats = [s.stats for s in samples if s.stats is not None]
+    passes = sum(s.target_passes for s in stats)
     if passes:
-        alpha = accepted / drafts if drafts else 0.0
+        drafted = sum(s.draft_tokens for s in stats)
+        accepted = sum(s.accepted_tokens for s in stats)
+        examined = accepted + sum(s.rejected_rounds for s in stats)
+        alpha = accepted / examined if examined else 0.0  # per-token acceptance, as in the formula
+        round_s = sum(s.round_seconds for s in stats)
         summary.update(
-            acceptance_rate=round(alpha, 4),
+            acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+            alpha=round(alpha, 4),
+            drafts_per_pass=round(drafted / passes, 3),
             tokens_per_target_pass=round(tokens / passes, 3),
-            predicted_tokens_per_pass=round(expected_tokens_per_pass(alpha, k), 3) if drafts else 1.0,
+            predicted_tokens_per_pass=round(expected_tokens_per_pass(alpha, round(drafted / passes)), 3),
             mean_accepted_per_round=round(accepted / passes, 3),
+            acceptance_per_position=_per_position(stats),
+            wire_bytes_per_round=round(sum(s.wire_bytes for s in stats) / passes),
+            outside_models_share=round(1 - sum(s.model_seconds for s in stats) / round_s, 4) if round_s else None,
         )
     if any(s.ttft_s for s in samples):
         summary["ttft_ms_p50"] = round(1000 * statistics.median(s.ttft_s for s in samples), 1)
+    gaps = sorted(g for s in samples for g in s.itl_s)
     if gaps:
         summary["itl_ms_p50"] = round(1000 * gaps[len(gaps) // 2], 1)
         summary["itl_ms_p95"] = round(1000 * gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))], 1)
     return summary
 
 
-def report(results: dict[str, list[Sample]], k: int) -> dict:
-    """JSON report: per mode, overall and per task kind, with speedup over target_only."""
+def _per_position(stats: list) -> list[float]:
+    """Acceptance rate of the i-th draft of a round, given that it was proposed."""
+    width = max((len(s.draft_tokens_per_position) for s in stats), default=0)
+    drafted, accepted = [0] * width, [0] * width
+    for s in stats:
+        for i, (d, a) in enumerate(zip(s.draft_tokens_per_position, s.accepted_tokens_per_position)):
+            drafted[i] += d
+            accepted[i] += a
+    return [round(a / d, 4) if d else 0.0 for d, a in zip(drafted, accepted)]
+
+
+def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
+    """JSON report: per mode, overall and per task kind, with speedups."""
     out: dict = {"k": k, "modes": {}}
-    for mode, samples in results.items():
+    for mode, (samples, wall_s) in results.items():
         by_kind = defaultdict(list)
         for sample in samples:
             by_kind[sample.category].append(sample)
-        out["modes"][mode] = {"overall": summarize(samples, k), "by_category": {c: summarize(s, k) for c, s in by_kind.items()}}
-    base = out["modes"].get("target_only", {}).get("overall", {}).get("tokens_per_s")
-    hf_base = out["modes"].get("hf_target", {}).get("overall", {}).get("tokens_per_s")
+        out["modes"][mode] = {
+            "overall": summarize(samples, k, wall_s),
+            "by_category": {c: summarize(s, k) for c, s in sorted(by_kind.items())},
+        }
     for mode, entry in out["modes"].items():
-        reference = hf_base if mode.startswith("hf_") else base
+        reference = out["modes"].get("hf_target" if mode.startswith("hf_") else "target_only")
         if reference:
-            entry["overall"]["speedup"] = round(entry["overall"]["tokens_per_s"] / reference, 3)
+            entry["overall"]["speedup"] = round(entry["overall"]["tokens_per_s"] / reference["overall"]["tokens_per_s"], 3)
+            for kind, summary in entry["by_category"].items():
+                base = reference["by_category"].get(kind, {}).get("tokens_per_s")
+                if base:
+                    summary["speedup"] = round(summary["tokens_per_s"] / base, 3)
     return out
 
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | tokens/s | speedup | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
         o = entry["overall"]
         per_pass = f"{o['tokens_per_target_pass']} ({o['predicted_tokens_per_pass']})" if "tokens_per_target_pass" in o else "-"
         itl = f"{o['itl_ms_p50']} / {o['itl_ms_p95']}" if "itl_ms_p50" in o else "-"
+        outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
             f"| {mode} | {o['tokens_per_s']} | {o.get('speedup', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
-            f"| {o.get('ttft_ms_p50', '-')} | {itl} |"
+            f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
         )
     return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """PNG: speedup per task kind for each mode, and acceptance per draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    modes = [m for m in result["modes"] if m != "target_only" and m != "hf_target"]
+    kinds = sorted({k for m in modes for k in result["modes"][m]["by_category"]})
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        speedups = [result["modes"][mode]["by_category"].get(k, {}).get("speedup", 0) for k in kinds]
+        left.bar([x + i * width for x in range(len(kinds))], speedups, width, label=mode)
+        per_position = result["modes"][mode]["overall"].get("acceptance_per_position")
+        if per_position:
+            right.plot(range(1, len(per_position) + 1), per_position, marker="o", label=mode)
+    left.axhline(1.0, color="gray", linewidth=0.8)
+    left.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(kinds))], kinds)
+    left.set_ylabel("speedup over target-only")
+    left.set_title("speedup per task kind")
+    left.legend(fontsize=8)
+    right.set_xlabel("draft position in round")
+    right.set_ylabel("acceptance")
+    right.set_ylim(0, 1)
+    right.set_title("acceptance per draft position")
+    right.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+class Progress:
+    """A progress bar over all modes' requests (tqdm when stderr is a terminal, log lines otherwise)."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, unit="prompt", desc="bench")
+        self._lock = threading.Lock()
+
+    def stage(self, name: str) -> None:
+        self._bar.set_description(f"bench {name}")
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -66,16 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
     up.set_defaults(func=run_up)
 
-    bench = commands.add_parser("bench", help="compare target-only, specd and transformers on a prompt file")
+    bench = commands.add_parser("bench", help="compare target-only, specd and transformers on prompt files")
     bench.add_argument("--prompts", required=True, nargs="+", help="JSONL files, a prompt (and category) a line")
     bench.add_argument("--limit", type=int, default=8, help="first N prompts of each file")
     bench.add_argument("--max-new-tokens", type=int, default=64)
-    bench.add_argument("--num-draft-tokens", type=int, default=3)
-    bench.add_argument("--gateway", default="", help="a running gateway; default: start `specd up` on free ports")
-    bench.add_argument("--target", default=DEFAULT_TARGET, help="target for the in-process transformers modes")
+    bench.add_argument("--concurrency", type=int, default=1, help="streams at a time in the service modes")
+    bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
+    bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
+    bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
+    bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
+    bench.add_argument("--drafter", default="ngram", help="ngram or model (local stack and hf_assisted)")
+    bench.add_argument("--draft-model", default="", help="draft model with --drafter model")
+    bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
-    bench.add_argument("--output", default="", help="also write the JSON report to this file")
+    bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
 
     generate = commands.add_parser("generate", help="send one request to a gateway")
@@ -243,33 +248,43 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd_common import bench
 
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
+    service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
+    fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
+    service_modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in args.fixed_k]
+    hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
+    progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
     children: dict = {}
     address = args.gateway
     if not address:
-        address, children = start_local_stack(args.target, args.num_draft_tokens)
+        address, children = start_local_stack(args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads)
+    results = {}
     try:
-        results = {}
-        for mode, speculate in (("target_only", False), ("specd", True)):
-            log.info("bench: %s on %d prompts", mode, len(rows))
-            results[mode] = bench.run_service_mode(address, rows, args.max_new_tokens, speculate, args.num_draft_tokens)
+        for mode, fields in service_modes:
+            progress.stage(mode)
+            results[mode] = bench.run_service_mode(address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
     finally:
         for child in children.values():
             child.send_signal(signal.SIGTERM)
             child.wait(timeout=60)
-    if not args.no_hf:
-        for mode, lookup in (("hf_target", None), ("hf_assisted", args.num_draft_tokens)):
-            log.info("bench: %s on %d prompts", mode, len(rows))
-            results[mode] = bench.run_hf_mode(args.target, rows, args.max_new_tokens, lookup)
+    for mode, k in hf_modes:
+        progress.stage(mode)
+        results[mode] = bench.run_hf_mode(args.target, args.draft_model, rows, args.max_new_tokens, k, progress)
+    progress.close()
     report = bench.report(results, args.num_draft_tokens)
-    report["settings"] = {"prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    report["settings"] = {
+        "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency, "drafter": args.drafter, "draft_model": args.draft_model,
+        "target": args.target, "threads": args.threads,
+    }
     if args.output:
         with open(args.output, "w") as out:
             json.dump(report, out, indent=2)
+        bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
     print(json.dumps(report, indent=2) if args.json else bench.markdown_table(report))
     return 0
 
 
-def start_local_stack(target: str, num_draft_tokens: int) -> tuple[str, dict]:
+def start_local_stack(target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int) -> tuple[str, dict]:
     """The three services as child processes on free ports; returns the gateway address and the children."""
     import socket
 
@@ -278,7 +293,9 @@ def start_local_stack(target: str, num_draft_tokens: int) -> tuple[str, dict]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
-    children = spawn_services("127.0.0.1", dict(zip(("gateway", "draft", "verify"), ports)), target, "ngram", "", 0, num_draft_tokens)
+    children = spawn_services(
+        "127.0.0.1", dict(zip(("gateway", "draft", "verify"), ports)), target, drafter, draft_model, threads, num_draft_tokens
+    )
     address = f"127.0.0.1:{ports[0]}"
     if not wait_until_serving(address, children, {"requested": False}):
         raise SystemExit("the local stack did not start; see the log above")

@@ -258,3 +258,26 @@ def test_acceptance_estimate_returns_to_the_prior_when_not_drafting():
     for _ in range(30):
         estimate.update(drafted=0, accepted=0)
     assert low < 0.2 and estimate.value == pytest.approx(0.5, abs=0.05)
+
+
+# --- bench report --------------------------------------------------------------------------------
+def test_bench_report_computes_speedup_and_alpha():
+    from specd.v1 import generate_pb2
+    from specd_common.bench import Sample, markdown_table, report
+
+    stats = generate_pb2.SpeculationStats(
+        target_passes=10, draft_tokens=30, accepted_tokens=15, rejected_rounds=8,
+        draft_tokens_per_position=[10, 10, 10], accepted_tokens_per_position=[8, 5, 2],
+        wire_bytes=2000, round_seconds=1.0, model_seconds=0.9,
+    )
+    results = {
+        "target_only": ([Sample("math", tokens=25, seconds=2.5)], 2.5),
+        "specd": ([Sample("math", tokens=25, seconds=1.0, stats=stats)], 1.0),
+    }
+    out = report(results, k=3)
+    specd = out["modes"]["specd"]["overall"]
+    assert specd["speedup"] == 2.5 and out["modes"]["specd"]["by_category"]["math"]["speedup"] == 2.5
+    assert specd["alpha"] == round(15 / 23, 4) and specd["tokens_per_target_pass"] == 2.5
+    assert specd["acceptance_per_position"] == [0.8, 0.5, 0.2]
+    assert specd["wire_bytes_per_round"] == 200 and specd["outside_models_share"] == 0.1
+    assert "| specd | 25.0 | 2.5 |" in markdown_table(out)

@@ -23,6 +23,7 @@ def start_gateway_server(
     max_waiting: int = 64,
     draft_length_policy: str = "adaptive",
     max_speculative_requests: int = 0,
+    overlap: bool = False,
 ) -> RunningServer:
     """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
 
@@ -37,6 +38,7 @@ def start_gateway_server(
     servicer = GenerateServicer(
         backends, num_draft_tokens, draft_timeout_s, admission, adaptive_by_default=draft_length_policy == "adaptive",
         max_speculative_requests=max_speculative_requests,
+        overlap=overlap,
     )
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + max_waiting + 8

@@ -78,6 +78,8 @@ class SpeculationStats:
     round_seconds: float = 0.0
     model_seconds: float = 0.0  # inside the services' model work
     rejected_rounds: int = 0
+    lookahead_rounds: int = 0  # overlap: look-aheads drafted while the target verified
+    lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -146,8 +148,11 @@ class Generation:
         is_active: Callable[[], bool] = lambda: True,
         draft_timeout_s: float = DRAFT_TIMEOUT_S,
         speculation_allowed: Callable[[], bool] = lambda: True,
+        overlap: bool = False,
     ):
         self.backends = backends
+        self.overlap = overlap
+        self._lookahead: tuple[list[int], list] = ([], [])  # next round's drafts, made during this one
         self._speculation_allowed = speculation_allowed
         self.spec = spec
         self.request_id = uuid.uuid4().hex
@@ -189,15 +194,20 @@ class Generation:
             self._release()
 
     def _round(self) -> Chunk:
-        # 1. Propose (skipped when the draft is down or no tokens are left to draft)
+        # 1. Propose (skipped when the draft is down or no tokens are left to draft; with overlap,
+        #    the drafts may already have been made while the last round was being verified)
         k = self._draft_length()
         started = time.perf_counter()
-        drafts, draft_probs = self._propose(k) if k > 0 else ([], [])
+        drafts, draft_probs = self._take_lookahead(k)
+        if k > 0 and not drafts:
+            drafts, draft_probs = self._propose(k)
         proposed = time.perf_counter()
-        # 2. Verify, on another replica if this one fails
+        # 2. Verify, on another replica if this one fails; with overlap the draft meanwhile drafts
+        #    the next round, assuming every draft of this one is accepted
+        lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts)
         self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
-        if k > 0:
+        if k > 0 and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores)
@@ -206,6 +216,8 @@ class Generation:
         self._verify.sync.agreed += outcome.accepted
         if drafts:
             self._draft.sync.agreed += outcome.accepted
+        if lookahead is not None:
+            self._finish_lookahead(lookahead, outcome)
         self.stats.count_round(len(drafts), outcome.accepted)
         self.stats.round_seconds += time.perf_counter() - started
         return self._emit(outcome.emitted(drafts))
@@ -263,6 +275,7 @@ class Generation:
     def _draft_down(self, address: str, error: grpc.RpcError) -> None:
         log.warning("draft %s failed (%s); target-only rounds for %.1f s", address, error.code(), self._draft_backoff_s)
         self._draft.index = None
+        self._lookahead = ([], [])
         self._draft_retry_at = time.monotonic() + self._draft_backoff_s
         self._draft_backoff_s = min(self._draft_backoff_s * 2, DRAFT_MAX_BACKOFF_S)
 
@@ -318,6 +331,42 @@ class Generation:
         self._draft.sync.agreed = len(self.sequence)
         self._account(request, proposal)
         return list(proposal.token_ids), list(proposal.draft_probs)
+
+    # --- overlap (PEARL-style look-ahead) ------------------------------------------------------
+    def _start_lookahead(self, drafts: list[int], k: int):
+        """While the target verifies `drafts`, ask the draft for k + 1 more tokens after them. The first
+        is its guess of the bonus token; if every draft is accepted and the guess is right, the other
+        k are next round's drafts, drawn from q in exactly the context they will be verified in."""
+        request = draft_pb2.ProposeRequest(
+            session_id=self._draft.session_id,
+            commit=common_pb2.Commit(prefix_length=len(self.sequence) + len(drafts)),
+            num_draft_tokens=k + 1,
+            seed=int(self.rng.integers(2**63)),
+        )
+        stub = self.backends.draft.stubs[self._draft.index]
+        return request, stub.Propose.future(request, timeout=self._draft_timeout())
+
+    def _finish_lookahead(self, lookahead, outcome: RoundOutcome) -> None:
+        """Keep the look-ahead's drafts when it guessed this round's bonus token; drop them otherwise.
+        Waiting for it even when it is useless keeps the RNG order, hence seeded output, deterministic."""
+        request, call = lookahead
+        try:
+            reply = call.result()
+        except grpc.RpcError as error:
+            self._draft_down(self.backends.draft.addresses[self._draft.index], error)
+            return
+        self._account(request, reply)
+        self.stats.lookahead_rounds += 1
+        if outcome.bonus and reply.token_ids and reply.token_ids[0] == outcome.next_token:
+            self._draft.sync.agreed += 1  # the bonus token is the draft's own first look-ahead token
+            self._lookahead = (list(reply.token_ids[1:]), list(reply.draft_probs[1:]))
+            self.stats.lookahead_hits += 1
+
+    def _take_lookahead(self, k: int) -> tuple[list[int], list[common_pb2.Distribution]]:
+        """Drafts kept from the last round's look-ahead (at most k), or none."""
+        drafts, probs = self._lookahead
+        self._lookahead = ([], [])
+        return drafts[:k], probs[:k]
 
     def _verify_drafts(self, drafts: list[int]) -> verify_pb2.VerifyResponse:
         while True:

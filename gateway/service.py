@@ -41,8 +41,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         admission: Optional[Admission] = None,
         adaptive_by_default: bool = True,
         max_speculative_requests: int = 0,
+        overlap: bool = False,
     ):
         self.backends = backends
+        self.overlap = overlap
         self.max_speculative_requests = max_speculative_requests
         self.adaptive_by_default = adaptive_by_default
         self.admission = admission or Admission(max_active=64, max_waiting=64)
@@ -84,6 +86,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             is_active=context.is_active,
             draft_timeout_s=self.draft_timeout_s,
             speculation_allowed=self._speculation_allowed,
+            overlap=self.overlap,
         )
 
     def _speculation_allowed(self) -> bool:
@@ -175,6 +178,8 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         round_seconds=stats.round_seconds,
         model_seconds=stats.model_seconds,
         rejected_rounds=stats.rejected_rounds,
+        lookahead_rounds=stats.lookahead_rounds,
+        lookahead_hits=stats.lookahead_hits,
     )
 
 

@@ -108,6 +108,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
     add_flag(parser, "max-speculative-requests", 0, "above this many running requests, rounds are target-only (0 = no limit)")
+    add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", 5.0, "a Propose slower than this drops to target-only rounds for a while")
@@ -156,6 +157,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         draft_length_policy=args.draft_length_policy,
         max_speculative_requests=args.max_speculative_requests,
+        overlap=args.overlap,
     )
     wait_for_termination(running, args.grace)
 

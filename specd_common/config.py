@@ -15,19 +15,33 @@ from specd_common.metrics import DEFAULT_METRICS_PORTS
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
 
 
+def parse_bool(raw: str) -> bool:
+    """'1', 'true', 'yes', 'on' → True; '0', 'false', 'no', 'off', '' → False; anything else is an error."""
+    value = str(raw).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {raw!r}")
+
+
+def _converter(default: Any):
+    return parse_bool if isinstance(default, bool) else (type(default) if default is not None else str)
+
+
 def env_default(name: str, default: Any) -> Any:
     """The value of SPECD_<NAME> converted to default's type, else default."""
     raw = os.environ.get("SPECD_" + name.upper().replace("-", "_"))
     if raw is None or default is None and raw == "":
         return default
-    return type(default)(raw) if default is not None else raw
+    return _converter(default)(raw)
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, default: Any, help: str, **kwargs: Any) -> None:
     """Add --name with its SPECD_NAME environment default shown in --help."""
     env = "SPECD_" + name.upper().replace("-", "_")
     value = env_default(name, default)
-    kind = kwargs.pop("type", type(default) if default is not None else str)
+    kind = kwargs.pop("type", _converter(default))
     parser.add_argument(f"--{name}", default=value, type=kind, help=f"{help} (env {env}; default {default})", **kwargs)
 
 

@@ -96,6 +96,7 @@ def start_cluster(
     num_draft_tokens: int = 3,
     max_waiting: int = 64,
     max_speculative_requests: int = 0,
+    overlap: bool = False,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets)."""
     from draft_service.app import make_drafter, start_draft_server
@@ -118,6 +119,7 @@ def start_cluster(
         connect_timeout_s=30,
         max_waiting=max_waiting,
         max_speculative_requests=max_speculative_requests,
+        overlap=overlap,
     )
     return Cluster(verify, draft, gateway, calls)
 

@@ -119,6 +119,26 @@ def test_speculation_pauses_under_load(tiny):
         running.stop()
 
 
+@pytest.mark.parametrize("draft", ["draft_same", "draft_noisy"])
+def test_overlapped_drafting_is_exact_and_uses_its_lookahead(tiny, draft):
+    running = start_cluster(tiny.target, "model", getattr(tiny, draft), overlap=True)
+    try:
+        stub = running.stub()
+        for prompt in PROMPTS[:2]:
+            overlapped = generate(stub, text=prompt, max_new_tokens=40, draft_length_policy=FIXED)
+            target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+            assert list(overlapped.token_ids) == list(target_only.token_ids)
+            assert overlapped.stats.lookahead_rounds > 0
+            if draft == "draft_same":  # the draft always guesses the bonus: every look-ahead hits
+                assert overlapped.stats.lookahead_hits == overlapped.stats.lookahead_rounds
+                assert overlapped.stats.draft_tokens == 3 * overlapped.stats.target_passes  # k = 3 every round
+        sampling = common_pb2.SamplingParams(temperature=0.9)
+        seeded = [generate(stub, text="hello", max_new_tokens=20, sampling=sampling, seed=3).token_ids for _ in range(2)]
+        assert seeded[0] == seeded[1]
+    finally:
+        running.stop()
+
+
 def test_ngram_drafter_is_exact_too(tiny):
     running = start_cluster(tiny.target, "ngram")
     try:

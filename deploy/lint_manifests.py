@@ -5,6 +5,9 @@ design says: draft and verify are separate GPU workloads behind headless Service
 container has gRPC health probes and resource requests and limits, only the gateway is reachable
 from outside the namespace, metrics are scrapeable, traces have an OTLP endpoint, and the drain
 timings fit together (SPECD_GRACE < terminationGracePeriodSeconds, liveness never fires while draining).
+Security: no pod uses the host's network or ports, the model Services are never exposed outside the
+cluster, TLS settings agree between the gateway and the model services, and a TLS port is probed
+through the plaintext health port (Kubernetes' gRPC probes cannot speak TLS).
 
 Usage: python deploy/lint_manifests.py RENDERED.yaml [...]   (exit status 1 on any finding)
 """
@@ -113,10 +116,17 @@ def lint(path: Path) -> list:
             problem(f"{name}: SPECD_PORT should be {port}")
         if config_value(objects, env, env_from, "SPECD_HOST") != "0.0.0.0":
             problem(f"{name}: SPECD_HOST should be 0.0.0.0")
+        tls_on = bool(config_value(objects, env, env_from, "SPECD_TLS_CERT"))
+        health_port = int(config_value(objects, env, env_from, "SPECD_HEALTH_PORT") or -1)
+        probe_port = health_port if health_port >= 0 else port
+        if tls_on and health_port < 0:
+            problem(f"{name}: TLS on {port} needs SPECD_HEALTH_PORT: Kubernetes' gRPC probes cannot speak TLS")
+        if health_port >= 0 and ports.get("health") != health_port:
+            problem(f"{name}: container port 'health' should be SPECD_HEALTH_PORT {health_port}")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             grpc_probe = container.get(probe, {}).get("grpc")
-            if not grpc_probe or grpc_probe.get("port") != port:
-                problem(f"{name}: {probe} must be a grpc probe on port {port}")
+            if not grpc_probe or grpc_probe.get("port") != probe_port:
+                problem(f"{name}: {probe} must be a grpc probe on port {probe_port}")
         readiness = container.get("readinessProbe", {}).get("grpc", {})
         if readiness and readiness.get("service") != HEALTH_SERVICES[component]:
             problem(f"{name}: readinessProbe should check the health of {HEALTH_SERVICES[component]}")
@@ -130,6 +140,13 @@ def lint(path: Path) -> list:
         liveness = container.get("livenessProbe", {})
         if liveness.get("periodSeconds", 10) * liveness.get("failureThreshold", 3) <= grace:
             problem(f"{name}: livenessProbe could kill a pod that is draining for SPECD_GRACE {grace:g} s")
+
+        # Security: nothing bound on the node's interfaces, past Services and NetworkPolicies.
+        if spec.get("hostNetwork"):
+            problem(f"{name}: hostNetwork exposes every port on the node")
+        for c in containers:
+            if any("hostPort" in p for p in c.get("ports", [])):
+                problem(f"{name}/{c['name']}: hostPort exposes the port on the node")
 
         # Security: non-root, no privilege escalation, no API token.
         if not spec.get("securityContext", {}).get("runAsNonRoot"):
@@ -173,6 +190,8 @@ def lint(path: Path) -> list:
                 problem(f"Service {name} must be headless (clusterIP: None)")
             if component != "gateway" and service.get("publishNotReadyAddresses"):
                 problem(f"Service {name} must not publish unready pods")
+            if component != "gateway" and (service.get("type", "ClusterIP") != "ClusterIP" or service.get("externalIPs")):
+                problem(f"Service {name} must stay inside the cluster (ClusterIP, no externalIPs): only the gateway is public")
 
         # Disruption budget.
         if not any(selects(p["spec"]["selector"], labels) for p in find(objects, "PodDisruptionBudget")):
@@ -200,9 +219,35 @@ def lint(path: Path) -> list:
             if not grpc_rules:
                 problem(f"{name}: no NetworkPolicy admits the gateway on {port}")
 
+    problems += [f"{path.name}: {message}" for message in tls_agreement(objects)]
     hpas = [h for h in find(objects, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == "specd-gateway"]
     if not hpas:
         problem("no HorizontalPodAutoscaler for specd-gateway")
+    return problems
+
+
+def container_env(objects: list, component: str, name: str) -> str | None:
+    """A SPECD_* setting of the component's container (env or its ConfigMaps), None when unset or no such Deployment."""
+    deployments = find(objects, "Deployment", f"specd-{component}")
+    if not deployments:
+        return None
+    container = deployments[0]["spec"]["template"]["spec"]["containers"][0]
+    return config_value(objects, container.get("env", []), container.get("envFrom", []), name)
+
+
+def tls_agreement(objects: list) -> list:
+    """The gateway dials draft and verify the way they listen: TLS to TLS, a client cert where one is required."""
+    problems = []
+    gateway_tls = bool(container_env(objects, "gateway", "SPECD_TLS_CA"))
+    gateway_cert = bool(container_env(objects, "gateway", "SPECD_TLS_CLIENT_CERT"))
+    for component in ("draft", "verify"):
+        server_tls = bool(container_env(objects, component, "SPECD_TLS_CERT"))
+        mutual = bool(container_env(objects, component, "SPECD_TLS_CLIENT_CA"))
+        if server_tls != gateway_tls:
+            problems.append(f"specd-{component} TLS {'on' if server_tls else 'off'} but the gateway's SPECD_TLS_CA is "
+                            f"{'set' if gateway_tls else 'unset'}: the gateway could not connect")
+        if mutual and not gateway_cert:
+            problems.append(f"specd-{component} requires client certificates but the gateway has no SPECD_TLS_CLIENT_CERT")
     return problems
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 from gateway.admission import Admission
@@ -10,7 +11,11 @@ from gateway.engine import DRAFT_TIMEOUT_S
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
+from specd_common.security import BearerTokenInterceptor, ClientTLS
 from specd_common.server import RunningServer, channel, start_observed_server
+
+log = logging.getLogger(__name__)
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 def start_gateway_server(
@@ -24,13 +29,17 @@ def start_gateway_server(
     draft_length_policy: str = "adaptive",
     max_speculative_requests: int = 0,
     overlap: bool = False,
+    backend_tls: Optional[ClientTLS] = None,
+    auth_token: str = "",
 ) -> RunningServer:
     """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
 
     Addresses may be lists (or comma-separated): each request pins one replica of each service.
+    backend_tls is how the gateway dials them (TLS / mutual TLS); config.tls is its own public port;
+    auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
     """
-    verify = {address: channel(address) for address in split_addresses(verify_addresses)}
-    draft = {address: channel(address) for address in split_addresses(draft_addresses)}
+    verify = {address: channel(address, backend_tls) for address in split_addresses(verify_addresses)}
+    draft = {address: channel(address, backend_tls) for address in split_addresses(draft_addresses)}
     backends = Backends.connect(verify, draft, connect_timeout_s)
     admission = Admission(max_active=config.max_sessions, max_waiting=max_waiting)
     if draft_length_policy not in ("adaptive", "fixed"):
@@ -42,10 +51,19 @@ def start_gateway_server(
     )
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + max_waiting + 8
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    warn_plaintext_token(config, auth_token)
     return start_observed_server(
         "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
-        metrics=GatewayMetrics(), max_workers=workers,
+        interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers,
     )
+
+
+def warn_plaintext_token(config: ServerConfig, auth_token: str) -> None:
+    """A bearer token over plaintext off loopback can be sniffed: allowed (TLS may end at a proxy), but said."""
+    if auth_token and not config.tls.enabled and config.host not in LOOPBACK_HOSTS:
+        log.warning("--auth-token without --tls-cert on %s: tokens cross the network in clear text "
+                    "unless a proxy in front terminates TLS", config.host)
 
 
 def split_addresses(addresses: Optional[str | Sequence[str]]) -> list[str]:

@@ -3,6 +3,10 @@
   specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
   specd up [--target M] [--drafter ngram|model --draft-model M]   all three on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
+      [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
+
+Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
+--tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on the gateway.
 """
 
 from __future__ import annotations
@@ -17,7 +21,16 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from specd_common.config import DEFAULT_PORTS, ServerConfig, add_flag, add_model_flags, add_server_flags
+from specd_common.config import (
+    DEFAULT_PORTS,
+    ServerConfig,
+    add_client_tls_flags,
+    add_flag,
+    add_model_flags,
+    add_server_flags,
+    client_tls_from_args,
+)
+from specd_common.security import SecurityConfigError, bearer_metadata, load_token
 
 log = logging.getLogger("specd")
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
@@ -30,7 +43,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(
         level=os.environ.get("SPECD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except SecurityConfigError as error:
+        log.error("%s", error)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    generate.add_argument("--tls", action="store_true", help="TLS with the system's trust roots (implied by --tls-ca)")
+    add_client_tls_flags(generate, "the gateway")
+    add_flag(generate, "token", "", "bearer token sent as 'authorization: Bearer <token>'")
     generate.set_defaults(func=run_generate)
     return parser
 
@@ -112,6 +132,9 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", 5.0, "a Propose slower than this drops to target-only rounds for a while")
+    add_client_tls_flags(parser, "draft and verify")
+    add_flag(parser, "auth-token", "", "require 'authorization: Bearer <token>' on the public API ('' = open)")
+    add_flag(parser, "auth-token-file", "", "read the bearer token from this file (a mounted Secret)")
 
 
 def _set_threads(threads: int) -> None:
@@ -158,6 +181,8 @@ def serve_gateway(args: argparse.Namespace) -> None:
         draft_length_policy=args.draft_length_policy,
         max_speculative_requests=args.max_speculative_requests,
         overlap=args.overlap,
+        backend_tls=client_tls_from_args(args),
+        auth_token=load_token(args.auth_token, args.auth_token_file),
     )
     wait_for_termination(running, args.grace)
 
@@ -184,7 +209,9 @@ def run_up(args: argparse.Namespace) -> int:
         log.info("specd is up: gateway %s (draft %s:%d, verify %s:%d)", gateway_address, args.host, args.draft_port, args.host, args.verify_port)
         if args.demo:
             log.info("demo prompt: %s", args.demo)
-            run_generate(build_parser().parse_args(["generate", "--gateway", gateway_address, "--prompt", args.demo]))
+            token = load_token(os.environ.get("SPECD_AUTH_TOKEN", ""), os.environ.get("SPECD_AUTH_TOKEN_FILE", ""))
+            demo = ["generate", "--gateway", gateway_address, "--prompt", args.demo, "--token", token]
+            run_generate(build_parser().parse_args(demo))
             if args.exit_after_demo:
                 return 0
         log.info("serving until Ctrl-C")
@@ -308,6 +335,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import grpc
 
     from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+    from specd_common.security import open_channel
 
     request = generate_pb2.GenerateRequest(
         text=args.prompt,
@@ -320,17 +348,18 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if args.seed is not None:
         request.seed = args.seed
-    with grpc.insecure_channel(args.gateway) as channel:
+    metadata = bearer_metadata(args.token)
+    with open_channel(args.gateway, client_tls_from_args(args, force=args.tls)) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         started = time.perf_counter()
         try:
             if args.stream and not args.json:
-                for message in stub.GenerateStream(request, timeout=args.timeout):
+                for message in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
                     sys.stdout.write(message.text)
                     sys.stdout.flush()
                 sys.stdout.write("\n")
                 return 0
-            response = stub.Generate(request, timeout=args.timeout)
+            response = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as error:
             sys.stderr.write(f"specd generate: {error.code().name}: {error.details()}\n")
             return 2

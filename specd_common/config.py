@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd_common.metrics import DEFAULT_METRICS_PORTS
+from specd_common.security import ClientTLS, ServerTLS
 
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
 
@@ -56,6 +57,14 @@ class ServerConfig:
     grace_s: float = 10.0
     max_workers: int = 32
     metrics_port: int = -1  # Prometheus /metrics: > 0 that port, 0 a free one, < 0 off (the CLI defaults to 946x)
+    tls_cert: str = ""  # PEM files; cert + key turn TLS on for the gRPC port
+    tls_key: str = ""
+    tls_client_ca: str = ""  # also require client certificates signed by this CA (mutual TLS)
+    health_port: int = -1  # plaintext grpc.health.v1 only (Kubernetes probes cannot speak TLS); < 0 off
+
+    @property
+    def tls(self) -> ServerTLS:
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -66,6 +75,10 @@ class ServerConfig:
             session_idle_timeout_s=args.session_idle_timeout,
             grace_s=args.grace,
             metrics_port=args.metrics_port,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            health_port=args.health_port,
         )
 
 
@@ -76,6 +89,22 @@ def add_server_flags(parser: argparse.ArgumentParser, service: str) -> None:
     add_flag(parser, "session-idle-timeout", 300.0, "seconds after which an untouched session is freed")
     add_flag(parser, "grace", 10.0, "seconds in-flight requests get to finish on SIGTERM")
     add_flag(parser, "metrics-port", DEFAULT_METRICS_PORTS[service], "Prometheus /metrics port (0 = a free one, -1 = off)")
+    add_flag(parser, "tls-cert", "", "PEM certificate chain for this port; with --tls-key turns TLS on")
+    add_flag(parser, "tls-key", "", "PEM private key for --tls-cert")
+    add_flag(parser, "tls-client-ca", "", "PEM CA bundle: require client certificates it signed (mutual TLS)")
+    add_flag(parser, "health-port", -1, "extra plaintext port serving only grpc.health.v1, for probes when TLS is on (-1 = off)")
+
+
+def add_client_tls_flags(parser: argparse.ArgumentParser, peer: str) -> None:
+    """How this process dials `peer` over TLS; any of the files turns TLS on."""
+    add_flag(parser, "tls-ca", "", f"PEM CA bundle trusted for {peer}'s certificate (turns TLS on toward {peer})")
+    add_flag(parser, "tls-client-cert", "", f"PEM client certificate presented to {peer} (mutual TLS)")
+    add_flag(parser, "tls-client-key", "", "PEM private key for --tls-client-cert")
+    add_flag(parser, "tls-server-name", "", f"name to check {peer}'s certificate against instead of the address's host")
+
+
+def client_tls_from_args(args: argparse.Namespace, force: bool = False) -> ClientTLS:
+    return ClientTLS.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name, force)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:

@@ -7,12 +7,13 @@ import signal
 import threading
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd_common.security import ClientTLS, ServerTLS, open_channel
 from specd_common.telemetry import Observability, instrument_channel
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class RunningServer:
     service_names: Sequence[str]
     servicer: Any = None  # the service's own servicer, for tests and metrics
     observability: Any = None  # specd_common.telemetry.Observability: tracer, metrics, /metrics endpoint
+    health_server: Optional[grpc.Server] = None  # plaintext health-only port (probes), when configured
+    health_port: int = -1
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -44,6 +47,8 @@ class RunningServer:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         if self.observability is not None:
             self.observability.close()
 
@@ -55,8 +60,15 @@ def start_server(
     port: int,
     max_workers: int = 32,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: ServerTLS = ServerTLS(),
+    health_port: int = -1,
 ) -> RunningServer:
-    """Start a server with the given servicers plus grpc.health.v1 and reflection; port 0 picks a free one."""
+    """Start a server with the given servicers plus grpc.health.v1 and reflection; port 0 picks a free one.
+
+    With tls enabled the port speaks only TLS (mutual when tls.client_ca is set); health_port >= 0
+    adds a plaintext port serving nothing but grpc.health.v1, because Kubernetes' gRPC probes
+    cannot do TLS and the health status reveals nothing a probe should not see.
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=list(interceptors)
     )
@@ -64,14 +76,34 @@ def start_server(
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+    bound = bind(server, host, port, tls)
     server.start()
     running = RunningServer(server, bound, health_servicer, service_names)
+    if health_port >= 0:
+        running.health_server, running.health_port = start_health_server(health_servicer, host, health_port)
     running.set_serving(True)
-    log.info("serving %s on %s:%d", ", ".join(service_names), host, bound)
+    security = "plaintext" if not tls.enabled else "mutual TLS" if tls.mutual else "TLS"
+    log.info("serving %s on %s:%d (%s)", ", ".join(service_names), host, bound, security)
     return running
+
+
+def bind(server: grpc.Server, host: str, port: int, tls: ServerTLS = ServerTLS()) -> int:
+    """Add the listening port, TLS or plaintext; the bound port number (port 0 picks one)."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls.enabled else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind {address}")
+    return bound
+
+
+def start_health_server(health_servicer: health.HealthServicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    """A plaintext server with only the shared health servicer: same statuses, no API, no reflection."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = bind(server, host, port)
+    server.start()
+    log.info("health checks (plaintext, grpc.health.v1 only) on %s:%d", host, bound)
+    return server, bound
 
 
 def start_observed_server(
@@ -97,6 +129,8 @@ def start_observed_server(
         config.port,
         max_workers or config.max_workers,
         interceptors=[*observability.server_interceptors(), *interceptors],
+        tls=config.tls,
+        health_port=config.health_port,
     )
     running.servicer, running.observability = servicer, observability
     return running
@@ -113,6 +147,7 @@ def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callab
     on_stop()
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel to an internal service with specd's message limits and trace propagation."""
-    return instrument_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), address)
+def channel(address: str, tls: Optional[ClientTLS] = None) -> grpc.Channel:
+    """A channel to an internal service with specd's message limits and trace propagation;
+    plaintext unless tls is enabled (then TLS, and mutual TLS when it carries a client certificate)."""
+    return instrument_channel(open_channel(address, tls, CHANNEL_OPTIONS), address)

@@ -97,8 +97,19 @@ def start_cluster(
     max_waiting: int = 64,
     max_speculative_requests: int = 0,
     overlap: bool = False,
+    model_tls=None,
+    gateway_tls=None,
+    backend_tls=None,
+    auth_token: str = "",
 ) -> Cluster:
-    """Start the three services in this process (real gRPC over loopback sockets)."""
+    """Start the three services in this process (real gRPC over loopback sockets).
+
+    Security (tests/test_security.py): model_tls / gateway_tls are specd_common.security.ServerTLS for
+    draft+verify / the gateway's public port, backend_tls the gateway's ClientTLS toward draft+verify,
+    auth_token the public API's bearer token. The defaults are plaintext and open, as before.
+    """
+    import dataclasses
+
     from draft_service.app import make_drafter, start_draft_server
     from gateway.app import start_gateway_server
     from specd_common.config import ServerConfig
@@ -107,19 +118,26 @@ def start_cluster(
 
     calls = CallCounter()
     config = ServerConfig(port=0, max_sessions=max_sessions, session_idle_timeout_s=idle_timeout_s)
-    verify = start_verify_server(load_causal_lm(str(target)), config, interceptors=[calls])
+    model_config, gateway_config = config, config
+    if model_tls is not None:
+        model_config = dataclasses.replace(config, tls_cert=model_tls.cert, tls_key=model_tls.key, tls_client_ca=model_tls.client_ca)
+    if gateway_tls is not None:
+        gateway_config = dataclasses.replace(config, tls_cert=gateway_tls.cert, tls_key=gateway_tls.key, tls_client_ca=gateway_tls.client_ca)
+    verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls])
     draft = None
     if drafter:
-        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), config, interceptors=[calls])
+        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), model_config, interceptors=[calls])
     gateway = start_gateway_server(
         f"127.0.0.1:{verify.port}",
         f"127.0.0.1:{draft.port}" if draft else None,
-        config,
+        gateway_config,
         num_draft_tokens=num_draft_tokens,
         connect_timeout_s=30,
         max_waiting=max_waiting,
         max_speculative_requests=max_speculative_requests,
         overlap=overlap,
+        backend_tls=backend_tls,
+        auth_token=auth_token,
     )
     return Cluster(verify, draft, gateway, calls)
 

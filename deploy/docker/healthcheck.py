@@ -2,6 +2,8 @@
 
 Kubernetes uses its native `grpc:` probes instead; this is for `docker run` / compose.
 Checks 127.0.0.1:$SPECD_PORT, overall health (service "") unless an argument names a service.
+With TLS on (SPECD_TLS_CERT) the gRPC port refuses plaintext, so set SPECD_HEALTH_PORT: the server
+then serves grpc.health.v1 alone in plaintext there, and this checks that port instead.
 """
 
 import os
@@ -12,7 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def main() -> int:
-    address = f"127.0.0.1:{os.environ.get('SPECD_PORT', '50051')}"
+    health_port = int(os.environ.get("SPECD_HEALTH_PORT") or -1)
+    port = health_port if health_port >= 0 else os.environ.get("SPECD_PORT", "50051")
+    address = f"127.0.0.1:{port}"
     service = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
         with grpc.insecure_channel(address) as channel:

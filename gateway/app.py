@@ -7,8 +7,7 @@ from typing import Optional, Sequence
 
 from gateway.admission import Admission
 from gateway.backends import Backends
-from gateway.engine import DRAFT_TIMEOUT_S
-from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
+from gateway.service import SERVICE_NAME, GatewayOptions, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
 from specd_common.security import BearerTokenInterceptor, ClientTLS
@@ -22,37 +21,24 @@ def start_gateway_server(
     verify_addresses: str | Sequence[str],
     draft_addresses: Optional[str | Sequence[str]],
     config: ServerConfig,
-    num_draft_tokens: int = 3,
-    connect_timeout_s: float = 300.0,
-    draft_timeout_s: float = DRAFT_TIMEOUT_S,
-    max_waiting: int = 64,
-    draft_length_policy: str = "adaptive",
-    max_speculative_requests: int = 0,
-    overlap: bool = False,
+    options: GatewayOptions = GatewayOptions(),
     backend_tls: Optional[ClientTLS] = None,
-    auth_token: str = "",
 ) -> RunningServer:
-    """Connect to the model services (waiting up to connect_timeout_s for them), then serve.
+    """Connect to the model services (waiting up to options.connect_timeout_s for them), then serve.
 
     Addresses may be lists (or comma-separated): each request pins one replica of each service.
     backend_tls is how the gateway dials them (TLS / mutual TLS); config.tls is its own public port;
-    auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
+    options.auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
     """
     verify = {address: channel(address, backend_tls) for address in split_addresses(verify_addresses)}
     draft = {address: channel(address, backend_tls) for address in split_addresses(draft_addresses)}
-    backends = Backends.connect(verify, draft, connect_timeout_s)
-    admission = Admission(max_active=config.max_sessions, max_waiting=max_waiting)
-    if draft_length_policy not in ("adaptive", "fixed"):
-        raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {draft_length_policy!r}")
-    servicer = GenerateServicer(
-        backends, num_draft_tokens, draft_timeout_s, admission, adaptive_by_default=draft_length_policy == "adaptive",
-        max_speculative_requests=max_speculative_requests,
-        overlap=overlap,
-    )
+    backends = Backends.connect(verify, draft, options.connect_timeout_s)
+    admission = Admission(max_active=config.max_sessions, max_waiting=options.max_waiting)
+    servicer = GenerateServicer(backends, options, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
-    workers = config.max_sessions + max_waiting + 8
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    warn_plaintext_token(config, auth_token)
+    workers = config.max_sessions + options.max_waiting + 8
+    interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
+    warn_plaintext_token(config, options.auth_token)
     return start_observed_server(
         "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
         interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers,

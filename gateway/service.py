@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Optional
 
 import grpc
@@ -32,24 +33,29 @@ _FINISH = {
 }
 
 
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How the gateway runs requests: the flags of `specd serve gateway` that are not about sockets."""
+
+    num_draft_tokens: int = 3  # default k (the cap under the adaptive policy)
+    draft_length_policy: str = "adaptive"  # or "fixed"
+    draft_timeout_s: float = DRAFT_TIMEOUT_S
+    max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
+    max_speculative_requests: int = 0  # above this many running requests, rounds are target-only; 0: no limit
+    overlap: bool = False  # draft the next round while the target verifies
+    connect_timeout_s: float = 300.0
+    auth_token: str = ""  # required as `authorization: Bearer <token>` when set
+
+    def __post_init__(self) -> None:
+        if self.draft_length_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(
-        self,
-        backends: Backends,
-        default_draft_tokens: int = 3,
-        draft_timeout_s: float = DRAFT_TIMEOUT_S,
-        admission: Optional[Admission] = None,
-        adaptive_by_default: bool = True,
-        max_speculative_requests: int = 0,
-        overlap: bool = False,
-    ):
+    def __init__(self, backends: Backends, options: GatewayOptions = GatewayOptions(), admission: Optional[Admission] = None):
         self.backends = backends
-        self.overlap = overlap
-        self.max_speculative_requests = max_speculative_requests
-        self.adaptive_by_default = adaptive_by_default
-        self.admission = admission or Admission(max_active=64, max_waiting=64)
-        self.default_draft_tokens = default_draft_tokens
-        self.draft_timeout_s = draft_timeout_s
+        self.options = options
+        self.admission = admission or Admission(max_active=64, max_waiting=options.max_waiting)
 
     @grpc_errors
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
@@ -84,14 +90,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             spec,
             time_remaining=context.time_remaining,
             is_active=context.is_active,
-            draft_timeout_s=self.draft_timeout_s,
+            draft_timeout_s=self.options.draft_timeout_s,
             speculation_allowed=self._speculation_allowed,
-            overlap=self.overlap,
+            overlap=self.options.overlap,
         )
 
     def _speculation_allowed(self) -> bool:
         """Under load the target is busy anyway and drafts cost throughput: plain decoding, as servers do."""
-        return not self.max_speculative_requests or self.admission.active <= self.max_speculative_requests
+        limit = self.options.max_speculative_requests
+        return not limit or self.admission.active <= limit
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:
         """Validate a GenerateRequest (INVALID_ARGUMENT that says what to fix) and turn it into a spec."""
@@ -102,7 +109,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
         max_new = request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         require(1 <= max_new <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new}")
-        k = request.num_draft_tokens or self.default_draft_tokens
+        k = request.num_draft_tokens or self.options.num_draft_tokens
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
         require(len(request.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         for stop in request.stop:
@@ -131,7 +138,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         policy = request.draft_length_policy
         if policy == generate_pb2.DRAFT_LENGTH_POLICY_UNSPECIFIED:
             seeded_sampling = request.HasField("seed") and request.sampling.temperature > 0
-            return self.adaptive_by_default and not seeded_sampling
+            return self.options.draft_length_policy == "adaptive" and not seeded_sampling
         require(policy in _POLICIES, f"draft_length_policy {policy} is not one of {sorted(_POLICIES)}")
         return policy == generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE
 

@@ -38,6 +38,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from draft_service.app import start_draft_server  # noqa: E402
 from draft_service.drafters import ModelDrafter  # noqa: E402
 from gateway.app import start_gateway_server  # noqa: E402
+from gateway.service import GatewayOptions  # noqa: E402
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc  # noqa: E402
 from specd_common import server as server_module  # noqa: E402
 from specd_common import telemetry  # noqa: E402
@@ -84,7 +85,7 @@ def stacks(target, draft, endpoint: str):
             drafter = start_draft_server(ModelDrafter(draft), config)
             started += [verify, drafter]
             started.append(
-                start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, connect_timeout_s=30)
+                start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, GatewayOptions(connect_timeout_s=30))
             )
             telemetry.Observability.server_interceptors, server_module.instrument_channel = saved
             os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)

@@ -168,21 +168,21 @@ def serve_draft(args: argparse.Namespace) -> None:
 
 def serve_gateway(args: argparse.Namespace) -> None:
     from gateway.app import start_gateway_server
+    from gateway.service import GatewayOptions
     from specd_common.server import wait_for_termination
 
-    running = start_gateway_server(
-        args.verify_address,
-        args.draft_address or None,
-        ServerConfig.from_args(args),
+    options = GatewayOptions(
         num_draft_tokens=args.num_draft_tokens,
-        connect_timeout_s=args.connect_timeout,
+        draft_length_policy=args.draft_length_policy,
         draft_timeout_s=args.draft_timeout,
         max_waiting=args.max_waiting,
-        draft_length_policy=args.draft_length_policy,
         max_speculative_requests=args.max_speculative_requests,
         overlap=args.overlap,
-        backend_tls=client_tls_from_args(args),
+        connect_timeout_s=args.connect_timeout,
         auth_token=load_token(args.auth_token, args.auth_token_file),
+    )
+    running = start_gateway_server(
+        args.verify_address, args.draft_address or None, ServerConfig.from_args(args), options, client_tls_from_args(args)
     )
     wait_for_termination(running, args.grace)
 

@@ -112,6 +112,7 @@ def start_cluster(
 
     from draft_service.app import make_drafter, start_draft_server
     from gateway.app import start_gateway_server
+    from gateway.service import GatewayOptions
     from specd_common.config import ServerConfig
     from specd_common.models import load_causal_lm
     from verify_service.app import start_verify_server
@@ -131,13 +132,15 @@ def start_cluster(
         f"127.0.0.1:{verify.port}",
         f"127.0.0.1:{draft.port}" if draft else None,
         gateway_config,
-        num_draft_tokens=num_draft_tokens,
-        connect_timeout_s=30,
-        max_waiting=max_waiting,
-        max_speculative_requests=max_speculative_requests,
-        overlap=overlap,
+        GatewayOptions(
+            num_draft_tokens=num_draft_tokens,
+            connect_timeout_s=30,
+            max_waiting=max_waiting,
+            max_speculative_requests=max_speculative_requests,
+            overlap=overlap,
+            auth_token=auth_token,
+        ),
         backend_tls=backend_tls,
-        auth_token=auth_token,
     )
     return Cluster(verify, draft, gateway, calls)
 

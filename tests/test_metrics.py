@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draft_service.app import start_draft_server
 from draft_service.drafters import ModelDrafter
 from gateway.app import start_gateway_server
+from gateway.service import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_common.cli import build_parser
 from specd_common.config import ServerConfig
@@ -45,7 +46,7 @@ def services(tmp_path_factory):
         drafter = start_draft_server(ModelDrafter(load_causal_lm(str(draft), device="cpu")), config)
         started.append(drafter)
         gateway = start_gateway_server(
-            f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, num_draft_tokens=3, connect_timeout_s=30
+            f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, GatewayOptions(connect_timeout_s=30)
         )
         started.append(gateway)
         channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")

@@ -218,13 +218,14 @@ def test_model_service_refuses_clients_without_the_right_certificate(secure, pki
 def test_gateway_that_does_not_trust_the_services_cannot_connect(secure, pki):
     """A gateway with the wrong CA fails the handshake and refuses to start instead of serving half-connected."""
     from gateway.app import start_gateway_server
+    from gateway.service import GatewayOptions
     from specd_common.config import ServerConfig
     from specd_common.errors import Unavailable
 
     wrong_ca = ClientTLS.from_files(str(pki.other_ca.pem), *pki.gateway_client)
     with pytest.raises(Unavailable):
         start_gateway_server(
-            f"127.0.0.1:{secure.verify.port}", None, ServerConfig(port=0), connect_timeout_s=1.5, backend_tls=wrong_ca
+            f"127.0.0.1:{secure.verify.port}", None, ServerConfig(port=0), GatewayOptions(connect_timeout_s=1.5), wrong_ca
         )
 
 

@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 
 from gateway.admission import Admission
 from gateway.backends import Backends
-from gateway.service import SERVICE_NAME, GatewayOptions, GenerateServicer, add_to_server
+from gateway.options import GatewayOptions
+from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
 from specd_common.security import BearerTokenInterceptor, ClientTLS

@@ -25,6 +25,7 @@ from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_draft_length
 from gateway.backends import Backends, Pool
+from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common.distributions import decode_distribution
 from specd_common.errors import ResourceExhausted, Unavailable
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RPC_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 5.0
-DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 DRAFT_BACKOFF_S = 1.0
 DRAFT_MAX_BACKOFF_S = 30.0
 PROBE_EVERY_ROUNDS = 8  # adaptive k: after this many rounds without drafts, draft one token to re-measure
@@ -146,15 +146,13 @@ class Generation:
         spec: GenerationSpec,
         time_remaining: Callable[[], Optional[float]] = lambda: None,
         is_active: Callable[[], bool] = lambda: True,
-        draft_timeout_s: float = DRAFT_TIMEOUT_S,
         speculation_allowed: Callable[[], bool] = lambda: True,
-        overlap: bool = False,
+        options: GatewayOptions = GatewayOptions(),
     ):
         self.backends = backends
-        self.overlap = overlap
-        self._lookahead: tuple[list[int], list] = ([], [])  # next round's drafts, made during this one
-        self._speculation_allowed = speculation_allowed
         self.spec = spec
+        self.overlap = options.overlap
+        self.draft_timeout_s = options.draft_timeout_s
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated
@@ -162,9 +160,9 @@ class Generation:
         self.stats = SpeculationStats()
         self.speculate = spec.speculate and len(backends.draft) > 0
         self.max_length = backends.target_info.max_sequence_length
-        self.draft_timeout_s = draft_timeout_s
         self._time_remaining = time_remaining
         self._is_active = is_active
+        self._speculation_allowed = speculation_allowed
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
         self._verify = Link()
         self._draft = Link()
@@ -172,6 +170,7 @@ class Generation:
         self._draft_backoff_s = DRAFT_BACKOFF_S
         self._acceptance = AcceptanceEstimate()
         self._rounds_since_draft = 0
+        self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
         self._opened: list[tuple[Any, str]] = []  # (stub, session id) to release at the end
         self._sessions_opened = 0
 

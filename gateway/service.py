@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from typing import Optional
 
 import grpc
@@ -11,7 +10,8 @@ from google.protobuf.message import DecodeError
 
 from gateway.admission import Admission
 from gateway.backends import Backends
-from gateway.engine import DRAFT_TIMEOUT_S, Chunk, FinishReason, Generation, GenerationSpec
+from gateway.engine import Chunk, FinishReason, Generation, GenerationSpec
+from gateway.options import GatewayOptions
 from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.errors import grpc_errors, grpc_stream_errors, require
 from specd_common.params import Warp
@@ -31,24 +31,6 @@ _FINISH = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
 }
-
-
-@dataclass(frozen=True)
-class GatewayOptions:
-    """How the gateway runs requests: the flags of `specd serve gateway` that are not about sockets."""
-
-    num_draft_tokens: int = 3  # default k (the cap under the adaptive policy)
-    draft_length_policy: str = "adaptive"  # or "fixed"
-    draft_timeout_s: float = DRAFT_TIMEOUT_S
-    max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
-    max_speculative_requests: int = 0  # above this many running requests, rounds are target-only; 0: no limit
-    overlap: bool = False  # draft the next round while the target verifies
-    connect_timeout_s: float = 300.0
-    auth_token: str = ""  # required as `authorization: Bearer <token>` when set
-
-    def __post_init__(self) -> None:
-        if self.draft_length_policy not in ("adaptive", "fixed"):
-            raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -90,9 +72,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             spec,
             time_remaining=context.time_remaining,
             is_active=context.is_active,
-            draft_timeout_s=self.options.draft_timeout_s,
             speculation_allowed=self._speculation_allowed,
-            overlap=self.options.overlap,
+            options=self.options,
         )
 
     def _speculation_allowed(self) -> bool:

@@ -38,7 +38,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from draft_service.app import start_draft_server  # noqa: E402
 from draft_service.drafters import ModelDrafter  # noqa: E402
 from gateway.app import start_gateway_server  # noqa: E402
-from gateway.service import GatewayOptions  # noqa: E402
+from gateway.options import GatewayOptions  # noqa: E402
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc  # noqa: E402
 from specd_common import server as server_module  # noqa: E402
 from specd_common import telemetry  # noqa: E402

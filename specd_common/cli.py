@@ -168,7 +168,7 @@ def serve_draft(args: argparse.Namespace) -> None:
 
 def serve_gateway(args: argparse.Namespace) -> None:
     from gateway.app import start_gateway_server
-    from gateway.service import GatewayOptions
+    from gateway.options import GatewayOptions
     from specd_common.server import wait_for_termination
 
     options = GatewayOptions(

@@ -112,7 +112,7 @@ def start_cluster(
 
     from draft_service.app import make_drafter, start_draft_server
     from gateway.app import start_gateway_server
-    from gateway.service import GatewayOptions
+    from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
     from specd_common.models import load_causal_lm
     from verify_service.app import start_verify_server

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draft_service.app import start_draft_server
 from draft_service.drafters import ModelDrafter
 from gateway.app import start_gateway_server
-from gateway.service import GatewayOptions
+from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_common.cli import build_parser
 from specd_common.config import ServerConfig

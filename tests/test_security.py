@@ -218,7 +218,7 @@ def test_model_service_refuses_clients_without_the_right_certificate(secure, pki
 def test_gateway_that_does_not_trust_the_services_cannot_connect(secure, pki):
     """A gateway with the wrong CA fails the handshake and refuses to start instead of serving half-connected."""
     from gateway.app import start_gateway_server
-    from gateway.service import GatewayOptions
+    from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
     from specd_common.errors import Unavailable
 

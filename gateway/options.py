@@ -1,0 +1,25 @@
+"""The gateway's request-handling settings (the flags of `specd serve gateway` that are not about sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How the gateway runs requests: the flags of `specd serve gateway` that are not about sockets."""
+
+    num_draft_tokens: int = 3  # default k (the cap under the adaptive policy)
+    draft_length_policy: str = "adaptive"  # or "fixed"
+    draft_timeout_s: float = DRAFT_TIMEOUT_S
+    max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
+    max_speculative_requests: int = 0  # above this many running requests, rounds are target-only; 0: no limit
+    overlap: bool = False  # draft the next round while the target verifies
+    connect_timeout_s: float = 300.0
+    auth_token: str = ""  # required as `authorization: Bearer <token>` when set
+
+    def __post_init__(self) -> None:
+        if self.draft_length_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")

@@ -77,6 +77,7 @@ class SpeculationStats:
     wire_bytes: int = 0  # Propose + Verify messages, both directions
     round_seconds: float = 0.0
     model_seconds: float = 0.0  # inside the services' model work
+    draft_model_seconds: float = 0.0  # the draft's part of it
     rejected_rounds: int = 0
     lookahead_rounds: int = 0  # overlap: look-aheads drafted while the target verified
     lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
@@ -328,7 +329,7 @@ class Generation:
             self._draft_down(self.backends.draft.addresses[self._draft.index], error)
             return [], []
         self._draft.sync.agreed = len(self.sequence)
-        self._account(request, proposal)
+        self._account(request, proposal, draft=True)
         return list(proposal.token_ids), list(proposal.draft_probs)
 
     # --- overlap (PEARL-style look-ahead) ------------------------------------------------------
@@ -354,7 +355,7 @@ class Generation:
         except grpc.RpcError as error:
             self._draft_down(self.backends.draft.addresses[self._draft.index], error)
             return
-        self._account(request, reply)
+        self._account(request, reply, draft=True)
         self.stats.lookahead_rounds += 1
         if outcome.bonus and reply.token_ids and reply.token_ids[0] == outcome.next_token:
             self._draft.sync.agreed += 1  # the bonus token is the draft's own first look-ahead token
@@ -385,10 +386,12 @@ class Generation:
             self._account(request, scores)
             return scores
 
-    def _account(self, request: Any, response: Any) -> None:
+    def _account(self, request: Any, response: Any, draft: bool = False) -> None:
         """Bytes on the wire and time inside the model, for the overhead numbers in the stats."""
         self.stats.wire_bytes += request.ByteSize() + response.ByteSize()
         self.stats.model_seconds += response.model_seconds
+        if draft:
+            self.stats.draft_model_seconds += response.model_seconds
 
     def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
         if self.spec.warp.greedy:

@@ -168,6 +168,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         rejected_rounds=stats.rejected_rounds,
         lookahead_rounds=stats.lookahead_rounds,
         lookahead_hits=stats.lookahead_hits,
+        draft_model_seconds=stats.draft_model_seconds,
     )
 
 

@@ -146,8 +146,14 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             mean_accepted_per_round=round(accepted / passes, 3),
             acceptance_per_position=_per_position(stats),
             wire_bytes_per_round=round(sum(s.wire_bytes for s in stats) / passes),
+            round_ms=round(1000 * round_s / passes, 2),
+            draft_model_ms_per_round=round(1000 * sum(s.draft_model_seconds for s in stats) / passes, 2),
+            verify_model_ms_per_round=round(1000 * sum(s.model_seconds - s.draft_model_seconds for s in stats) / passes, 2),
             outside_models_share=round(1 - sum(s.model_seconds for s in stats) / round_s, 4) if round_s else None,
         )
+    lookaheads = sum(s.lookahead_rounds for s in stats)
+    if lookaheads:
+        summary["lookahead_hit_rate"] = round(sum(s.lookahead_hits for s in stats) / lookaheads, 4)
     if any(s.ttft_s for s in samples):
         summary["ttft_ms_p50"] = round(1000 * statistics.median(s.ttft_s for s in samples), 1)
     gaps = sorted(g for s in samples for g in s.itl_s)
@@ -187,7 +193,26 @@ def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
                 base = reference["by_category"].get(kind, {}).get("tokens_per_s")
                 if base:
                     summary["speedup"] = round(summary["tokens_per_s"] / base, 3)
+    overlap = out["modes"].get("specd_overlap", {}).get("overall", {})
+    sequential = out["modes"].get(f"specd_k{k}", out["modes"].get("specd", {})).get("overall", {})
+    if "lookahead_hit_rate" in overlap and "round_ms" in sequential:
+        out["overlap_model"] = overlap_on_separate_devices(sequential, overlap["lookahead_hit_rate"])
     return out
+
+
+def overlap_on_separate_devices(sequential: dict, hit_rate: float) -> dict:
+    """What overlap would give with draft and target on their own devices, from measured step times:
+    a round whose look-ahead hit hides the draft's time behind the target's (when the draft is faster),
+    and a round that missed costs what a sequential round costs."""
+    round_ms, draft_ms = sequential["round_ms"], sequential["draft_model_ms_per_round"]
+    hidden_ms = hit_rate * min(draft_ms, sequential["verify_model_ms_per_round"])
+    return {
+        "lookahead_hit_rate": hit_rate,
+        "sequential_round_ms": round_ms,
+        "draft_ms_per_round": draft_ms,
+        "modeled_round_ms": round(round_ms - hidden_ms, 2),
+        "modeled_speedup_over_sequential": round(round_ms / (round_ms - hidden_ms), 3),
+    }
 
 
 def markdown_table(result: dict) -> str:
@@ -246,6 +271,10 @@ class Progress:
 
         self._bar = tqdm(total=total, unit="prompt", desc="bench")
         self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        self._bar.total += count
+        self._bar.refresh()
 
     def stage(self, name: str) -> None:
         self._bar.set_description(f"bench {name}")

@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", default="ngram", help="ngram or model (local stack and hf_assisted)")
     bench.add_argument("--draft-model", default="", help="draft model with --drafter model")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
+    bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
@@ -283,14 +284,20 @@ def run_bench(args: argparse.Namespace) -> int:
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
     children: dict = {}
-    address = args.gateway
+    address, overlap_address = args.gateway, None
     if not address:
-        address, children = start_local_stack(args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads)
+        address, overlap_address, children = start_local_stack(
+            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap
+        )
+    if overlap_address:
+        service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
+        progress.add(len(rows))
     results = {}
     try:
         for mode, fields in service_modes:
             progress.stage(mode)
-            results[mode] = bench.run_service_mode(address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
+            target_address = overlap_address if mode == "specd_overlap" else address
+            results[mode] = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
     finally:
         for child in children.values():
             child.send_signal(signal.SIGTERM)
@@ -303,7 +310,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads,
+        "target": args.target, "threads": args.threads, "overlap": args.overlap,
     }
     if args.output:
         with open(args.output, "w") as out:
@@ -313,22 +320,32 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_local_stack(target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int) -> tuple[str, dict]:
-    """The three services as child processes on free ports; returns the gateway address and the children."""
+def start_local_stack(
+    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False
+) -> tuple[str, Optional[str], dict]:
+    """The three services as child processes on free ports, plus a second gateway with --overlap when
+    asked (same draft and verify); returns both gateway addresses and the children."""
     import socket
 
     ports = []
-    for _ in range(3):
+    for _ in range(4):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
-    children = spawn_services(
-        "127.0.0.1", dict(zip(("gateway", "draft", "verify"), ports)), target, drafter, draft_model, threads, num_draft_tokens
-    )
-    address = f"127.0.0.1:{ports[0]}"
-    if not wait_until_serving(address, children, {"requested": False}):
-        raise SystemExit("the local stack did not start; see the log above")
-    return address, children
+    named = dict(zip(("gateway", "draft", "verify"), ports))
+    children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens)
+    address, overlap_address = f"127.0.0.1:{ports[0]}", None
+    if overlap:
+        overlap_address = f"127.0.0.1:{ports[3]}"
+        children["gateway-overlap"] = subprocess.Popen(
+            [sys.executable, "-m", "specd_common.cli", "serve", "gateway", "--port", str(ports[3]), "--overlap", "true",
+             "--verify-address", f"127.0.0.1:{named['verify']}", "--draft-address", f"127.0.0.1:{named['draft']}",
+             "--num-draft-tokens", str(num_draft_tokens), "--metrics-port", "-1"]
+        )
+    for gateway in filter(None, (address, overlap_address)):
+        if not wait_until_serving(gateway, children, {"requested": False}):
+            raise SystemExit("the local stack did not start; see the log above")
+    return address, overlap_address, children
 
 
 def run_generate(args: argparse.Namespace) -> int:

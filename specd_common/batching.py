@@ -8,12 +8,15 @@ queued and runs `CausalLM.forward_batch`.
 
 How long to wait (the scheduler): a batch opens when the worker is free and a request is queued,
 and closes at the first of
-  * `max_batch_size` requests queued,
-  * as many requests queued as sessions recently active (nobody else is coming: waiting only adds latency),
-  * `max_wait_ms` after it opened.
+  * `max_batch_size` sessions queued;
+  * every session expected queued: those in either of the last two batches, plus any new arrival
+    (nobody else is coming, so waiting would only add latency; a session busy elsewhere, e.g. in the
+    draft service while its verify is pending, drops out of the expected set after two batches);
+  * the window: `max_wait_ms`, but at most a quarter of a recent pass (waiting longer than that
+    for a straggler costs more than the separate pass it saves).
 The window starts when the worker is free, not when the oldest request arrived: otherwise sessions
 that fell out of step (one group queued while the other ran) would alternate forever, each group
-alone; waiting a few ms for the group that is on its way back through the gateway merges them.
+alone; waiting a few ms for the group on its way back through the gateway merges them.
 With one active session nothing waits; `max_batch_size` 1 bypasses the batcher entirely.
 """
 
@@ -31,15 +34,17 @@ import torch
 
 from specd_common.lm import CausalLM, KVSession
 
-ACTIVITY_HORIZON_S = 1.0  # a session that submitted within this long is expected back for the next batch
+PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    """How a model service batches: at most `max_batch_size` sessions a pass, waiting at most `max_wait_ms`."""
+    """How a model service batches: at most `max_batch_size` sessions a pass, waiting at most
+    `max_wait_ms` and at most `wait_fraction` of a recent pass for expected sessions."""
 
     max_batch_size: int = 8
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 20.0
+    wait_fraction: float = 0.25
 
     @property
     def enabled(self) -> bool:
@@ -69,27 +74,20 @@ class BatchStats:
 class _Request:
     session: KVSession
     extra: list[int]
-    arrived: float
     future: Future = field(default_factory=Future)
 
 
 class ForwardBatcher:
     """`CausalLM.forward` with the same signature, batched across the threads that call it concurrently."""
 
-    def __init__(
-        self,
-        lm: CausalLM,
-        policy: BatchPolicy,
-        clock: Callable[[], float] = time.monotonic,
-        activity_horizon_s: float = ACTIVITY_HORIZON_S,
-    ):
+    def __init__(self, lm: CausalLM, policy: BatchPolicy, clock: Callable[[], float] = time.monotonic):
         self.lm = lm
         self.policy = policy
-        self.activity_horizon_s = activity_horizon_s
         self.stats = BatchStats()
         self._clock = clock
         self._queue: collections.deque[_Request] = collections.deque()
-        self._last_seen: dict[int, float] = {}  # id(session) → last submission time
+        self._recent: collections.deque[frozenset[int]] = collections.deque(maxlen=2)  # session ids of the last batches
+        self._pass_seconds: float | None = None  # moving average; None before the first pass
         self._condition = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="specd-forward-batcher", daemon=True)
@@ -98,12 +96,11 @@ class ForwardBatcher:
     def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
         """Queue one session's pass and wait for its logits [len(extra) + 1, V]."""
         self.lm.check_room(session, extra)  # fail the caller alone, before it can spoil a batch
-        request = _Request(session, list(extra), self._clock())
+        request = _Request(session, list(extra))
         with self._condition:
             if self._closed:
                 raise RuntimeError("the forward batcher is closed")
             self._queue.append(request)
-            self._last_seen[id(session)] = request.arrived
             self._condition.notify()
         return request.future.result()
 
@@ -129,20 +126,28 @@ class ForwardBatcher:
             if self._closed:
                 self._fail_queued()
                 return None
-            deadline = self._clock() + self.policy.max_wait_ms / 1000
-            while len(self._queue) < self._batch_target() and not self._closed:
+            deadline = self._clock() + self.window_s()
+            while self._queued_sessions() < self._batch_target() and not self._closed:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     break
                 self._condition.wait(remaining)
             return self._take(self.policy.max_batch_size)
 
+    def window_s(self) -> float:
+        """How long an open batch may wait for expected sessions."""
+        window = self.policy.max_wait_ms / 1000
+        if self._pass_seconds is not None:
+            window = min(window, self.policy.wait_fraction * self._pass_seconds)
+        return window
+
+    def _queued_sessions(self) -> int:
+        return len({id(request.session) for request in self._queue})
+
     def _batch_target(self) -> int:
-        """How many requests are worth waiting for: the sessions seen lately, at most a full batch."""
-        horizon = self._clock() - self.activity_horizon_s
-        for key in [key for key, seen in self._last_seen.items() if seen < horizon]:
-            del self._last_seen[key]
-        return max(1, min(self.policy.max_batch_size, len(self._last_seen)))
+        """How many sessions are worth waiting for: those of the last two batches and those queued, at most a full batch."""
+        expected = {id(request.session) for request in self._queue}.union(*self._recent)
+        return min(self.policy.max_batch_size, len(expected))
 
     def _take(self, limit: int) -> list[_Request]:
         """Up to `limit` queued requests in arrival order, one per session (a repeat waits for the next batch)."""
@@ -161,12 +166,18 @@ class ForwardBatcher:
 
     def _run(self, batch: list[_Request]) -> None:
         """One batched forward; each caller gets its logits or the error."""
+        started = self._clock()
         try:
             results = self.lm.forward_batch([(request.session, request.extra) for request in batch])
         except Exception as error:  # the callers' threads re-raise it (grpc_errors maps it to a status)
             for request in batch:
                 request.future.set_exception(error)
             return
+        elapsed = self._clock() - started
+        self._pass_seconds = elapsed if self._pass_seconds is None else (
+            PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds
+        )
+        self._recent.append(frozenset(id(request.session) for request in batch))
         self.stats.batches += 1
         self.stats.requests += len(batch)
         self.stats.sizes[len(batch)] += 1

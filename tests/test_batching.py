@@ -129,20 +129,32 @@ def test_batcher_gathers_the_active_sessions_into_one_pass():
     """Once the batcher has seen the sessions, a round of concurrent calls is one pass of all of them:
     it waits for the known sessions, and closes the moment they are all in (not at max_wait)."""
     fake = FakeLM()
-    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000), activity_horizon_s=60)
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000))
     sessions = [object() for _ in range(4)]
     try:
-        concurrent_rounds(batcher, sessions, rounds=1)  # the batcher learns who is active
+        concurrent_rounds(batcher, sessions, rounds=2)  # the batcher learns who is active
         warm_up = len(fake.batches)
         started = time.monotonic()
-        concurrent_rounds(batcher, sessions, rounds=2)
+        concurrent_rounds(batcher, sessions, rounds=1)
         elapsed = time.monotonic() - started
     finally:
         batcher.close()
-    assert [len(batch) for batch in fake.batches[warm_up:]] == [4, 4]
+    assert [len(batch) for batch in fake.batches[warm_up:]] == [4]
     assert all(len(set(map(id, batch))) == len(batch) for batch in fake.batches)
-    assert elapsed < 2.5  # closed on the count; waiting out max_wait would take 6 s
+    assert elapsed < 1.5  # closed on the count; waiting out max_wait would take 3 s
     assert batcher.stats.requests == 12
+
+
+def test_the_window_shrinks_to_a_share_of_a_pass():
+    """Waiting for a straggler must not cost more than a fraction of the pass it would save."""
+    fake = FakeLM(seconds_per_pass=0.02)
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=1000, wait_fraction=0.25))
+    try:
+        assert batcher.window_s() == 1.0  # nothing measured yet
+        batcher.forward(object(), [1])
+        assert 0.004 <= batcher.window_s() < 0.1
+    finally:
+        batcher.close()
 
 
 def test_batcher_respects_max_batch_size():

@@ -15,6 +15,7 @@ import torch
 
 from draft_service.ngram import prompt_lookup
 from specd.v1 import common_pb2
+from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
 from specd_common.lm import CausalLM
 from specd_common.models import LoadedModel, describe_model
@@ -54,8 +55,9 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A small causal LM sharing the target's tokenizer, drafting autoregressively with its KV cache."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy()):
         self.lm = CausalLM(loaded)
+        self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         self._info = describe_model(loaded, drafter="model")
 
     def info(self) -> common_pb2.GetModelInfoResponse:
@@ -68,7 +70,7 @@ class ModelDrafter:
         sequence = session.sequence
         proposal = Proposal(token_ids=[])
         for _ in range(min(k, self.lm.max_length - len(sequence.tokens))):
-            logits = self.lm.forward(sequence)  # [1, V], feeds the pending tokens
+            logits = (self.batcher or self.lm).forward(sequence)  # [1, V]; concurrent sessions' steps share a pass
             if session.warp.greedy:
                 token = int(torch.argmax(logits[-1]))
             else:

@@ -146,23 +146,26 @@ def _set_threads(threads: int) -> None:
 
 
 def serve_verify(args: argparse.Namespace) -> None:
+    from specd_common.batching import BatchPolicy
     from specd_common.models import load_causal_lm
     from specd_common.server import wait_for_termination
     from verify_service.app import start_verify_server
 
     _set_threads(args.threads)
-    running = start_verify_server(load_causal_lm(args.model, args.device, args.dtype), ServerConfig.from_args(args))
+    loaded = load_causal_lm(args.model, args.device, args.dtype)
+    running = start_verify_server(loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args))
     wait_for_termination(running, args.grace)
 
 
 def serve_draft(args: argparse.Namespace) -> None:
     from draft_service.app import make_drafter, start_draft_server
+    from specd_common.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
     _set_threads(args.threads)
     if args.drafter == "model" and not args.model:
         raise SystemExit("--drafter model needs --model (hub id, folder or GGUF file)")
-    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype)
+    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args))
     running = start_draft_server(drafter, ServerConfig.from_args(args))
     wait_for_termination(running, args.grace)
 

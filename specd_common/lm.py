@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from specd_common import kv_batch
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -49,15 +50,40 @@ class CausalLM:
     def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
         """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
         the last committed token and after each extra token. `extra` joins the sequence (speculatively)."""
-        if len(session.tokens) + len(extra) > self.max_length:
-            raise InvalidArgument(
-                f"{len(session.tokens)} tokens + {len(extra)} drafts exceed the model's {self.max_length}-token limit"
-            )
+        self.check_room(session, extra)
         fed = session.pending() + list(extra)
         logits = self._run(session, fed)  # [len(fed), V]
         session.tokens.extend(extra)
         session.cached = len(session.tokens)
         return logits[-(len(extra) + 1) :]
+
+    def check_room(self, session: KVSession, extra: Sequence[int]) -> None:
+        """INVALID_ARGUMENT when the session plus `extra` would pass the model's context limit."""
+        if len(session.tokens) + len(extra) > self.max_length:
+            raise InvalidArgument(
+                f"{len(session.tokens)} tokens + {len(extra)} drafts exceed the model's {self.max_length}-token limit"
+            )
+
+    def forward_batch(self, requests: Sequence[tuple[KVSession, Sequence[int]]]) -> list[torch.Tensor]:
+        """`forward` for several distinct sessions in one padded pass; the i-th result is what
+        forward(*requests[i]) returns ([len(extra_i) + 1, V]), up to float rounding.
+
+        Falls back to one pass per session when there is one request or a cache cannot be packed."""
+        sessions = [session for session, _ in requests]
+        if len({id(session) for session in sessions}) != len(sessions):
+            raise ValueError("a batch must not hold the same session twice")
+        for session, extra in requests:
+            self.check_room(session, extra)
+        if len(requests) == 1 or not all(kv_batch.is_packable(session.cache) for session in sessions):
+            return [self.forward(session, extra) for session, extra in requests]
+        fed = [session.pending() + list(extra) for session, extra in requests]
+        logits = self._run_batch(sessions, fed)  # [B, N, V]
+        results = []
+        for row, (session, extra) in enumerate(requests):
+            session.tokens.extend(extra)
+            session.cached = len(session.tokens)
+            results.append(logits[row, len(fed[row]) - len(extra) - 1 : len(fed[row])])  # [len(extra) + 1, V]
+        return results
 
     @torch.inference_mode()
     def _run(self, session: KVSession, token_ids: Sequence[int]) -> torch.Tensor:
@@ -65,3 +91,19 @@ class CausalLM:
         with self._forward_lock, model_forward(len(token_ids)):
             output = self.loaded.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
         return output.logits[0].float()  # [n, V]
+
+    @torch.inference_mode()
+    def _run_batch(self, sessions: Sequence[KVSession], fed: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One forward over every session's fed tokens; appends each session's new keys/values to its cache."""
+        caches = [session.cache for session in sessions]
+        with self._forward_lock:
+            batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
+            output = self.loaded.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                past_key_values=batch.past,
+                use_cache=True,
+            )
+            kv_batch.scatter_new(output.past_key_values, batch, caches)
+        return output.logits.float()  # [B, N, V]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
 from specd_common.server import RunningServer, start_observed_server
@@ -12,8 +13,10 @@ from verify_service.scorer import Scorer
 from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 
 
-def start_verify_server(loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:
+def start_verify_server(
+    loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy()
+) -> RunningServer:
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     sessions.start_reaper()
-    servicer = VerifyServicer(Scorer(loaded), sessions)
+    servicer = VerifyServicer(Scorer(loaded, batching), sessions)
     return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)

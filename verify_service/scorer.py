@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from specd.v1 import common_pb2
+from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
 from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
@@ -34,8 +35,9 @@ class Scores:
 class Scorer:
     """Wraps the target model for many sessions."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy()):
         self.lm = CausalLM(loaded)
+        self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         self._info = describe_model(loaded)
 
     def info(self) -> common_pb2.GetModelInfoResponse:
@@ -45,8 +47,9 @@ class Scorer:
         return VerifySession(self.lm.new_session(prompt), warp)
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int]) -> Scores:
-        """One target forward over the pending token(s) and the drafts: k + 1 next-token positions."""
-        logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
+        """One target forward over the pending token(s) and the drafts: k + 1 next-token positions.
+        Concurrent sessions' calls share one batched pass when batching is on."""
+        logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
         if session.warp.greedy:
             return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist())
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]

@@ -1,0 +1,257 @@
+"""Batch scheduling: a batched forward equals one-session-at-a-time, and the batcher groups concurrent calls.
+
+Correctness first: the padded pass must give every session the logits (and the cache) it would get
+alone, for ragged pasts, ragged draft lengths, empty caches and after rollbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import pytest
+import torch
+
+from specd_common.batching import BatchPolicy, ForwardBatcher, make_batcher
+from specd_common.errors import InvalidArgument
+from specd_common.lm import CausalLM
+from specd_common.models import load_causal_lm
+
+ATOL = 1e-4
+
+PROMPTS = [list(range(5, 17)), [20], [30, 31, 32], list(range(40, 63)), [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny) -> CausalLM:
+    return CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
+
+
+def assert_caches_match(reference, batched) -> None:
+    """Same keys/values at every layer (the batched pass left each session's cache as a solo pass would)."""
+    assert reference.cache.get_seq_length() == batched.cache.get_seq_length()
+    for ref_layer, layer in zip(reference.cache.layers, batched.cache.layers):
+        assert layer.keys.shape == ref_layer.keys.shape
+        torch.testing.assert_close(layer.keys, ref_layer.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer.values, ref_layer.values, atol=ATOL, rtol=0)
+
+
+def run_rounds(lm: CausalLM, rounds: Sequence[Sequence[tuple[int, list[int], list[int]]]]) -> None:
+    """Drive twin sessions through the same rounds: (prefix_length, append, drafts) per session per round;
+    one twin alone with `forward`, the other in one batch; logits, argmax and caches must agree."""
+    solo = [lm.new_session(prompt) for prompt in PROMPTS]
+    batched = [lm.new_session(prompt) for prompt in PROMPTS]
+    for round_ in rounds:
+        requests = []
+        for one, other, (prefix_length, append, drafts) in zip(solo, batched, round_):
+            for session in (one, other):
+                session.apply_commit(prefix_length or len(session.tokens), append)
+            requests.append((other, drafts))
+        expected = [lm.forward(session, drafts) for session, (_, _, drafts) in zip(solo, round_)]
+        got = lm.forward_batch(requests)
+        for want, have, one, other in zip(expected, got, solo, batched):
+            assert have.shape == want.shape
+            torch.testing.assert_close(have, want, atol=ATOL, rtol=0)
+            assert torch.equal(have.argmax(-1), want.argmax(-1))
+            assert one.tokens == other.tokens and one.cached == other.cached
+            assert_caches_match(one, other)
+
+
+def test_batched_forward_matches_one_at_a_time_over_rounds_with_rollbacks(lm):
+    """Ragged pasts (1 to 23 tokens, one empty cache), ragged drafts (0 to 5), then partial rollbacks
+    (keep some drafts, append a correction) and full ones (back into the prompt)."""
+    run_rounds(
+        lm,
+        [
+            [(0, [], [1, 2, 3]), (0, [], []), (0, [], [4]), (0, [], [7, 8, 9, 10, 11]), (0, [], [3, 3])],
+            [(13, [50], [9, 9]), (1, [60], [5, 6, 7]), (3, [61, 62], []), (25, [], [1]), (2, [70], [71, 72, 73])],
+            [(8, [], [4, 5, 6]), (3, [1], [2]), (5, [], [8, 8, 8, 8]), (20, [90, 91], [92]), (6, [74], [])],
+            [(0, [], [100, 101]), (0, [], [102]), (0, [], [103, 104, 105]), (0, [], []), (0, [], [106])],
+        ],
+    )
+
+
+def test_a_batch_of_one_and_duplicates(lm):
+    """A single request takes today's unbatched path; one session twice in a batch is refused."""
+    session, twin = lm.new_session(PROMPTS[0]), lm.new_session(PROMPTS[0])
+    [logits] = lm.forward_batch([(session, [1, 2])])
+    torch.testing.assert_close(logits, lm.forward(twin, [1, 2]), atol=0, rtol=0)
+    with pytest.raises(ValueError):
+        lm.forward_batch([(session, [3]), (session, [4])])
+
+
+def test_batch_over_the_context_limit_is_refused_before_running(lm):
+    """An over-long request is INVALID_ARGUMENT and the other sessions in the batch are untouched."""
+    fine, long = lm.new_session(PROMPTS[2]), lm.new_session([i % 300 for i in range(lm.max_length - 2)])
+    with pytest.raises(InvalidArgument):
+        lm.forward_batch([(fine, [1]), (long, [1, 2, 3])])
+    assert fine.tokens == PROMPTS[2] and fine.cached == len(PROMPTS[2]) - 1
+
+
+class FakeLM:
+    """Records the batches it is given; answers each request with a [len(extra) + 1, 1] tensor."""
+
+    max_length = 1000
+
+    def __init__(self, seconds_per_pass: float = 0.01):
+        self.batches: list[list[object]] = []
+        self.seconds_per_pass = seconds_per_pass
+        self.fail = False
+
+    def check_room(self, session, extra) -> None:
+        if len(extra) > 10:
+            raise InvalidArgument("too many drafts")
+
+    def forward_batch(self, requests):
+        self.batches.append([session for session, _ in requests])
+        time.sleep(self.seconds_per_pass)
+        if self.fail:
+            raise RuntimeError("device lost")
+        return [torch.zeros(len(extra) + 1, 1) for _, extra in requests]
+
+
+def concurrent_rounds(batcher: ForwardBatcher, sessions: list[object], rounds: int) -> None:
+    """Every session calls forward once per round, all at once; rounds are separated by a barrier."""
+    barrier = threading.Barrier(len(sessions))
+
+    def drive(session: object) -> None:
+        for _ in range(rounds):
+            barrier.wait()
+            assert batcher.forward(session, [1, 2]).shape == (3, 1)
+
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        list(pool.map(drive, sessions))
+
+
+def test_batcher_gathers_the_active_sessions_into_one_pass():
+    """Once the batcher has seen the sessions, a round of concurrent calls is one pass of all of them:
+    it waits for the known sessions, and closes the moment they are all in (not at max_wait)."""
+    fake = FakeLM()
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000))
+    sessions = [object() for _ in range(4)]
+    try:
+        concurrent_rounds(batcher, sessions, rounds=2)  # the batcher learns who is active
+        warm_up = len(fake.batches)
+        started = time.monotonic()
+        concurrent_rounds(batcher, sessions, rounds=1)
+        elapsed = time.monotonic() - started
+    finally:
+        batcher.close()
+    assert [len(batch) for batch in fake.batches[warm_up:]] == [4]
+    assert all(len(set(map(id, batch))) == len(batch) for batch in fake.batches)
+    assert elapsed < 1.5  # closed on the count; waiting out max_wait would take 3 s
+    assert batcher.stats.requests == 12
+
+
+def test_the_window_shrinks_to_a_share_of_a_pass():
+    """Waiting for a straggler must not cost more than a fraction of the pass it would save."""
+    fake = FakeLM(seconds_per_pass=0.02)
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=1000, wait_fraction=0.25))
+    try:
+        assert batcher.window_s() == 1.0  # nothing measured yet
+        batcher.forward(object(), [1])
+        assert 0.004 <= batcher.window_s() < 0.1
+    finally:
+        batcher.close()
+
+
+def test_batcher_respects_max_batch_size():
+    fake = FakeLM()
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=3, max_wait_ms=20))
+    try:
+        concurrent_rounds(batcher, [object() for _ in range(7)], rounds=3)
+    finally:
+        batcher.close()
+    assert max(len(batch) for batch in fake.batches) == 3
+    assert batcher.stats.requests == 21
+
+
+def test_a_lone_session_never_waits():
+    """One active session: each call goes out at once although max_wait is a full second."""
+    fake = FakeLM(seconds_per_pass=0.0)
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=1000))
+    session = object()
+    try:
+        started = time.monotonic()
+        for _ in range(5):
+            batcher.forward(session, [1])
+        assert time.monotonic() - started < 0.5
+    finally:
+        batcher.close()
+
+
+def test_batcher_errors_reach_the_callers():
+    """A bad request fails its caller before queueing; a failed pass fails every caller in it."""
+    fake = FakeLM()
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=4, max_wait_ms=1))
+    try:
+        with pytest.raises(InvalidArgument):
+            batcher.forward(object(), list(range(11)))
+        assert fake.batches == []
+        fake.fail = True
+        with pytest.raises(RuntimeError, match="device lost"):
+            batcher.forward(object(), [1])
+    finally:
+        batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.forward(object(), [1])
+
+
+def test_batch_size_one_is_todays_path(lm):
+    assert make_batcher(lm, BatchPolicy(max_batch_size=1)) is None
+    assert isinstance(make_batcher(lm, BatchPolicy(max_batch_size=2)), ForwardBatcher)
+
+
+def test_batcher_on_a_real_model_matches_solo_passes(lm):
+    """Threads driving real sessions through the batcher get the logits each would get alone."""
+    batcher = ForwardBatcher(lm, BatchPolicy(max_batch_size=8, max_wait_ms=20))
+    drafts = [[1, 2, 3], [], [4], [5, 6], [7, 8, 9]]
+    try:
+        sessions = [lm.new_session(prompt) for prompt in PROMPTS]
+        with ThreadPoolExecutor(len(sessions)) as pool:
+            got = list(pool.map(batcher.forward, sessions, drafts))
+    finally:
+        batcher.close()
+    for prompt, extra, have in zip(PROMPTS, drafts, got):
+        torch.testing.assert_close(have, lm.forward(lm.new_session(prompt), extra), atol=ATOL, rtol=0)
+    assert batcher.stats.batches < len(PROMPTS)  # some of them shared a pass
+
+
+def test_batching_flags_and_environment(monkeypatch):
+    from specd_common.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "verify", "--max-batch-size", "4", "--batch-wait-ms", "3"])
+    assert BatchPolicy.from_args(args) == BatchPolicy(max_batch_size=4, max_wait_ms=3.0)
+    monkeypatch.setenv("SPECD_MAX_BATCH_SIZE", "1")
+    args = build_parser().parse_args(["serve", "draft"])
+    assert not BatchPolicy.from_args(args).enabled
+
+
+def test_concurrent_streams_through_the_services_match_single_streams(tiny):
+    """Eight concurrent greedy requests through batching verify and draft services give exactly the
+    tokens each gives alone, and the services really did batch."""
+    from specd.v1 import common_pb2, generate_pb2
+    from tests.conftest import start_cluster
+
+    prompts = [f"the quick brown fox {i}" for i in range(8)]
+
+    def generate(stub, text: str) -> list[int]:
+        request = generate_pb2.GenerateRequest(
+            text=text, raw=True, max_new_tokens=12, sampling=common_pb2.SamplingParams(temperature=0.0)
+        )
+        return list(stub.Generate(request, timeout=60).token_ids)
+
+    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy)
+    try:
+        stub = cluster.stub()
+        alone = [generate(stub, text) for text in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda text: generate(stub, text), prompts))
+        verify_stats = cluster.verify.servicer.scorer.batcher.stats
+        draft_stats = cluster.draft.servicer.drafter.batcher.stats
+    finally:
+        cluster.stop()
+    assert together == alone
+    assert max(verify_stats.sizes) > 1 and max(draft_stats.sizes) > 1

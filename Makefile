@@ -40,7 +40,7 @@ BENCH_DATA ?= ../shared/data
 bench: setup  ## target-only vs specd vs transformers on the first 4 prompts of each task kind; writes docs/benchmarks/results.json
 	mkdir -p docs/benchmarks
 	$(SPECD) bench --prompts $(BENCH_DATA)/gsm8k_train.jsonl $(BENCH_DATA)/humaneval.jsonl $(BENCH_DATA)/seed_tasks.jsonl \
-		--limit 4 --max-new-tokens 64 --output docs/benchmarks/results.json
+		--limit 4 --max-new-tokens 64 --fixed-k 1 2 3 4 --overlap --output docs/benchmarks/results.json
 
 deploy-check:  ## render every overlay, validate strictly offline (kubernetes-validate), lint policies and Dockerfiles
 	PYTHON=$(PY) deploy/check.sh

@@ -305,6 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for child in children.values():
             child.send_signal(signal.SIGTERM)
             child.wait(timeout=60)
+    _set_threads(args.threads)  # the in-process transformers modes get the same thread budget as the services
     for mode, k in hf_modes:
         progress.stage(mode)
         results[mode] = bench.run_hf_mode(args.target, args.draft_model, rows, args.max_new_tokens, k, progress)

@@ -3,6 +3,7 @@
   specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
   specd up [--target M] [--drafter ngram|model --draft-model M]   all three on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
+  specd train-draft --work-dir DIR [--recipe tiny|cpu|full]   distil a draft model for the target
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="also write the JSON report to this file")
     bench.set_defaults(func=run_bench)
+
+    from draft_service.training_cli import add_train_draft_parser
+
+    add_train_draft_parser(commands)
 
     generate = commands.add_parser("generate", help="send one request to a gateway")
     add_flag(generate, "gateway", f"127.0.0.1:{DEFAULT_PORTS['gateway']}", "gateway HOST:PORT")

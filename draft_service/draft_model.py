@@ -28,7 +28,7 @@ class DraftShape:
     layers: int = 2
     heads: int = 3
     kv_heads: int = 1
-    intermediate: int = 768
+    intermediate: int = 512
 
 
 def draft_config(target_config, shape: DraftShape) -> LlamaConfig:

@@ -27,6 +27,7 @@ import torch
 from draft_service import distill_data
 from draft_service.distill_data import Budget
 from draft_service.draft_model import DraftShape, build_draft
+from draft_service.draft_report import render_readme
 from draft_service.train_prompts import KINDS, load_all_prompts, select_prompts
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ RECIPES = {
     "full": Recipe(
         train_per_kind={kind: 100_000 for kind in KINDS}, eval_per_kind=24, max_new_tokens=256, gen_batch=64,
         teacher_force_rows=8000, epochs=4, batch_tokens=16384, lr=1e-3,
-        shape=DraftShape(hidden=192, layers=2, heads=3, kv_heads=1, intermediate=768),
+        shape=DraftShape(hidden=192, layers=2, heads=3, kv_heads=1, intermediate=512),
     ),
 }
 
@@ -255,6 +256,7 @@ def save_draft(draft, tokenizer, output: Path, extra: dict) -> None:
     tokenizer.save_pretrained(output)
     for name, value in extra.items():
         write_json(output / f"{name}.json", value)
+    (output / "README.md").write_text(render_readme(output.name, extra["recipe"], extra["training"], extra["eval"]))
     size = sum(p.stat().st_size for p in output.iterdir() if p.is_file())
     log.info("saved the draft to %s (%.1f MB)", output, size / 1e6)
 
@@ -287,8 +289,11 @@ def run_train_draft(args) -> int:
     draft = build_draft(target.model, recipe.shape, recipe.seed)
     state = train_draft(draft, records, recipe, work, device)
     draft_loaded = LoadedModel(name=f"draft-for-{args.target}", model=draft.eval(), tokenizer=target.tokenizer, device=device)
-    report = evaluation(draft_loaded, target, work, args.eval_limit) if not args.skip_eval else {}
-    write_json(work / "eval.json", report)
+    if args.skip_eval:  # keep an earlier evaluation of this (finished) checkpoint, if there is one
+        report = json.loads((work / "eval.json").read_text()) if (work / "eval.json").exists() else {}
+    else:
+        report = evaluation(draft_loaded, target, work, args.eval_limit)
+        write_json(work / "eval.json", report)
     output = Path(args.output or work / "draft")
     data_summary = {"train_records": len(records), "train_answer_tokens": sum(len(r["topk_ids"]) for r in records)}
     save_draft(draft, target.tokenizer, output, {

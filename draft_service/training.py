@@ -234,8 +234,8 @@ def train_draft(draft, records: list[dict], recipe: Recipe, work: Path, device: 
 
 def evaluation(draft_loaded, target, work: Path, limit: int) -> dict:
     """Stage 3: simulated greedy speculation on held-out answers (trained draft and n-gram), and cost."""
-    from draft_service.draft_eval import cost_report, evaluate_drafter, teacher_forced_agreement
-    from draft_service.drafters import ModelDrafter, NgramDrafter
+    from draft_service.draft_eval import cost_report, evaluate_drafter, evaluate_model, teacher_forced_agreement
+    from draft_service.drafters import NgramDrafter
 
     records = distill_data.load_records(work / "data", "gen-eval")[: limit or None]
     log.info("eval: %d held-out answers, %d tokens", len(records), sum(len(r["topk_ids"]) for r in records))
@@ -243,7 +243,7 @@ def evaluation(draft_loaded, target, work: Path, limit: int) -> dict:
     return {
         "held_out_answers": len(records),
         "teacher_forced_agreement": round(teacher_forced_agreement(draft_loaded.model, records), 4),
-        "draft": evaluate_drafter(ModelDrafter(draft_loaded), records),
+        "draft": evaluate_model(draft_loaded.model, records),
         "ngram": evaluate_drafter(NgramDrafter(), records),
         "cost": cost_report(draft_loaded, target, prompt),
     }

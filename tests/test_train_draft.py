@@ -91,3 +91,15 @@ def test_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
     assert main(trained["argv"] + ["--skip-eval"]) == 0
     assert sorted(p.name for p in (work / "data").iterdir()) == shards
     assert torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"] == step
+
+
+def test_fast_evaluation_equals_round_by_round_serving(trained: dict) -> None:
+    """The teacher-forced shortcut counts exactly the rounds ModelDrafter's open/propose/commit would."""
+    from draft_service.distill_data import load_records
+    from draft_service.draft_eval import evaluate_drafter, evaluate_model
+    from draft_service.drafters import ModelDrafter
+    from specd_common.models import load_causal_lm
+
+    held_out = load_records(trained["root"] / "work" / "data", "gen-eval")
+    draft = load_causal_lm(str(trained["draft"]), dtype="float32")
+    assert evaluate_model(draft.model, held_out) == evaluate_drafter(ModelDrafter(draft), held_out)

@@ -66,6 +66,7 @@ RECIPES = {
     "cpu": Recipe(
         train_per_kind={"math": 600, "code": 190, "chat": 160, "writing": 220, "translation": 165, "summarization": 290, "qa": 135},
         eval_per_kind=12, teacher_force_rows=3000, gen_minutes=40, tf_minutes=8, train_minutes=30,
+        batch_tokens=1024, lr=3e-3, warmup_steps=10,
     ),
     # With a GPU: all prompts, longer answers, no budgets.
     "full": Recipe(

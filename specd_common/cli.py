@@ -4,6 +4,8 @@
   specd up [--target M] [--drafter ngram|model --draft-model M]   all three on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
+  specd train-draft --work-dir DIR [--recipe tiny|cpu|full]   distil a draft model for the target
+  specd bench --prompts FILE.jsonl... [--concurrency C] [--fixed-k K...] [--overlap]   measure
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
 --tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on the gateway.
@@ -100,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
+
+    from draft_service.training_cli import add_train_draft_parser
+
+    add_train_draft_parser(commands)
 
     generate = commands.add_parser("generate", help="send one request to a gateway")
     add_flag(generate, "gateway", f"127.0.0.1:{DEFAULT_PORTS['gateway']}", "gateway HOST:PORT")

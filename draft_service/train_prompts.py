@@ -1,0 +1,139 @@
+"""Prompts for self-distilling a draft: the shared public sets plus templated prompts for missing kinds.
+
+Users send writing, coding, translation, summarization, QA and math; the shared data covers math
+(GSM8K), code (HumanEval) and chat (Self-Instruct seeds). The missing kinds are built from small
+topic lists crossed with instruction templates, reusing public text (GSM8K questions, seed-task
+references) as the passages to translate or summarize, so every prompt is reproducible offline.
+Rows are split into train and held-out by a hash of their id, never by position, so adding rows
+never moves an old row across the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import random
+from pathlib import Path
+from typing import Iterable, Iterator
+
+KINDS = ("math", "code", "chat", "writing", "translation", "summarization", "qa")
+
+TOPICS = [
+    "the ocean", "a rainy city", "friendship", "learning to cook", "space travel", "a lost dog", "autumn",
+    "a small bakery", "the first day of school", "mountains", "a robot that dreams", "coffee", "a long train ride",
+    "gardening", "an old library", "winter mornings", "a football match", "the internet", "a lighthouse keeper",
+    "electric cars", "honey bees", "a birthday party", "moving to a new country", "the moon", "music festivals",
+    "a job interview", "recycling", "a forest at night", "volunteering", "a broken phone",
+]
+WRITING_TEMPLATES = [
+    "Write a short poem about {topic}.",
+    "Write a short story (three paragraphs) about {topic}.",
+    "Write a friendly email inviting a colleague to a talk about {topic}.",
+    "Write a product description for something related to {topic}.",
+    "Write a blog post introduction about {topic}.",
+    "Write a haiku about {topic}.",
+    "Give me five creative title ideas for an article about {topic}.",
+    "Write a persuasive paragraph arguing that everyone should care about {topic}.",
+]
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
+TRANSLATION_TEMPLATES = [
+    "Translate the following sentence into {language}: {text}",
+    "Translate to {language}:\n{text}",
+    "How do you say this in {language}? \"{text}\"",
+]
+SUMMARY_TEMPLATES = [
+    "Summarize the following text in one sentence:\n{text}",
+    "Give a short summary of this passage:\n{text}",
+    "TL;DR:\n{text}",
+    "List the key points of the following text as bullet points:\n{text}",
+]
+CONCEPTS = [
+    "photosynthesis", "inflation", "a black hole", "machine learning", "the water cycle", "democracy",
+    "vaccines", "gravity", "the French Revolution", "DNA", "blockchain", "climate change", "the stock market",
+    "a compiler", "the immune system", "plate tectonics", "an algorithm", "renewable energy", "the Roman Empire",
+    "a neural network", "supply and demand", "the speed of light", "antibiotics", "a database index",
+    "the greenhouse effect", "the Pythagorean theorem", "evolution", "an operating system", "the Moon landing",
+    "a prime number",
+]
+QA_TEMPLATES = [
+    "What is {concept}?",
+    "Explain {concept} to a ten-year-old.",
+    "Why is {concept} important?",
+    "Give three facts about {concept}.",
+    "What are the pros and cons of {concept}?",
+]
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the words in a sentence", "merges two sorted lists", "removes duplicates from a list while keeping order",
+    "computes the factorial of n", "checks whether a string is a palindrome", "finds the largest element of a list",
+    "flattens a nested list", "converts Celsius to Fahrenheit", "sorts a list of dictionaries by a key",
+    "reads a CSV file and returns its rows", "computes the average of a list of numbers",
+    "returns the most common character in a string", "implements binary search",
+]
+CODE_TEMPLATES = [
+    "Write a Python function that {task}.",
+    "Write a JavaScript function that {task}.",
+    "Write a Python function that {task}, with a docstring and an example.",
+]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """One JSON object a line."""
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _first_sentence(text: str) -> str:
+    """A short passage for translation: the first sentence of a public question."""
+    head = text.strip().split(". ")[0].strip()
+    return head if head.endswith((".", "?", "!")) else head + "."
+
+
+def _templated(kind: str, templates: list[str], fills: Iterable[dict]) -> Iterator[dict]:
+    """Rows from templates × fill values, ids stable across runs."""
+    for index, (template, fill) in enumerate(itertools.product(templates, fills)):
+        yield {"id": f"{kind}-{index}", "category": kind, "prompt": template.format(**fill)}
+
+
+def synthetic_rows(gsm8k: list[dict], seeds: list[dict]) -> list[dict]:
+    """Writing, translation, summarization, QA and extra code prompts (deterministic)."""
+    passages = [row["prompt"] for row in gsm8k[:60]] + [row.get("reference", "") for row in seeds if len(row.get("reference", "")) > 200]
+    sentences = [_first_sentence(row["prompt"]) for row in gsm8k[100:160]]
+    pairs = [{"language": language, "text": text} for text, language in zip(sentences, itertools.cycle(LANGUAGES))]
+    rows = list(_templated("writing", WRITING_TEMPLATES, [{"topic": t} for t in TOPICS]))
+    rows += list(_templated("translation", TRANSLATION_TEMPLATES, pairs))
+    rows += list(_templated("summarization", SUMMARY_TEMPLATES, [{"text": p} for p in passages[:80]]))
+    rows += list(_templated("qa", QA_TEMPLATES, [{"concept": c} for c in CONCEPTS]))
+    rows += list(_templated("code-extra", CODE_TEMPLATES, [{"task": t} for t in CODE_TASKS]))
+    for row in rows:
+        row["category"] = row["category"].replace("-extra", "")
+    return rows
+
+
+def load_all_prompts(data_dir: Path) -> list[dict]:
+    """Every prompt row: the shared sets (category math/code/chat) plus the synthetic kinds."""
+    gsm8k = read_jsonl(data_dir / "gsm8k_train.jsonl")
+    code = read_jsonl(data_dir / "humaneval.jsonl")
+    seeds = read_jsonl(data_dir / "seed_tasks.jsonl")
+    return gsm8k + code + seeds + synthetic_rows(gsm8k, seeds)
+
+
+def is_held_out(row_id: str, fraction: float) -> bool:
+    """Stable split by a hash of the prompt id: the same row is always on the same side."""
+    digest = int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16)
+    return digest / 0xFFFFFFFF < fraction
+
+
+def select_prompts(rows: list[dict], per_kind: dict[str, int], held_out: bool, fraction: float, seed: int = 0) -> list[dict]:
+    """Up to per_kind[kind] rows of each kind from one side of the split, shuffled across kinds.
+
+    The shuffle interleaves kinds so that a run stopped by its time budget still covers all of them.
+    """
+    by_kind: dict[str, list[dict]] = {}
+    for row in rows:
+        if is_held_out(row["id"], fraction) == held_out:
+            by_kind.setdefault(row["category"], []).append(row)
+    chosen = [row for kind, limit in per_kind.items() for row in by_kind.get(kind, [])[:limit]]
+    random.Random(seed).shuffle(chosen)
+    return chosen

@@ -1,0 +1,38 @@
+"""Flags of `specd train-draft`, torch-free so that building the `specd` parser stays cheap everywhere.
+
+The work itself lives in draft_service/training.py and is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
+RECIPE_NAMES = ("tiny", "cpu", "full")
+
+
+def run(args: argparse.Namespace) -> int:
+    from draft_service.training import run_train_draft
+
+    return run_train_draft(args)
+
+
+def add_train_draft_parser(commands) -> None:
+    """Register `specd train-draft` on the top-level sub-command set."""
+    parser = commands.add_parser("train-draft", help="distil a small draft model from the target (resumable)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
+    parser.add_argument("--recipe", default="cpu", choices=RECIPE_NAMES, help="tiny (a test), cpu (~90 min on one core), full (GPU)")
+    parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
+    parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
+    parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--gen-minutes", type=float, default=None, help="override the recipe's generation budget")
+    parser.add_argument("--tf-minutes", type=float, default=None, help="override the teacher-forcing budget")
+    parser.add_argument("--train-minutes", type=float, default=None, help="override the training budget")
+    parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
+    parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out answers (0 = all)")
+    parser.add_argument("--skip-eval", action="store_true", help="save without the held-out evaluation")
+    parser.set_defaults(func=run)

@@ -126,7 +126,6 @@ def lint(service: str, path: Path, repo_pins: dict) -> list:
         problem("no FROM")
         return problems
     final = dockerfile.final
-    keywords = [i.keyword for i in final]
 
     # Base images: pinned to a tag or digest.
     stage_names = {s[0].args.split()[-1].lower() for s in dockerfile.stages if " as " in s[0].args.lower()}

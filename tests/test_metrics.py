@@ -7,7 +7,6 @@ its own CollectorRegistry, so their numbers stay apart in one process.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_common.cli import build_parser
 from specd_common.config import ServerConfig
 from specd_common.models import load_causal_lm
+from tests.specd_stack import free_ports
 from tests.tiny_models import build_model, build_tokenizer
 from verify_service.app import start_verify_server
 
@@ -228,13 +228,3 @@ def test_specd_serve_exposes_metrics_on_the_flagged_port(tmp_path):
             process.wait(timeout=10)
     assert process.returncode == 0, log_path.read_text()[-2000:]
 
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specd_common import telemetry
+from tests.specd_stack import free_ports
 from tests.tiny_models import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,16 +124,6 @@ def tiny_models(tmp_path_factory):
         build_model(root / "draft", seed=2, layers=1, tokenizer=tokenizer),
     )
 
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def specd_env(otlp_endpoint: str) -> dict:

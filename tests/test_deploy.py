@@ -61,8 +61,14 @@ def test_make_deploy_check_passes():
         ("base/verify.yaml", "            failureThreshold: 90", '            failureThreshold: "ninety"', "ninety"),
         # a kind no schema knows (kubernetes-validate only warns; deploy-check fails)
         ("base/gateway.yaml", "kind: HorizontalPodAutoscaler", "kind: HorizontalPodAutoscalr", "HorizontalPodAutoscalr"),
+        # a hostPort publishes verify on the node's address, past the Service and the NetworkPolicy
+        ("base/verify.yaml", "              containerPort: 50053", "              containerPort: 50053\n              hostPort: 50053", "hostPort exposes"),
+        # TLS on the model services but a gateway that does not dial TLS: it could never connect
+        ("components/tls/gateway.yaml", "            - name: SPECD_TLS_CA ", "            - name: SPECD_TLS_CA_UNUSED ", "the gateway could not connect"),
+        # a TLS port probed directly: kubelet's gRPC probe cannot do TLS, the pod would never be ready
+        ("components/tls/models.yaml", "            - name: SPECD_HEALTH_PORT", "            - name: SPECD_HEALTH_PORT_UNUSED", "needs SPECD_HEALTH_PORT"),
     ],
-    ids=["unknown-field", "wrong-type", "unknown-kind"],
+    ids=["unknown-field", "wrong-type", "unknown-kind", "host-port", "tls-mismatch", "tls-probe"],
 )
 def test_broken_manifest_fails_validation(tmp_path, relative, old, new, expected):
     result = run_check(broken_copy(tmp_path, relative, old, new))
@@ -75,24 +81,6 @@ def test_policy_violation_fails(tmp_path):
     result = run_check(broken_copy(tmp_path, "base/verify.yaml", "  clusterIP: None ", "  type: ClusterIP "))
     assert result.returncode != 0
     assert "specd-verify must be headless" in result.stdout
-
-
-@pytest.mark.parametrize(
-    "relative, old, new, expected",
-    [
-        # a hostPort publishes verify on the node's address, past the Service and the NetworkPolicy
-        ("base/verify.yaml", "              containerPort: 50053", "              containerPort: 50053\n              hostPort: 50053", "hostPort exposes"),
-        # TLS on the model services but a gateway that does not dial TLS: it could never connect
-        ("components/tls/gateway.yaml", "            - name: SPECD_TLS_CA ", "            - name: SPECD_TLS_CA_UNUSED ", "the gateway could not connect"),
-        # a TLS port probed directly: kubelet's gRPC probe cannot do TLS, the pod would never be ready
-        ("components/tls/models.yaml", "            - name: SPECD_HEALTH_PORT", "            - name: SPECD_HEALTH_PORT_UNUSED", "needs SPECD_HEALTH_PORT"),
-    ],
-    ids=["host-port", "tls-mismatch", "tls-probe"],
-)
-def test_security_policy_violation_fails(tmp_path, relative, old, new, expected):
-    result = run_check(broken_copy(tmp_path, relative, old, new))
-    assert result.returncode != 0, result.stdout
-    assert expected in result.stdout + result.stderr
 
 
 def test_dockerfile_lint_catches_torch_in_the_gateway_image(tmp_path):

@@ -229,7 +229,7 @@ class Generation:
             self._open_draft()
 
     def _timeout(self) -> float:
-        remaining = self._time_remaining()  # None, or a huge number, when the client set no deadline
+        remaining = self._time_remaining()  # None when the client set no deadline
         return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)
 
     def _prefill(self, link: Link, pool: Pool, request_type: type, index: int, timeout_s: float) -> None:

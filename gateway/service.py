@@ -70,7 +70,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return Generation(
             self.backends,
             spec,
-            time_remaining=context.time_remaining,
+            time_remaining=lambda: _deadline(context),
             is_active=context.is_active,
             speculation_allowed=self._speculation_allowed,
             options=self.options,
@@ -146,6 +146,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
 
 def _deadline(context: grpc.ServicerContext) -> Optional[float]:
+    """Seconds left for the client, or None without a deadline (grpc then reports a huge number)."""
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e6 else remaining
 

@@ -249,15 +249,21 @@ def spawn_services(
     commands = {
         "verify": serve + ["verify", *common, "--port", str(ports["verify"]), "--model", target],
         "draft": serve + ["draft", *common, "--port", str(ports["draft"]), "--drafter", drafter, "--model", draft_model],
-        "gateway": serve
-        + [
-            "gateway", "--host", host, "--port", str(ports["gateway"]),
-            "--verify-address", f"{host}:{ports['verify']}",
-            "--draft-address", f"{host}:{ports['draft']}",
-            "--num-draft-tokens", str(num_draft_tokens),
-        ],
+        "gateway": gateway_command(host, ports, num_draft_tokens),
     }
     return {name: subprocess.Popen(command) for name, command in commands.items()}
+
+
+def gateway_command(host: str, ports: dict, num_draft_tokens: int, *extra: str) -> list[str]:
+    """`specd serve gateway` on ports["gateway"], pointed at the draft and verify on the same host."""
+    return [
+        sys.executable, "-m", "specd_common.cli", "serve", "gateway", "--host", host,
+        "--port", str(ports["gateway"]),
+        "--verify-address", f"{host}:{ports['verify']}",
+        "--draft-address", f"{host}:{ports['draft']}",
+        "--num-draft-tokens", str(num_draft_tokens),
+        *extra,
+    ]
 
 
 def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: float = 900.0) -> bool:
@@ -348,9 +354,7 @@ def start_local_stack(
     if overlap:
         overlap_address = f"127.0.0.1:{ports[3]}"
         children["gateway-overlap"] = subprocess.Popen(
-            [sys.executable, "-m", "specd_common.cli", "serve", "gateway", "--port", str(ports[3]), "--overlap", "true",
-             "--verify-address", f"127.0.0.1:{named['verify']}", "--draft-address", f"127.0.0.1:{named['draft']}",
-             "--num-draft-tokens", str(num_draft_tokens), "--metrics-port", "-1"]
+            gateway_command("127.0.0.1", {**named, "gateway": ports[3]}, num_draft_tokens, "--overlap", "true", "--metrics-port", "-1")
         )
     for gateway in filter(None, (address, overlap_address)):
         if not wait_until_serving(gateway, children, {"requested": False}):

@@ -13,17 +13,43 @@ from specd_common.sessions import SessionStore
 
 
 def make_drafter(
-    kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy()
+    kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = ""
 ) -> Drafter:
     """'ngram' → prompt lookup; 'model' → a Hugging Face draft model loaded from `model`, batching
-    concurrent sessions' drafting steps per `batching`."""
+    concurrent sessions' drafting steps per `batching`; 'feature' → a feature head folder (`model`)
+    over its target's embedding and LM head (`target`, default: the target named in the head)."""
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "feature":
+        return load_feature_drafter(model, target)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
         return ModelDrafter(load_causal_lm(model, device=device, dtype=dtype), batching)
-    raise ValueError(f"unknown drafter {kind!r}; use 'model' or 'ngram'")
+    raise ValueError(f"unknown drafter {kind!r}; use 'feature', 'model' or 'ngram'")
+
+
+def load_feature_drafter(folder: str, target: str = "") -> Drafter:
+    """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
+
+    The target is loaded once for those two matrices (and its tokenizer, for the gateway's vocabulary
+    check) and then dropped; the head refuses a target of another shape. The head runs on the CPU in
+    float32: one step is a few million multiply-adds, less than a GPU kernel launch sequence costs."""
+    import json
+    from pathlib import Path
+
+    from draft_service.feature_drafter import FeatureDrafter
+    from draft_service.feature_head import CONFIG_FILE, load_head
+    from specd_common.models import describe_model, load_causal_lm, max_sequence_length
+
+    config = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
+    head = load_head(Path(folder), loaded.model)
+    info = describe_model(loaded)
+    info.model_name = f"feature-head:{Path(folder).name}"
+    max_length = max_sequence_length(loaded)
+    del loaded
+    return FeatureDrafter(head, info, max_length)
 
 
 def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:

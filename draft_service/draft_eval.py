@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specd_common.features import encode_features
 from specd_common.lm import CausalLM
 from specd_common.params import Warp
 
@@ -66,14 +67,19 @@ class SpecStats:
 
 
 def simulate_answer(drafter, record: dict, k: int, stats: SpecStats) -> None:
-    """Greedy speculation over one held-out answer: propose k, keep the matching prefix, commit."""
+    """Greedy speculation over one held-out answer: propose k, keep the matching prefix, commit.
+    A feature drafter is sent the record's target features as the gateway would send them."""
     tokens = record["tokens"].tolist()
     start = record["start"]
     answer = tokens[start:]
     session = drafter.open(tokens[:start], Warp())
     rng = np.random.default_rng(0)
     position = 0  # answer tokens already emitted
+    sent = 0  # feature rows the drafter holds
     while position < len(answer):
+        if getattr(drafter, "wants_target_features", False):
+            drafter.add_features(session, encode_features(record["features"][sent : start + position - 1], sent))
+            sent = start + position - 1
         budget = min(k, len(answer) - position - 1)  # the last token always comes from the target
         proposal = drafter.propose(session, budget, rng).token_ids if budget > 0 else []
         accepted = 0

@@ -26,6 +26,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.drafter = drafter
         self.sessions = sessions
         self.vocab_size = drafter.info().vocab_size or None  # None: a model-free drafter takes any id
+        self.reads_features = getattr(drafter, "wants_target_features", False)
 
     def _check_ids(self, token_ids, what: str) -> None:
         if self.vocab_size:
@@ -37,6 +38,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._check_ids(request.prompt_token_ids, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
         session = self.drafter.open(list(request.prompt_token_ids), warp)
+        if self.reads_features:
+            self.drafter.add_features(session, request.target_features)
         self.sessions.create(request.session_id, session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return draft_pb2.DraftPrefillResponse(sequence_length=len(session.sequence.tokens))
@@ -49,6 +52,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            if self.reads_features:
+                self.drafter.add_features(session, request.target_features)
             length = len(session.sequence.tokens)
             started = time.perf_counter()
             proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))

@@ -125,6 +125,11 @@ def training_records(work: Path, max_length: int) -> list[dict]:
     return kept
 
 
+def answer_length(record: dict) -> int:
+    """Answer positions of a record (where the loss is taken)."""
+    return len(record["tokens"]) - record["start"]
+
+
 def make_batches(records: list[dict], batch_tokens: int, seed: int) -> list[list[int]]:
     """Shuffled record indices grouped so each batch has about `batch_tokens` answer positions."""
     order = list(range(len(records)))
@@ -132,7 +137,7 @@ def make_batches(records: list[dict], batch_tokens: int, seed: int) -> list[list
     batches, current, size = [], [], 0
     for index in order:
         current.append(index)
-        size += len(records[index]["topk_ids"])
+        size += answer_length(records[index])
         if size >= batch_tokens:
             batches.append(current)
             current, size = [], 0
@@ -178,12 +183,14 @@ def save_checkpoint(path: Path, draft, optimizer, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def train_draft(draft, records: list[dict], recipe: Recipe, work: Path, device: torch.device) -> dict:
-    """Stage 2: distil into `draft`, resuming from train/ckpt.pt; returns the loop state (history included)."""
+def train_draft(draft, records: list[dict], recipe: Recipe, work: Path, device: torch.device, loss_fn=distillation_loss) -> dict:
+    """Stage 2: distil into `draft`, resuming from train/ckpt.pt; returns the loop state (history included).
+
+    loss_fn(draft, batch, device) → (loss, agreement); the feature head brings its own (feature_training.py)."""
     ckpt_path = work / "train" / "ckpt.pt"
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     draft.to(device).train()
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=recipe.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0, betas=(0.9, 0.98))
     state = {"step": 0, "total_steps": 0, "history": [], "train_seconds": 0.0, "done": False}
     if ckpt_path.exists():
         checkpoint = torch.load(ckpt_path, weights_only=False)
@@ -197,7 +204,7 @@ def train_draft(draft, records: list[dict], recipe: Recipe, work: Path, device: 
     planned = recipe.epochs * epoch_batches
     state["total_steps"] = state["total_steps"] or planned
     log.info("train: %d records, %d answer tokens, %d steps per epoch, %d planned", len(records),
-             sum(len(r["topk_ids"]) for r in records), epoch_batches, planned)
+             sum(answer_length(r) for r in records), epoch_batches, planned)
     budget, last_save, window = Budget(max(0.01, recipe.train_minutes - state["train_seconds"] / 60) if recipe.train_minutes else 0), time.monotonic(), []
     while state["step"] < state["total_steps"] and not budget.spent():
         epoch, index = divmod(state["step"], epoch_batches)
@@ -205,7 +212,7 @@ def train_draft(draft, records: list[dict], recipe: Recipe, work: Path, device: 
         started = time.monotonic()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(state["step"], state["total_steps"], recipe)
-        loss, agreement = distillation_loss(draft, batch, device)
+        loss, agreement = loss_fn(draft, batch, device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

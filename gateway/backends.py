@@ -80,6 +80,7 @@ class Backends:
         draft_infos = _model_infos(draft, timeout_s) if len(draft) else []
         for info in draft_infos:
             check_same_vocabulary(target_info, info, "draft")
+            check_features_available(target_info, info)
         if len(draft) and not draft_infos:
             log.warning("no draft replica answered; serving target-only until one does")
         return cls(verify, draft, target_info, draft_infos[0] if draft_infos else None, GatewayTokenizer(target_info))
@@ -98,6 +99,15 @@ def _model_infos(pool: Pool, timeout_s: float) -> list[common_pb2.GetModelInfoRe
         except grpc.RpcError as error:
             log.warning("replica %s did not answer GetModelInfo: %s", address, error.code())
     return infos
+
+
+def check_features_available(target: common_pb2.GetModelInfoResponse, draft: common_pb2.GetModelInfoResponse) -> None:
+    """A feature drafter needs a verify service that can return the target's features."""
+    if draft.wants_target_features and not target.hidden_size:
+        raise FailedPrecondition(
+            f"draft {draft.model_name!r} reads the target's features but verify {target.model_name!r} does not "
+            "report a hidden size (an older verify service?); upgrade the verify service or use another drafter"
+        )
 
 
 def check_same_vocabulary(

@@ -25,6 +25,7 @@ from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_draft_length
 from gateway.backends import Backends, Pool
+from gateway.features import FeatureLog
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common.distributions import decode_distribution
@@ -123,6 +124,7 @@ class Link:
 
     session_id: str = ""
     index: Optional[int] = None  # replica in use; None while closed
+    features_sent: int = 0  # feature drafters: rows of target features the session has been sent
     sync: ServiceSync = field(default_factory=lambda: ServiceSync(agreed=0))
     failed: list[int] = field(default_factory=list)  # replicas that failed during this request
 
@@ -152,14 +154,16 @@ class Generation:
     ):
         self.backends = backends
         self.spec = spec
-        self.overlap = options.overlap
+        self.speculate = spec.speculate and len(backends.draft) > 0
+        wants_features = self.speculate and backends.draft_info is not None and backends.draft_info.wants_target_features
+        self._features = FeatureLog() if wants_features else None  # target features for a feature drafter
+        self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
         self.draft_timeout_s = options.draft_timeout_s
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated
         self.generated: list[int] = []
         self.stats = SpeculationStats()
-        self.speculate = spec.speculate and len(backends.draft) > 0
         self.max_length = backends.target_info.max_sequence_length
         self._time_remaining = time_remaining
         self._is_active = is_active
@@ -219,8 +223,11 @@ class Generation:
         if lookahead is not None:
             self._finish_lookahead(lookahead, outcome)
         self.stats.count_round(len(drafts), outcome.accepted)
+        chunk = self._emit(outcome.emitted(drafts))
+        if self._features is not None:
+            self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self.stats.round_seconds += time.perf_counter() - started
-        return self._emit(outcome.emitted(drafts))
+        return chunk
 
     # --- sessions ------------------------------------------------------------------------------
     def _open_sessions(self) -> None:
@@ -232,17 +239,19 @@ class Generation:
         remaining = self._time_remaining()  # None when the client set no deadline
         return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)
 
-    def _prefill(self, link: Link, pool: Pool, request_type: type, index: int, timeout_s: float) -> None:
-        """Open a session holding the whole committed sequence on replica `index` of `pool`."""
+    def _prefill(self, link: Link, pool: Pool, request_type: type, index: int, timeout_s: float, **extra: Any) -> Any:
+        """Open a session holding the whole committed sequence on replica `index` of `pool`; returns the reply."""
         self._sessions_opened += 1
         session_id = f"{self.request_id}-{self._sessions_opened}"
         stub = pool.stubs[index]
         self._opened.append((stub, session_id))
         sampling = self.spec.warp.to_proto(common_pb2.SamplingParams)
-        stub.Prefill(
-            request_type(session_id=session_id, prompt_token_ids=self.sequence, sampling=sampling), timeout=timeout_s
+        reply = stub.Prefill(
+            request_type(session_id=session_id, prompt_token_ids=self.sequence, sampling=sampling, **extra), timeout=timeout_s
         )
         link.session_id, link.index, link.sync = session_id, index, ServiceSync(agreed=len(self.sequence))
+        link.features_sent = len(self.sequence) - 1
+        return reply
 
     def _open_verify(self) -> None:
         """Prime a verify replica with the sequence so far, trying each healthy replica once."""
@@ -250,7 +259,11 @@ class Generation:
         codes = []
         while (index := pool.pick(exclude=self._verify.failed)) is not None:
             try:
-                self._prefill(self._verify, pool, verify_pb2.VerifyPrefillRequest, index, self._timeout())
+                reply = self._prefill(
+                    self._verify, pool, verify_pb2.VerifyPrefillRequest, index, self._timeout(), return_features=self._features is not None
+                )
+                if self._features is not None:
+                    self._features.put(reply.features)
                 return
             except grpc.RpcError as error:
                 if not self._replica_fault(error):
@@ -267,7 +280,8 @@ class Generation:
         pool = self.backends.draft
         index = pool.pick()
         try:
-            self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, index, self._draft_timeout())
+            extra = {"target_features": self._unsent_features(0)} if self._features is not None else {}
+            self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, index, self._draft_timeout(), **extra)
             self._draft_backoff_s = DRAFT_BACKOFF_S
         except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer
             self._draft_down(pool.addresses[index], error)
@@ -323,14 +337,21 @@ class Generation:
             num_draft_tokens=k,
             seed=int(self.rng.integers(2**63)),
         )
+        if self._features is not None:
+            request.target_features.CopyFrom(self._unsent_features(self._draft.features_sent))
         try:
             proposal = stub.Propose(request, timeout=self._draft_timeout())
         except grpc.RpcError as error:
             self._draft_down(self.backends.draft.addresses[self._draft.index], error)
             return [], []
         self._draft.sync.agreed = len(self.sequence)
+        self._draft.features_sent = len(self.sequence) - 1
         self._account(request, proposal, draft=True)
         return list(proposal.token_ids), list(proposal.draft_probs)
+
+    def _unsent_features(self, start: int) -> common_pb2.TargetFeatures:
+        """Target features from row `start` up to the committed sequence's last position but one."""
+        return self._features.slice(start, len(self.sequence) - 1)
 
     # --- overlap (PEARL-style look-ahead) ------------------------------------------------------
     def _start_lookahead(self, drafts: list[int], k: int):
@@ -371,7 +392,10 @@ class Generation:
     def _verify_drafts(self, drafts: list[int]) -> verify_pb2.VerifyResponse:
         while True:
             request = verify_pb2.VerifyRequest(
-                session_id=self._verify.session_id, commit=self._verify.sync.commit(self.sequence), draft_token_ids=drafts
+                session_id=self._verify.session_id,
+                commit=self._verify.sync.commit(self.sequence),
+                draft_token_ids=drafts,
+                return_features=self._features is not None,
             )
             try:
                 scores = self.backends.verify.stubs[self._verify.index].Verify(request, timeout=self._timeout())
@@ -384,6 +408,8 @@ class Generation:
                 continue
             self._verify.sync.agreed = len(self.sequence)
             self._account(request, scores)
+            if self._features is not None:
+                self._features.put(scores.features)
             return scores
 
     def _account(self, request: Any, response: Any, draft: bool = False) -> None:

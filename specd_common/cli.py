@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
     add_model_flags(draft, "")
-    add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model) or model (needs --model)")
+    add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model), model (a small LM, --model) or feature (a feature head folder, --model)")
+    add_flag(draft, "target", "", "feature drafter: the target whose embedding and LM head it reads (default: the one named in the head)")
     draft.set_defaults(func=serve_draft)
     gateway = serve.add_parser("gateway", help="the public API")
     add_server_flags(gateway, "gateway")
@@ -169,9 +170,9 @@ def serve_draft(args: argparse.Namespace) -> None:
     from specd_common.server import wait_for_termination
 
     _set_threads(args.threads)
-    if args.drafter == "model" and not args.model:
-        raise SystemExit("--drafter model needs --model (hub id, folder or GGUF file)")
-    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args))
+    if args.drafter in ("model", "feature") and not args.model:
+        raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
+    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target)
     running = start_draft_server(drafter, ServerConfig.from_args(args))
     wait_for_termination(running, args.grace)
 
@@ -248,7 +249,7 @@ def spawn_services(
     common = ["--host", host, "--threads", str(threads)]
     commands = {
         "verify": serve + ["verify", *common, "--port", str(ports["verify"]), "--model", target],
-        "draft": serve + ["draft", *common, "--port", str(ports["draft"]), "--drafter", drafter, "--model", draft_model],
+        "draft": serve + ["draft", *common, "--port", str(ports["draft"]), "--drafter", drafter, "--model", draft_model, "--target", target],
         "gateway": gateway_command(host, ports, num_draft_tokens),
     }
     return {name: subprocess.Popen(command) for name, command in commands.items()}

@@ -8,7 +8,7 @@ whose cache is a transformers DynamicCache; `forward` feeds the pending tokens p
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -21,9 +21,15 @@ from specd_common.telemetry import model_forward
 
 
 class KVSession(TokenSequence):
-    """A TokenSequence whose cached positions live in a DynamicCache."""
+    """A TokenSequence whose cached positions live in a DynamicCache.
+
+    With keep_features, every forward also leaves the final hidden state of the positions it read
+    in fed_features [n, H] (from position fed_start): what feature drafters are sent."""
 
     cache: DynamicCache
+    keep_features: bool = False
+    fed_start: int = 0
+    fed_features: Optional[torch.Tensor] = None
 
 
 class CausalLM:
@@ -35,13 +41,14 @@ class CausalLM:
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()
 
-    def new_session(self, prompt: Sequence[int]) -> KVSession:
+    def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:
         """A session holding `prompt`, with everything but the last token already in its cache."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
         cache = DynamicCache(config=self.loaded.model.config)
         session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
         session.cache = cache
+        session.keep_features = keep_features
         if len(prompt) > 1:
             self._run(session, session.tokens[:-1])
             session.cached = len(prompt) - 1
@@ -88,14 +95,21 @@ class CausalLM:
     @torch.inference_mode()
     def _run(self, session: KVSession, token_ids: Sequence[int]) -> torch.Tensor:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)  # [1, n]
+        start = session.cache.get_seq_length()
         with self._forward_lock, model_forward(len(token_ids)):
-            output = self.loaded.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True)
+            output = self.loaded.model(
+                input_ids=input_ids, past_key_values=session.cache, use_cache=True, output_hidden_states=session.keep_features
+            )
+        if session.keep_features:
+            session.fed_start, session.fed_features = start, output.hidden_states[-1][0]  # [n, H], after the final norm
         return output.logits[0].float()  # [n, V]
 
     @torch.inference_mode()
     def _run_batch(self, sessions: Sequence[KVSession], fed: Sequence[Sequence[int]]) -> torch.Tensor:
         """One forward over every session's fed tokens; appends each session's new keys/values to its cache."""
         caches = [session.cache for session in sessions]
+        starts = [cache.get_seq_length() for cache in caches]
+        keep = any(session.keep_features for session in sessions)
         with self._forward_lock:
             batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
             output = self.loaded.model(
@@ -104,6 +118,10 @@ class CausalLM:
                 position_ids=batch.position_ids,
                 past_key_values=batch.past,
                 use_cache=True,
+                output_hidden_states=keep,
             )
             kv_batch.scatter_new(output.past_key_values, batch, caches)
+        for row, session in enumerate(sessions):
+            if session.keep_features:  # rows are left-aligned: the row's fed tokens are its first len(fed) positions
+                session.fed_start, session.fed_features = starts[row], output.hidden_states[-1][row, : len(fed[row])]
         return output.logits.float()  # [B, N, V]

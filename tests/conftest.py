@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import grpc
 import pytest
 
-from tests.tiny_models import build_model, build_noisy_copy, build_tokenizer
+from tests.tiny_models import build_feature_head, build_model, build_noisy_copy, build_tokenizer
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -24,6 +24,7 @@ class TinyModels:
     draft_noisy: Path  # noisy output head: partial agreement
     draft_other: Path  # unrelated random weights
     other_vocab: Path  # a different tokenizer: must be refused
+    feature_head: Path  # an untrained feature head for target, scoring every other id (reduced vocabulary)
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +42,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
         draft_noisy=build_noisy_copy(target, root / "draft_noisy", noise=0.6),
         draft_other=build_model(root / "draft_other", seed=1, layers=1, tokenizer=tokenizer),
         other_vocab=build_model(root / "other_vocab", seed=2, layers=1, tokenizer=other_tokenizer),
+        feature_head=build_feature_head(target, root / "feature_head", vocab_stride=2),
     )
 
 

@@ -47,15 +47,21 @@ def test_rejection_rule_on_real_model_distributions(default_target, warp):
 
 
 @pytest.mark.parametrize(
-    "warp,overlap",
-    [(Warp(temperature=1.0), False), (Warp(temperature=0.8, top_k=8), False), (Warp(temperature=1.0, top_p=0.8), True)],
-    ids=["t1", "topk8", "topp0.8-overlap"],
+    "warp,overlap,drafter",
+    [
+        (Warp(temperature=1.0), False, "model"),
+        (Warp(temperature=0.8, top_k=8), False, "model"),
+        (Warp(temperature=1.0, top_p=0.8), True, "model"),
+        (Warp(temperature=1.0), False, "feature"),  # q is zero outside the head's vocabulary
+    ],
+    ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head"],
 )
-def test_system_samples_follow_the_target(tiny, warp, overlap):
+def test_system_samples_follow_the_target(tiny, warp, overlap, drafter):
     """Through gateway, draft and verify: the first sampled token's frequencies match the target's p."""
     from specd_common.models import load_causal_lm
 
-    running = start_cluster(tiny.target, "model", tiny.draft_noisy, num_draft_tokens=2, overlap=overlap)
+    draft_model = tiny.feature_head if drafter == "feature" else tiny.draft_noisy
+    running = start_cluster(tiny.target, drafter, draft_model, num_draft_tokens=2, overlap=overlap)
     try:
         stub = running.stub()
         sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)

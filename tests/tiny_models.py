@@ -75,3 +75,16 @@ def build_noisy_copy(source: Path, path: Path, noise: float, seed: int = 7) -> P
     model.save_pretrained(path)
     PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(path)
     return path
+
+
+def build_feature_head(target: Path, path: Path, vocab_stride: int = 1) -> Path:
+    """An untrained feature head for `target` (layer copied from its last layer, fc passing features
+    through), scoring every `vocab_stride`-th id plus EOS: a reduced vocabulary, as trained heads have."""
+    from draft_service.feature_head import save_head
+    from draft_service.feature_training import build_head
+    from specd_common.models import eos_token_ids, load_causal_lm
+
+    loaded = load_causal_lm(str(target), device="cpu", dtype="float32")
+    vocab = set(range(0, loaded.model.config.vocab_size, vocab_stride)) | set(eos_token_ids(loaded))
+    save_head(build_head(loaded, torch.tensor(sorted(vocab)), str(target)), path)
+    return path

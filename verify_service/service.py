@@ -31,10 +31,12 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
-        session = self.scorer.open(list(request.prompt_token_ids), warp)
+        session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features)
         self.sessions.create(request.session_id, session)
         drop_if_abandoned(self.sessions, request.session_id, context)
-        return verify_pb2.VerifyPrefillResponse(sequence_length=len(session.sequence.tokens))
+        return verify_pb2.VerifyPrefillResponse(
+            sequence_length=len(session.sequence.tokens), features=self.scorer.last_features(session)
+        )
 
     @grpc_errors
     def Verify(self, request: verify_pb2.VerifyRequest, context: grpc.ServicerContext):
@@ -43,6 +45,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         validate_token_ids(drafts, self.vocab_size, "draft_token_ids")
         validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
         with self.sessions.use(request.session_id) as session:
+            session.sequence.keep_features = session.sequence.keep_features or request.return_features
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
@@ -54,6 +57,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             target_probs=scores.target_probs,
             sequence_length=length,
             model_seconds=model_seconds,
+            features=scores.features,
         )
 
     @grpc_errors

@@ -46,12 +46,22 @@ class Commit(_message.Message):
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, prefix_length: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class TargetFeatures(_message.Message):
+    __slots__ = ("start_position", "hidden_size", "data")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    hidden_size: int
+    data: bytes
+    def __init__(self, start_position: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter")
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +72,8 @@ class GetModelInfoResponse(_message.Message):
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    WANTS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_sequence_length: int
@@ -72,7 +84,9 @@ class GetModelInfoResponse(_message.Message):
     eos_token: str
     vocab_digest: str
     drafter: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    wants_target_features: bool
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

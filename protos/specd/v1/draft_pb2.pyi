@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    target_features: _common_pb2.TargetFeatures
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class DraftPrefillResponse(_message.Message):
     __slots__ = ("sequence_length",)
@@ -24,16 +26,18 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed")
+    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed", "target_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     num_draft_tokens: int
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    target_features: _common_pb2.TargetFeatures
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds")

@@ -8,39 +8,47 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "return_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyPrefillResponse(_message.Message):
-    __slots__ = ("sequence_length",)
+    __slots__ = ("sequence_length", "features")
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_length: int
-    def __init__(self, sequence_length: _Optional[int] = ...) -> None: ...
+    features: _common_pb2.TargetFeatures
+    def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "draft_token_ids")
+    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds")
+    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
     model_seconds: float
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ...) -> None: ...
+    features: _common_pb2.TargetFeatures
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...

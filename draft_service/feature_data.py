@@ -1,0 +1,96 @@
+"""Training data for a feature head: token sequences with the target's last hidden state at every position.
+
+A feature head (draft_service/feature_head.py) reads the target's features, so its data is the
+target's own view of text: one teacher-forced forward per batch of sequences gives the final
+(post-norm) hidden state at every position, from which the target's next-token distribution is
+recomputed on the fly (head(feature)), so nothing else needs storing.
+
+Sequences come from two places, both reusing distill_data:
+- the target's greedy answers to training prompts of every task kind (`gen-train` shards): text in
+  exactly the distribution the draft will meet when serving;
+- public reference answers (GSM8K, seed tasks, HumanEval solutions): about 5x cheaper per token
+  (no generation), the context is not the target's but its features and next-token choices are.
+
+A record: id, category, tokens [T] int32, start (first answer position), features [T, H] float16.
+Shards are written atomically under <work-dir>/data with prefix `feat-train`; a resumed run skips
+ids already stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from draft_service import distill_data
+from draft_service.distill_data import Budget, chat_prompt_ids, clean_reference
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """The target's final hidden state at every position of each sequence → [len(s), H] float16 each.
+
+    One right-padded forward for the batch; causal attention makes padding harmless to real positions.
+    """
+    device = next(model.parameters()).device
+    width = max(len(s) for s in sequences)
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, width]
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, width]
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention[row, : len(sequence)] = 1
+    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state  # [B, width, H]
+    return [hidden[row, : len(sequence)].to(torch.float16).cpu() for row, sequence in enumerate(sequences)]
+
+
+def reference_sequence(tokenizer, row: dict, max_answer_tokens: int) -> tuple[list[int], int]:
+    """Chat-templated prompt + the row's public reference answer (cut), and where the answer starts."""
+    prompt = chat_prompt_ids(tokenizer, row["prompt"])
+    answer = tokenizer(clean_reference(row), add_special_tokens=False)["input_ids"][:max_answer_tokens]
+    return prompt + answer, len(prompt)
+
+
+def feature_stage(
+    model, sources: list[dict], directory: Path, *, batch_size: int, budget: Budget, prefix: str = "feat-train"
+) -> int:
+    """Store features for `sources` (dicts with id, category, tokens, start) in length-sorted batches.
+
+    Resumable; stops at the budget. Returns the number of stored records."""
+    done = distill_data.stored_ids(directory, prefix)
+    todo = [source for source in sources if source["id"] not in done]
+    log.info("features[%s]: %d stored, %d to go", prefix, len(done), len(todo))
+    started, tokens = time.monotonic(), 0
+    lengths = [len(source["tokens"]) for source in todo]
+    for batch in distill_data._length_sorted_batches(todo, lengths, batch_size):
+        if budget.spent():
+            log.info("features[%s]: time budget of %.0f min spent", prefix, budget.minutes)
+            break
+        chosen = [todo[i] for i in batch]
+        features = target_features(model, [list(map(int, s["tokens"])) for s in chosen])
+        records = [
+            {"id": s["id"], "category": s["category"], "tokens": torch.as_tensor(s["tokens"], dtype=torch.int32),
+             "start": int(s["start"]), "features": f}
+            for s, f in zip(chosen, features)
+        ]
+        distill_data.save_shard(directory, prefix, records)
+        done.update(s["id"] for s in chosen)
+        tokens += sum(len(s["tokens"]) for s in chosen)
+        log.info("features[%s]: %d records, %d tokens this run, %.1f tok/s", prefix, len(done), tokens, tokens / (time.monotonic() - started))
+    return len(done)
+
+
+def feature_sources(tokenizer, generated: list[dict], references: list[dict], max_answer_tokens: int) -> list[dict]:
+    """What to extract features for: generated answers first (the serving distribution), then references.
+
+    References are interleaved by kind, so a budget-stopped run keeps every kind it had."""
+    sources = [{"id": r["id"], "category": r["category"], "tokens": r["tokens"], "start": r["start"]} for r in generated]
+    for row in references:
+        tokens, start = reference_sequence(tokenizer, row, max_answer_tokens)
+        if len(tokens) > start:
+            sources.append({"id": "ref:" + row["id"], "category": row["category"], "tokens": tokens, "start": start})
+    return sources

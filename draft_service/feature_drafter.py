@@ -1,0 +1,134 @@
+"""The feature-head drafter: drafts from the target's hidden states, sent along with each commit.
+
+Session state, for a committed sequence x_0..x_{L-1}:
+- `features` [n, H]: every target feature received so far (f_0..f_{n-1}); the gateway keeps n ≥ L - 1;
+- the head's cache: one entry per token x_1..x_{c-1} read with its true preceding feature, where
+  c = sequence.cached (x_0 has no preceding feature, so it never gets an entry);
+- `last`: the head's estimate f̂_{c-1}, from which the next token is scored.
+A proposal first reads the pending tokens x_c..x_{L-1} with their true features, then drafts k
+tokens feeding its own estimates forward, and finally drops the drafted entries again: next round
+the accepted ones are re-read with the target's true features.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from draft_service.drafters import DraftSession, Proposal
+from draft_service.feature_head import FeatureHead, HeadCache
+from specd.v1 import common_pb2
+from specd_common.distributions import decode_distribution, encode_distribution, sample_from
+from specd_common.errors import FailedPrecondition
+from specd_common.features import decode_features
+from specd_common.params import Warp
+from specd_common.sequence import TokenSequence
+from specd_common.telemetry import model_forward
+from specd_common.warping import warp_probs
+
+
+@dataclass
+class FeatureSession(DraftSession):
+    """A DraftSession plus the head's cache and the target features received so far."""
+
+    cache: HeadCache = field(default_factory=HeadCache)
+    features: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [n, H]
+    last: Optional[torch.Tensor] = None  # [H] the head's estimate at the last entry's position
+
+
+class FeatureDrafter:
+    """Drafter backend around a trained FeatureHead (draft_service/feature_head.py)."""
+
+    wants_target_features = True
+
+    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int):
+        self.head = head
+        self.max_length = max_length
+        self._info = info
+        self._info.drafter = "feature"
+        self._info.wants_target_features = True
+        self._lock = threading.Lock()  # one head computation at a time (the device is the bottleneck)
+
+    def info(self) -> common_pb2.GetModelInfoResponse:
+        return self._info
+
+    def open(self, prompt: Sequence[int], warp: Warp) -> FeatureSession:
+        cache = HeadCache()
+        sequence = TokenSequence(
+            tokens=list(prompt), max_length=self.max_length, cached=1, on_crop=lambda n: cache.crop(max(0, cache.length - n))
+        )
+        return FeatureSession(sequence=sequence, warp=warp, cache=cache, features=torch.zeros((0, self.head.config.hidden_size)))
+
+    def add_features(self, session: FeatureSession, message: common_pb2.TargetFeatures) -> None:
+        """Store features at their positions (overwriting any re-sent ones); they must extend what is held."""
+        rows = decode_features(message, self.head.config.hidden_size)  # [n, H]
+        if not len(rows):
+            return
+        held = session.features.shape[0]
+        if message.start_position > held:
+            raise FailedPrecondition(
+                f"target_features start at position {message.start_position} but the session holds features only up to "
+                f"position {held - 1}; send the missing positions first"
+            )
+        session.features = torch.cat((session.features[: message.start_position], rows))
+
+    def propose(self, session: FeatureSession, k: int, rng: np.random.Generator) -> Proposal:
+        sequence = session.sequence
+        length = len(sequence.tokens)
+        k = min(k, self.max_length - length)
+        with self._lock, torch.inference_mode():
+            self._read_pending(session)
+            if session.last is None or k <= 0:  # a one-token sequence has nothing to read yet
+                return Proposal(token_ids=[])
+            return self._draft(session, k, rng)
+
+    def _read_pending(self, session: FeatureSession) -> None:
+        """Give the head true entries for x_c..x_{L-1} (c = sequence.cached), from features f_{c-1}..f_{L-2}."""
+        sequence = session.sequence
+        first, length = max(sequence.cached, 1), len(sequence.tokens)
+        if first >= length:
+            return
+        if session.features.shape[0] < length - 1:
+            raise FailedPrecondition(
+                f"the session holds target features up to position {session.features.shape[0] - 1} but needs them up to "
+                f"{length - 2}; send target_features with Prefill and Propose (the gateway does when GetModelInfo "
+                "reports wants_target_features)"
+            )
+        session.cache.crop(first - 1)
+        tokens = torch.tensor([sequence.tokens[first:length]])  # [1, n]
+        with model_forward(length - first):
+            estimates = self.head(tokens, session.features[None, first - 1 : length - 1], torch.arange(first, length), session.cache)
+        session.last = estimates[0, -1]  # [H]
+        sequence.cached = length
+
+    def _draft(self, session: FeatureSession, k: int, rng: np.random.Generator) -> Proposal:
+        """k tokens, each scored from the previous estimate; the drafted entries are dropped afterwards."""
+        sequence, head = session.sequence, self.head
+        kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
+        proposal = Proposal(token_ids=[])
+        for step in range(k):
+            token = self._choose(head.logits(estimate), session.warp, rng, proposal)
+            proposal.token_ids.append(token)
+            if step + 1 < k:
+                with model_forward(1):
+                    estimate = head(torch.tensor([[token]]), estimate[None, None], torch.tensor([position]), session.cache)[0, -1]
+                position += 1
+        session.cache.crop(kept)
+        sequence.tokens.extend(proposal.token_ids)  # pending: re-read with true features once accepted
+        return proposal
+
+    def _choose(self, scores: torch.Tensor, warp: Warp, rng: np.random.Generator, proposal: Proposal) -> int:
+        """scores [V'] over the head's vocabulary → a token id; when sampling, records the q it came from
+        (zero outside the head's vocabulary, which the rejection rule handles exactly)."""
+        vocab_ids = self.head.vocab_ids
+        if warp.greedy:
+            return int(vocab_ids[int(torch.argmax(scores))])
+        full = torch.full((self._info.vocab_size,), float("-inf"))  # [V]
+        full[vocab_ids] = scores.float()
+        q = encode_distribution(warp_probs(full[None], warp)[0].cpu().numpy())
+        proposal.draft_probs.append(q)
+        return sample_from(decode_distribution(q), rng)

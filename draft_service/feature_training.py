@@ -1,0 +1,267 @@
+"""`specd train-draft --recipe feature-*`: an EAGLE-style feature head for a target, resumably.
+
+Stages, each resumable from <work-dir> (the `tiny`/`cpu`/`full` recipes of training.py train a
+small stand-alone Llama instead; this is the architecture that won, see docs/draft-training.md):
+  1. data     — held-out answers (eval), training answers (generated), then target features for the
+                training answers and public reference answers (feature_data.py);
+  2. train    — the head learns to predict the target's next feature and next-token distribution;
+  3. eval     — greedy speculation simulated on held-out answers, per task kind and draft position;
+  4. save     — head weights (bf16 safetensors) + config + the run's JSON records, a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draft_service import distill_data, feature_data
+from draft_service.distill_data import Budget
+from draft_service.train_prompts import KINDS, load_all_prompts, select_prompts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeatureRecipe:
+    """Everything that decides the result; saved next to the head so it can be reproduced."""
+
+    gen_per_kind: dict = field(default_factory=dict)  # kind → max prompts answered by the target
+    eval_per_kind: int = 12
+    held_out_fraction: float = 0.1
+    max_new_tokens: int = 128
+    gen_batch: int = 16
+    reference_rows: int = 0  # public reference answers, teacher-forced
+    feature_batch: int = 8
+    draft_vocab: int = 8192  # the head scores only the most frequent target choices (0 = all)
+    epochs: int = 4
+    batch_tokens: int = 4096
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    feature_loss_weight: float = 1.0
+    token_loss_weight: float = 0.1
+    gen_minutes: float = 0.0  # budgets; 0 = unlimited
+    feature_minutes: float = 0.0
+    train_minutes: float = 0.0
+    seed: int = 0
+
+
+FEATURE_RECIPES = {
+    "feature-tiny": FeatureRecipe(
+        gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
+        draft_vocab=0, epochs=20, batch_tokens=256, lr=1e-2, warmup_steps=3,
+    ),
+    "feature-cpu": FeatureRecipe(
+        gen_per_kind={"math": 150, "code": 190, "chat": 160, "writing": 220, "translation": 165, "summarization": 290, "qa": 135},
+        reference_rows=8000, gen_minutes=14, feature_minutes=22, train_minutes=30,
+    ),
+    "feature-full": FeatureRecipe(
+        gen_per_kind={kind: 100_000 for kind in KINDS}, eval_per_kind=24, max_new_tokens=256, gen_batch=64,
+        reference_rows=8000, feature_batch=32, epochs=10, batch_tokens=16384,
+    ),
+}
+
+
+def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) -> None:
+    """Stage 1: eval answers, training answers (budgeted), then features (budgeted)."""
+    from specd_common.models import eos_token_ids
+
+    rows = load_all_prompts(data_dir)
+    eos = eos_token_ids(target)
+    data = work / "data"
+    common = dict(batch_size=recipe.gen_batch, max_new_tokens=recipe.max_new_tokens, top_k=1, eos_ids=eos)
+    eval_rows = select_prompts(rows, {k: recipe.eval_per_kind for k in KINDS}, True, recipe.held_out_fraction, recipe.seed)
+    distill_data.generate_stage(target.model, target.tokenizer, eval_rows, data, "gen-eval", budget=Budget(0), **common)
+    train_rows = select_prompts(rows, recipe.gen_per_kind, False, recipe.held_out_fraction, recipe.seed)
+    distill_data.generate_stage(target.model, target.tokenizer, train_rows, data, "gen-train", budget=Budget(recipe.gen_minutes), **common)
+    generated = distill_data.load_records(data, "gen-train")
+    answered = {record["id"] for record in generated}
+    references = [
+        row for row in select_prompts(rows, {k: 100_000 for k in KINDS}, False, recipe.held_out_fraction, recipe.seed)
+        if row.get("reference") and row["id"] not in answered
+    ][: recipe.reference_rows]
+    sources = feature_data.feature_sources(target.tokenizer, generated, references, recipe.max_new_tokens)
+    feature_data.feature_stage(target.model, sources, data, batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes))
+
+
+def load_feature_records(work: Path, max_length: int) -> list[dict]:
+    """Stored feature records with at least one answer position, cut to `max_length` tokens."""
+    kept = []
+    for record in distill_data.load_records(work / "data", "feat-train"):
+        cut = min(len(record["tokens"]), max_length)
+        if cut - record["start"] >= 1 and record["start"] >= 1:
+            kept.append(dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut]))
+    return kept
+
+
+def choose_vocab(records: list[dict], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` ids the head scores: the most frequent answer tokens (the target's own choices, for
+    generated answers), plus `always` (EOS). size 0 or ≥ vocab_size → every id. Sorted ids [V']."""
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size)
+    for record in records:
+        counts += torch.bincount(record["tokens"][record["start"] :].long(), minlength=vocab_size).float()
+    counts[torch.tensor(always, dtype=torch.long)] = float("inf")
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+def padded(batch: list[dict], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens [B, T] and features [B, T, H] (float32)."""
+    width = max(len(r["tokens"]) for r in batch)
+    tokens = torch.zeros((len(batch), width), dtype=torch.long)
+    features = torch.zeros((len(batch), width, hidden))
+    for row, record in enumerate(batch):
+        tokens[row, : len(record["tokens"])] = record["tokens"].long()
+        features[row, : len(record["tokens"])] = record["features"].float()
+    return tokens, features
+
+
+def feature_loss(head, batch: list[dict], device: torch.device, noise: float = 0.1,
+                 feature_weight: float = 1.0, token_weight: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE's objective at every answer position t (the head's output at t predicts x_{t+1}):
+    smooth-L1 between f̂_t and the target's f_t, plus soft cross-entropy between the head's scores
+    from f̂_t and the target's (from f_t) over the head's vocabulary. Input features get uniform
+    noise so the head tolerates its own estimates when drafting several steps.
+
+    Returns (loss, agreement): agreement = argmax from f̂_t equals argmax from f_t."""
+    tokens, features = padded(batch, head.config.hidden_size)
+    tokens, features = tokens.to(device), features.to(device)  # [B, T], [B, T, H]
+    width = tokens.shape[1]
+    prev = features[:, :-1]  # [B, T-1, H]: f_{t-1} for inputs x_t, t = 1..T-1
+    if noise:
+        prev = prev + (torch.rand_like(prev) - 0.5) * 2 * noise
+    predicted = head(tokens[:, 1:], prev, torch.arange(1, width, device=device))  # [B, T-1, H]: f̂_t
+    positions = torch.arange(1, width, device=device)[None, :]  # [1, T-1]
+    starts = torch.tensor([r["start"] for r in batch], device=device)[:, None]
+    lengths = torch.tensor([len(r["tokens"]) for r in batch], device=device)[:, None]
+    mask = (positions >= starts - 1) & (positions < lengths)  # [B, T-1]: answer positions
+    mine, theirs = predicted[mask], features[:, 1:][mask]  # [N, H]
+    feature_term = F.smooth_l1_loss(mine, theirs)
+    log_q = torch.log_softmax(head.logits(mine), dim=-1)  # [N, V']
+    with torch.no_grad():
+        p = torch.softmax(head.logits(theirs), dim=-1)  # [N, V']
+    token_term = -(p * log_q).sum(dim=-1).mean()
+    agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
+    return feature_weight * feature_term + token_weight * token_term, agreement
+
+
+def build_head(target, vocab_ids: torch.Tensor, target_spec: str):
+    """A fresh head for `target`: the layer starts as the target's last layer, fc passes features through."""
+    from draft_service.feature_head import FeatureHead, FeatureHeadConfig, target_matrices
+    from specd_common.models import vocab_digest
+
+    model = target.model
+    config = FeatureHeadConfig.from_target(model.config, len(vocab_ids), target_spec, vocab_digest(target.tokenizer))
+    head = FeatureHead(config, *target_matrices(model), vocab_ids)
+    head.init_from_target_layer(model.model.layers[-1], model.model.norm)
+    return head
+
+
+def eval_records(target, work: Path, limit: int) -> list[dict]:
+    """Held-out answers with the target's features (one teacher-forced pass each batch)."""
+    records = distill_data.load_records(work / "data", "gen-eval")[: limit or None]
+    for begin in range(0, len(records), 8):
+        batch = records[begin : begin + 8]
+        for record, rows in zip(batch, feature_data.target_features(target.model, [r["tokens"].tolist() for r in batch])):
+            record["features"] = rows
+    return records
+
+
+def head_step_ms(head, record: dict, repeats: int = 30) -> float:
+    """Median ms of one drafting step after the prompt: a one-position head forward plus its scores."""
+    import statistics
+
+    from draft_service.feature_head import HeadCache
+
+    start = record["start"]
+    tokens, features = record["tokens"].long(), record["features"].float()
+    cache = HeadCache()
+    with torch.inference_mode():
+        estimate = head(tokens[None, 1:start], features[None, : start - 1], torch.arange(1, start), cache)[0, -1]  # [H]
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            token = int(torch.argmax(head.logits(estimate)))
+            head(torch.tensor([[token]]), estimate[None, None], torch.tensor([start]), cache)
+            times.append((time.perf_counter() - started) * 1000)
+            cache.crop(start - 1)
+    return round(statistics.median(times), 3)
+
+
+def feature_evaluation(head, target, work: Path, limit: int, target_spec: str) -> dict:
+    """Stage 3: simulated greedy speculation on held-out answers (head and n-gram), and cost."""
+    from draft_service.draft_eval import evaluate_drafter, forward_ms
+    from draft_service.drafters import NgramDrafter
+    from draft_service.feature_drafter import FeatureDrafter
+    from specd_common.models import describe_model, max_sequence_length
+
+    records = eval_records(target, work, limit)
+    drafter = FeatureDrafter(head.eval(), describe_model(target), max_sequence_length(target))
+    log.info("eval: %d held-out answers, %d tokens", len(records), sum(len(r["tokens"]) - r["start"] for r in records))
+    with torch.inference_mode():
+        report = {
+            "held_out_answers": len(records),
+            "draft": evaluate_drafter(drafter, records, ks=(1, 2, 3, 4)),
+            "ngram": evaluate_drafter(NgramDrafter(), records, ks=(1, 2, 3, 4)),
+        }
+        prompt = records[0]["tokens"][: records[0]["start"]].tolist()
+        step = min(head_step_ms(head, records[0]) for _ in range(3))
+        target_ms = min(forward_ms(target, prompt) for _ in range(3))
+    report["cost"] = {"threads": torch.get_num_threads(), "draft_step_ms": step, "target_forward_ms": target_ms, "ratio": round(step / target_ms, 3)}
+    log.info("cost: head step %.2f ms, target forward %.2f ms (ratio %.3f)", step, target_ms, step / target_ms)
+    return report
+
+
+def run_feature_recipe(args) -> int:
+    """`specd train-draft --recipe feature-*`: data → train → eval → save, each stage resumable."""
+    from functools import partial
+
+    from draft_service.feature_head import save_head
+    from draft_service.training import _log_to_file, train_draft, write_json
+    from specd_common.models import eos_token_ids, load_causal_lm, pick_device
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    _log_to_file(work / "train-draft.log")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}
+    recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
+    device = pick_device(args.device)
+    log.info("train-draft: recipe %s on %s, %d threads, work dir %s", args.recipe, device, torch.get_num_threads(), work)
+    write_json(work / "recipe.json", {"name": args.recipe, "target": args.target, **asdict(recipe)})
+    target = load_causal_lm(args.target, device=str(device), dtype="float32")
+    run_feature_data(target, recipe, Path(args.data_dir), work)
+    records = load_feature_records(work, target.model.config.max_position_embeddings)
+    vocab_path = work / "train" / "vocab.pt"
+    if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
+        vocab_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
+    head = build_head(target, torch.load(vocab_path), args.target)
+    loss = partial(feature_loss, feature_weight=recipe.feature_loss_weight, token_weight=recipe.token_loss_weight)
+    state = train_draft(head, records, recipe, work, device, loss_fn=loss)
+    head = head.cpu().eval()
+    target.model.cpu()
+    target = replace(target, device=torch.device("cpu"))
+    report = {} if args.skip_eval else feature_evaluation(head, target, work, args.eval_limit, args.target)
+    output = Path(args.output or work / "draft")
+    size = save_head(head, output)
+    extra = {
+        "recipe": {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
+                   "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records),
+                   "train_tokens": sum(len(r["tokens"]) for r in records)},
+        "eval": report,
+        "training": {k: state[k] for k in ("step", "total_steps", "train_seconds", "history")},
+    }
+    for name, value in extra.items():
+        write_json(output / f"{name}.json", value)
+    log.info("saved the feature head to %s (%.1f MB)", output, size / 1e6)
+    return 0

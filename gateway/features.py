@@ -1,0 +1,46 @@
+"""The target features of one request's committed positions, kept by the gateway as raw bytes.
+
+A feature drafter needs, for a committed sequence x_0..x_{L-1}, the target's hidden states at
+positions 0..L-2 (common.proto, TargetFeatures). The verify service returns them for the positions
+each pass reads; the gateway keeps those of committed positions (rows past the accepted drafts are
+cut off) and forwards to the draft what it has not been sent yet. Holding them all lets a draft
+replica that failed be re-primed from position 0. Rows stay opaque float16 bytes: no torch here.
+"""
+
+from __future__ import annotations
+
+from specd.v1 import common_pb2
+
+
+class FeatureLog:
+    """Rows 0..rows-1 of one request's target features."""
+
+    def __init__(self) -> None:
+        self.hidden_size = 0
+        self._data = bytearray()
+
+    @property
+    def rows(self) -> int:
+        return len(self._data) // (2 * self.hidden_size) if self.hidden_size else 0
+
+    def put(self, message: common_pb2.TargetFeatures) -> None:
+        """Store rows from message.start_position on, replacing any held from there."""
+        if not message.data:
+            return
+        if self.hidden_size and message.hidden_size != self.hidden_size:
+            raise ValueError(f"target features of width {message.hidden_size} after {self.hidden_size}")
+        if message.start_position > self.rows:
+            raise ValueError(f"target features start at {message.start_position}; only {self.rows} rows are held")
+        self.hidden_size = message.hidden_size
+        del self._data[message.start_position * 2 * self.hidden_size :]
+        self._data += message.data
+
+    def truncate(self, rows: int) -> None:
+        """Keep the first `rows` rows (the committed positions)."""
+        if self.hidden_size:
+            del self._data[rows * 2 * self.hidden_size :]
+
+    def slice(self, start: int, stop: int) -> common_pb2.TargetFeatures:
+        """Rows [start, stop) as a message (empty when there are none)."""
+        row = 2 * self.hidden_size
+        return common_pb2.TargetFeatures(start_position=start, hidden_size=self.hidden_size, data=bytes(self._data[start * row : stop * row]))

@@ -1,0 +1,130 @@
+"""The feature-head drafter: target features over the wire, the head's cache, and exactness end to end."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from draft_service import feature_data
+from draft_service.feature_head import HeadCache, load_head
+from gateway.features import FeatureLog
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verify_pb2, verify_pb2_grpc
+from specd_common.features import decode_features, encode_features
+from specd_common.models import load_causal_lm
+from tests.conftest import start_cluster
+from tests.test_services import FIXED, PROMPTS, generate, hf_greedy, wait_for_no_sessions
+
+
+@pytest.fixture(scope="module")
+def feature_cluster(tiny):
+    running = start_cluster(tiny.target, "feature", tiny.feature_head)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    return load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+
+
+# --- units --------------------------------------------------------------------------------------------
+def test_feature_log_keeps_committed_rows_and_slices():
+    log = FeatureLog()
+    rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # 4 positions, hidden 3
+    log.put(encode_features(rows[:2], 0))
+    log.put(encode_features(rows[1:4], 1))  # overlaps: replaces from position 1
+    assert log.rows == 4
+    log.truncate(3)
+    assert torch.equal(decode_features(log.slice(1, 3), 3), rows[1:3])
+    with pytest.raises(ValueError, match="start at 5"):
+        log.put(encode_features(rows[:1], 5))
+    assert not log.slice(3, 3).data
+
+
+def test_features_of_a_wrong_width_are_refused():
+    message = encode_features(torch.zeros(2, 4), 0)
+    with pytest.raises(Exception, match="hidden_size is 4"):
+        decode_features(message, 8)
+
+
+def test_head_cache_reads_in_pieces_what_a_full_pass_reads(tiny, target):
+    head = load_head(tiny.feature_head, target.model)
+    tokens = list(range(5, 25))
+    features = feature_data.target_features(target.model, [tokens])[0].float()  # [20, H]
+    with torch.inference_mode():
+        full = head(torch.tensor([tokens[1:]]), features[None, :-1], torch.arange(1, 20))  # [1, 19, H]
+        cache = HeadCache()
+        first = head(torch.tensor([tokens[1:8]]), features[None, :7], torch.arange(1, 8), cache)
+        second = head(torch.tensor([tokens[8:]]), features[None, 7:-1], torch.arange(8, 20), cache)
+    assert torch.allclose(torch.cat((first, second), dim=1), full, atol=1e-5)
+    assert cache.length == 19
+
+
+# --- the services -------------------------------------------------------------------------------------
+def test_verify_returns_the_targets_features_at_the_positions_it_read(feature_cluster, target):
+    stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.verify.port}"))
+    prompt, drafts = [5, 6, 7, 8, 9, 10], [11, 12]
+    prefill = stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="f1", prompt_token_ids=prompt, return_features=True), timeout=30)
+    reply = stub.Verify(
+        verify_pb2.VerifyRequest(session_id="f1", commit=common_pb2.Commit(prefix_length=len(prompt)), draft_token_ids=drafts, return_features=True),
+        timeout=30,
+    )
+    stub.Release(common_pb2.ReleaseRequest(session_id="f1"), timeout=10)
+    expected = feature_data.target_features(target.model, [prompt + drafts])[0].float()  # [8, H]
+    hidden = target.model.config.hidden_size
+    assert prefill.features.start_position == 0 and reply.features.start_position == len(prompt) - 1
+    got = torch.cat((decode_features(prefill.features, hidden), decode_features(reply.features, hidden)))  # [8, H]
+    assert torch.allclose(got, expected, atol=2e-2)  # float16 on the wire
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_with_a_feature_head_equals_target_only_and_transformers(feature_cluster, tiny, prompt):
+    stub = feature_cluster.stub()
+    speculative = generate(stub, text=prompt, max_new_tokens=30, draft_length_policy=FIXED)
+    target_only = generate(stub, text=prompt, max_new_tokens=30, disable_speculation=True)
+    assert list(speculative.token_ids) == list(target_only.token_ids)
+    assert list(speculative.token_ids) == hf_greedy(tiny.target, list(speculative.prompt_token_ids), 30)
+    # features reached the draft every round: without them it fails and the gateway drafts nothing
+    assert speculative.stats.draft_tokens >= speculative.stats.target_passes - 1
+    assert wait_for_no_sessions(feature_cluster) == {"verify": 0, "draft": 0}
+
+
+def test_propose_without_the_features_it_needs_fails_precondition(feature_cluster):
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.draft.port}"))
+    assert stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).wants_target_features
+    stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="nf", prompt_token_ids=[5, 6, 7, 8]), timeout=30)
+    try:
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Propose(draft_pb2.ProposeRequest(session_id="nf", commit=common_pb2.Commit(prefix_length=4), num_draft_tokens=2), timeout=30)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "target features" in error.value.details()
+    finally:
+        stub.Release(common_pb2.ReleaseRequest(session_id="nf"), timeout=10)
+
+
+def test_draft_greedy_tokens_match_a_full_recompute(tiny, target):
+    """The serving path (cache, true features re-read after acceptance) drafts what a head reading
+    the whole sequence from scratch would."""
+    from draft_service.feature_drafter import FeatureDrafter
+    from specd_common.models import describe_model
+    from specd_common.params import Warp
+
+    head = load_head(tiny.feature_head, target.model)
+    drafter = FeatureDrafter(head, describe_model(target), 512)
+    tokens = list(range(5, 30))
+    features = feature_data.target_features(target.model, [tokens])[0].float()
+    session = drafter.open(tokens[:10], Warp())
+    drafter.add_features(session, encode_features(features[:9], 0))
+    drafter.propose(session, 3, np.random.default_rng(0))
+    session.sequence.apply_commit(10, tokens[10:14])  # as if the target had produced 4 other tokens
+    drafter.add_features(session, encode_features(features[9:13], 9))
+    drafted = drafter.propose(session, 3, np.random.default_rng(0)).token_ids
+    with torch.inference_mode():  # reference: no cache, the head's own estimates appended one by one
+        sequence, previous, expected = tokens[:14], list(features[:13]), []
+        for _ in range(3):
+            estimate = head(torch.tensor([sequence[1:]]), torch.stack(previous)[None], torch.arange(1, len(sequence)))[0, -1]
+            expected.append(int(head.vocab_ids[int(torch.argmax(head.logits(estimate)))]))
+            sequence, previous = sequence + [expected[-1]], previous + [estimate]
+    assert drafted == expected

@@ -251,8 +251,11 @@ def run_feature_recipe(args) -> int:
     head = head.cpu().eval()
     target.model.cpu()
     target = replace(target, device=torch.device("cpu"))
-    report = {} if args.skip_eval else feature_evaluation(head, target, work, args.eval_limit, args.target)
     output = Path(args.output or work / "draft")
+    if args.skip_eval:  # keep an earlier evaluation of this (finished) checkpoint, if there is one
+        report = json.loads((output / "eval.json").read_text()) if (output / "eval.json").exists() else {}
+    else:
+        report = feature_evaluation(head, target, work, args.eval_limit, args.target)
     size = save_head(head, output)
     extra = {
         "recipe": {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),

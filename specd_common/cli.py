@@ -1,10 +1,10 @@
 """The `specd` command: serve one service, bring all three up, or generate through a gateway.
 
   specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
-  specd up [--target M] [--drafter ngram|model --draft-model M]   all three on localhost
+  specd up [--target M] [--drafter ngram|model|feature --draft-model M]   all three on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
-  specd train-draft --work-dir DIR [--recipe tiny|cpu|full]   distil a draft model for the target
+  specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
   specd bench --prompts FILE.jsonl... [--concurrency C] [--fixed-k K...] [--overlap]   measure
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
-    add_flag(up, "drafter", "ngram", "ngram or model")
-    add_flag(up, "draft-model", "", "draft model when --drafter model")
+    add_flag(up, "drafter", "ngram", "ngram, model or feature")
+    add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
     add_flag(up, "draft-port", DEFAULT_PORTS["draft"], "draft port")
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
-    bench.add_argument("--drafter", default="ngram", help="ngram or model (local stack and hf_assisted)")
-    bench.add_argument("--draft-model", default="", help="draft model with --drafter model")
+    bench.add_argument("--drafter", default="ngram", help="ngram, model or feature (local stack; hf_assisted uses the model, else prompt lookup)")
+    bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
@@ -200,8 +200,8 @@ def serve_gateway(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Start the three services as child processes, wait until the gateway is healthy, optionally demo."""
-    if args.drafter == "model" and not args.draft_model:
-        raise SystemExit("--drafter model needs --draft-model")
+    if args.drafter in ("model", "feature") and not args.draft_model:
+        raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port}
     children = spawn_services(
         args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens
@@ -321,7 +321,9 @@ def run_bench(args: argparse.Namespace) -> int:
     _set_threads(args.threads)  # the in-process transformers modes get the same thread budget as the services
     for mode, k in hf_modes:
         progress.stage(mode)
-        results[mode] = bench.run_hf_mode(args.target, args.draft_model, rows, args.max_new_tokens, k, progress)
+        # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
+        hf_draft = args.draft_model if args.drafter == "model" else ""
+        results[mode] = bench.run_hf_mode(args.target, hf_draft, rows, args.max_new_tokens, k, progress)
     progress.close()
     report = bench.report(results, args.num_draft_tokens)
     report["settings"] = {

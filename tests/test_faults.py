@@ -91,11 +91,13 @@ def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tm
             assert stats.target_passes > MAX_NEW // 4 + 10, "no round ran without the draft: the kill came too late"
 
 
-def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_path):
+@pytest.mark.parametrize("drafter", ["model", "feature"])  # a feature drafter also needs the new replica's features
+def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_path, drafter):
     port_a, port_b, draft_port, gateway_port = free_ports(4)
+    draft_model = models.feature_head if drafter == "feature" else models.draft_noisy
     with serve("verify", port_a, tmp_path, "--model", str(models.target), "--threads", "1"), serve(
         "verify", port_b, tmp_path, "--model", str(models.target), "--threads", "1"
-    ) as verify_b, serve("draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_noisy), "--threads", "1"):
+    ) as verify_b, serve("draft", draft_port, tmp_path, "--drafter", drafter, "--model", str(draft_model), "--threads", "1"):
         wait_serving(port_a, port_b, draft_port)
         with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{port_a},127.0.0.1:{port_b}",
                    "--draft-address", f"127.0.0.1:{draft_port}"):
@@ -109,8 +111,10 @@ def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_pa
             received += [t for m in rest for t in m.token_ids]
             assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert received == expected  # nothing duplicated, nothing missing
+            assert rest[-1].stats.draft_tokens > 0
         gateway_log = (tmp_path / f"gateway-{gateway_port}.log").read_text()
         assert "replaying on another" in gateway_log, "the stream ended before the kill: failover not exercised"
+        assert "target-only rounds" not in gateway_log, "the draft failed after the failover (e.g. missing features)"
 
 
 def test_losing_the_only_verify_gives_unavailable_with_the_partial_output(models, tmp_path):

@@ -21,8 +21,9 @@ import torch
 
 from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
+from draft_service.ngram import prompt_lookup
 from specd.v1 import common_pb2
-from specd_common.distributions import decode_distribution, encode_distribution, sample_from
+from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
 from specd_common.errors import FailedPrecondition
 from specd_common.features import decode_features
 from specd_common.params import Warp
@@ -45,9 +46,12 @@ class FeatureDrafter:
 
     wants_target_features = True
 
-    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int):
+    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int, lookup_min_ngram: int = 0):
+        """lookup_min_ngram > 0: when the sequence's last n ≥ lookup_min_ngram tokens occurred before,
+        propose what followed them (prompt lookup, exact copies are cheap wins) instead of the head's guess."""
         self.head = head
         self.max_length = max_length
+        self.lookup_min_ngram = lookup_min_ngram
         self._info = info
         self._info.drafter = "feature"
         self._info.wants_target_features = True
@@ -84,6 +88,10 @@ class FeatureDrafter:
             self._read_pending(session)
             if session.last is None or k <= 0:  # a one-token sequence has nothing to read yet
                 return Proposal(token_ids=[])
+            looked_up = prompt_lookup(sequence.tokens, k, min_ngram=self.lookup_min_ngram) if self.lookup_min_ngram else []
+            if looked_up:
+                sequence.tokens.extend(looked_up)
+                return Proposal(token_ids=looked_up, draft_probs=[] if session.warp.greedy else [one_hot(t) for t in looked_up])
             return self._draft(session, k, rng)
 
     def _read_pending(self, session: FeatureSession) -> None:

@@ -215,8 +215,8 @@ def lint(service: str, path: Path, repo_pins: dict) -> list:
             problem("model image installs no torch")
         if "SPECD_MODEL" not in env:
             problem("model image does not declare SPECD_MODEL (the model path or hub id)")
-        if service == "draft" and env.get("SPECD_DRAFTER") not in {"model", "ngram"}:
-            problem("draft image does not set SPECD_DRAFTER to model or ngram")
+        if service == "draft" and env.get("SPECD_DRAFTER") not in {"model", "ngram", "feature"}:
+            problem("draft image does not set SPECD_DRAFTER to model, ngram or feature")
     return problems
 
 

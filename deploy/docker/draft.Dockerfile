@@ -5,6 +5,8 @@
 # Run (the model is a Hugging Face hub id, a folder or a GGUF file, from SPECD_MODEL):
 #   docker run --gpus 1 -p 50052:50052 -e SPECD_DRAFTER=model -e SPECD_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct \
 #     -v specd-models:/models specd-draft:dev
+# A feature head (SPECD_DRAFTER=feature) is a folder: the heads trained in the repository are copied to
+# /opt/specd/heads (e.g. -e SPECD_MODEL=/opt/specd/heads/smollm2-135m-instruct -e SPECD_TARGET=<its target>).
 # CUDA_IMAGE and TORCH_VERSION go together: the torch wheel from PyPI carries its CUDA libraries,
 # the base image gives the CUDA user-space and the driver-compatibility check (NVIDIA_REQUIRE_CUDA).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -49,6 +51,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     SPECD_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/specd/healthcheck.py
+COPY draft_service/heads /opt/specd/heads
 VOLUME ["/models"]
 USER 10001:10001
 EXPOSE 50052 9464

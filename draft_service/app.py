@@ -13,15 +13,17 @@ from specd_common.sessions import SessionStore
 
 
 def make_drafter(
-    kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = ""
+    kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
+    lookup_min_ngram: int = 2,
 ) -> Drafter:
     """'ngram' → prompt lookup; 'model' → a Hugging Face draft model loaded from `model`, batching
     concurrent sessions' drafting steps per `batching`; 'feature' → a feature head folder (`model`)
-    over its target's embedding and LM head (`target`, default: the target named in the head)."""
+    over its target's embedding and LM head (`target`, default: the target named in the head), trying
+    prompt lookup first when the last `lookup_min_ngram` (> 0) tokens recur."""
     if kind == "ngram":
         return NgramDrafter()
     if kind == "feature":
-        return load_feature_drafter(model, target)
+        return load_feature_drafter(model, target, lookup_min_ngram)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -29,7 +31,7 @@ def make_drafter(
     raise ValueError(f"unknown drafter {kind!r}; use 'feature', 'model' or 'ngram'")
 
 
-def load_feature_drafter(folder: str, target: str = "") -> Drafter:
+def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 2) -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 
     The target is loaded once for those two matrices (and its tokenizer, for the gateway's vocabulary
@@ -46,10 +48,12 @@ def load_feature_drafter(folder: str, target: str = "") -> Drafter:
     loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
     head = load_head(Path(folder), loaded.model)
     info = describe_model(loaded)
+    if config.get("vocab_digest") and config["vocab_digest"] != info.vocab_digest:
+        raise ValueError(f"feature head {folder} was trained for a target with another vocabulary than {loaded.name!r}")
     info.model_name = f"feature-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
     del loaded
-    return FeatureDrafter(head, info, max_length)
+    return FeatureDrafter(head, info, max_length, lookup_min_ngram=lookup_min_ngram)
 
 
 def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:

@@ -32,11 +32,50 @@ class KVSession(TokenSequence):
     fed_features: Optional[torch.Tensor] = None
 
 
+class PrepackedLinear(torch.nn.Module):
+    """y = x Wᵀ + b with W held in oneDNN's blocked layout (what torch.utils.mkldnn.MkldnnLinear does,
+    without its deprecated TorchScript base). Input and output are ordinary dense tensors [..., in] → [..., out]."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to_mkldnn())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to_mkldnn())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [N, in]
+        y = torch._C._nn.mkldnn_linear(rows, self.weight, self.bias).to_dense()  # [N, out]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def prepack_linears_for_cpu(model: torch.nn.Module) -> int:
+    """Replace every nn.Linear by a oneDNN linear whose weight is reordered once, at load time.
+
+    Why: PyTorch's default CPU matmul repacks the weight on every call, and for 2–5 rows (a verify
+    pass over k + 1 positions) that costs nearly as much per row as one-row decoding: measured on the
+    embedded target, one thread, 1/2/3/4/5 positions: 38/65/85/63/74 ms, prepacked 38/47/52/48/49 ms
+    (docs/benchmarks/README.md). Same math; float32 results differ by summation order only (~1e-4 in
+    the logits). CPU float32 only; returns how many layers were replaced (0 when oneDNN is missing)."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+                setattr(parent, name, PrepackedLinear(child))
+                replaced += 1
+    return replaced
+
+
 class CausalLM:
     """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck)."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, prepack_cpu: bool = False):
+        """prepack_cpu: on a float32 CPU model, prepack its linear layers (prepack_linears_for_cpu); this
+        changes loaded.model in place, so only the owner of the model (a service) should ask for it."""
         self.loaded = loaded
+        if prepack_cpu and loaded.device.type == "cpu":
+            prepack_linears_for_cpu(loaded.model)
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()

@@ -38,7 +38,7 @@ class Scorer:
     """Wraps the target model for many sessions."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy()):
-        self.lm = CausalLM(loaded)
+        self.lm = CausalLM(loaded, prepack_cpu=True)
         self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         self._info = describe_model(loaded)
         self._info.hidden_size = loaded.model.config.hidden_size

@@ -84,6 +84,7 @@ def specd_generate(address: str, prompt: str, *flags: str) -> dict:
 def test_greedy_through_services_equals_target_only_and_transformers(specd_up, default_target):
     prompts = shared_prompts()
     assert len(prompts) == 6
+    accepted = 0
     for prompt in prompts:
         speculative = specd_generate(specd_up, prompt)
         target_only = specd_generate(specd_up, prompt, "--no-speculation")
@@ -94,6 +95,8 @@ def test_greedy_through_services_equals_target_only_and_transformers(specd_up, d
             )
         assert speculative["token_ids"] == out[0, len(speculative["prompt_token_ids"]) :].tolist(), prompt[:60]
         assert speculative["stats"]["target_passes"] <= target_only["stats"]["target_passes"]
+        accepted += speculative["stats"]["accepted_tokens"]
+    assert accepted > 0, "the default drafter (the shipped feature head) never had a draft accepted"
 
 
 def test_prompt_goes_through_the_chat_template(specd_up, default_target):

@@ -15,7 +15,7 @@ class GatewayOptions:
     draft_length_policy: str = "adaptive"  # or "fixed"
     draft_timeout_s: float = DRAFT_TIMEOUT_S
     max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
-    max_speculative_requests: int = 4  # above this many running requests, rounds are target-only; 0: no limit
+    max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
     overlap: bool = False  # draft the next round while the target verifies
     connect_timeout_s: float = 300.0
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set

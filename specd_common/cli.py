@@ -137,7 +137,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT, comma-separated replicas ('' = none)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
-    add_flag(parser, "max-speculative-requests", 4, "above this many running requests, rounds are target-only (0 = no limit; 4 measured best on the 2-core CPU, see README)")
+    add_flag(parser, "max-speculative-requests", 2, "above this many running requests, rounds are target-only (0 = no limit; 2 measured best on the 2-core CPU, see README)")
     add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")

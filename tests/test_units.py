@@ -281,3 +281,23 @@ def test_bench_report_computes_speedup_and_alpha():
     assert specd["acceptance_per_position"] == [0.8, 0.5, 0.2]
     assert specd["wire_bytes_per_round"] == 200 and specd["outside_models_share"] == 0.1
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
+
+
+def test_prepacked_linear_computes_what_linear_computes():
+    import torch
+
+    from specd_common.lm import PrepackedLinear, prepack_linears_for_cpu
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    x = torch.randn(2, 3, 16)  # [B, T, in]
+    with torch.inference_mode():
+        expected = model(x)
+        replaced = prepack_linears_for_cpu(model)
+        got = model(x)
+    if not torch.backends.mkldnn.is_available():
+        assert replaced == 0
+        return
+    assert replaced == 2 and isinstance(model[0], PrepackedLinear) and isinstance(model[2], PrepackedLinear)
+    assert got.shape == (2, 3, 8)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -232,20 +232,12 @@ def run_feature_recipe(args) -> int:
     from functools import partial
 
     from draft_service.feature_head import save_head
-    from draft_service.training import _log_to_file, train_draft, write_json
-    from specd_common.models import eos_token_ids, load_causal_lm, pick_device
+    from draft_service.training import start_run, train_draft, write_json
+    from specd_common.models import eos_token_ids
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    work = Path(args.work_dir)
-    _log_to_file(work / "train-draft.log")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}
     recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
-    device = pick_device(args.device)
-    log.info("train-draft: recipe %s on %s, %d threads, work dir %s", args.recipe, device, torch.get_num_threads(), work)
-    write_json(work / "recipe.json", {"name": args.recipe, "target": args.target, **asdict(recipe)})
-    target = load_causal_lm(args.target, device=str(device), dtype="float32")
+    work, device, target = start_run(args, recipe)
     run_feature_data(target, recipe, Path(args.data_dir), work)
     records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
     vocab_path = work / "train" / "vocab.pt"

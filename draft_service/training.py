@@ -277,21 +277,29 @@ def _log_to_file(path: Path) -> None:
     logging.getLogger().addHandler(handler)
 
 
-def run_train_draft(args) -> int:
-    """The `specd train-draft` command: data → train → eval → save, each stage resumable."""
-    from specd_common.models import LoadedModel, load_causal_lm, pick_device
+def start_run(args, recipe) -> tuple[Path, torch.device, object]:
+    """What every train-draft run does first: threads, the log mirrored into the work dir, the recipe
+    recorded, the target loaded (float32). Returns (work dir, device, loaded target)."""
+    from specd_common.models import load_causal_lm, pick_device
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     _log_to_file(work / "train-draft.log")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    overrides = {"gen_minutes": args.gen_minutes, "tf_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}
-    recipe = resolve_recipe(args.recipe, overrides)
     device = pick_device(args.device)
     log.info("train-draft: recipe %s on %s, %d threads, work dir %s", args.recipe, device, torch.get_num_threads(), work)
     write_json(work / "recipe.json", {"name": args.recipe, "target": args.target, **asdict(recipe)})
-    target = load_causal_lm(args.target, device=str(device), dtype="float32")
+    return work, device, load_causal_lm(args.target, device=str(device), dtype="float32")
+
+
+def run_train_draft(args) -> int:
+    """The `specd train-draft` command: data → train → eval → save, each stage resumable."""
+    from specd_common.models import LoadedModel
+
+    overrides = {"gen_minutes": args.gen_minutes, "tf_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}
+    recipe = resolve_recipe(args.recipe, overrides)
+    work, device, target = start_run(args, recipe)
     run_data_stages(target, recipe, Path(args.data_dir), work)
     records = training_records(work, target.model.config.max_position_embeddings)
     draft = build_draft(target.model, recipe.shape, recipe.seed)

@@ -34,17 +34,33 @@ def write_prompt_files(data_dir: Path) -> None:
         (data_dir / name).write_text("".join(json.dumps(item) + "\n" for item in items))
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def train_on_a_tiny_target(root: Path, recipe: str) -> dict:
+    """`specd train-draft --recipe <recipe>` on a tiny random target and the stand-in prompt files."""
     from specd_common.cli import main
 
-    root = tmp_path_factory.mktemp("train_draft")
     target = build_model(root / "target", seed=0, tokenizer=build_tokenizer())
     write_prompt_files(root / "data")
-    argv = ["train-draft", "--target", str(target), "--recipe", "tiny", "--work-dir", str(root / "work"),
+    argv = ["train-draft", "--target", str(target), "--recipe", recipe, "--work-dir", str(root / "work"),
             "--data-dir", str(root / "data"), "--device", "cpu", "--threads", "1"]
     assert main(argv) == 0
     return {"root": root, "target": target, "draft": root / "work" / "draft", "argv": argv}
+
+
+def assert_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
+    """Rerunning with the same work dir finds the data and the finished checkpoint: no new shards, same step."""
+    from specd_common.cli import main
+
+    work = trained["root"] / "work"
+    shards = sorted(p.name for p in (work / "data").iterdir())
+    step = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"]
+    assert main(trained["argv"] + ["--skip-eval"]) == 0
+    assert sorted(p.name for p in (work / "data").iterdir()) == shards
+    assert torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"] == step
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return train_on_a_tiny_target(tmp_path_factory.mktemp("train_draft"), "tiny")
 
 
 def test_trained_draft_is_a_normal_model_folder_that_serves(trained: dict) -> None:
@@ -82,15 +98,7 @@ def test_trained_draft_agrees_with_the_target_more_than_an_untrained_one(trained
 
 
 def test_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
-    """Rerunning with the same work dir finds the data and the finished checkpoint: no new shards, same step."""
-    from specd_common.cli import main
-
-    work = trained["root"] / "work"
-    shards = sorted(p.name for p in (work / "data").iterdir())
-    step = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"]
-    assert main(trained["argv"] + ["--skip-eval"]) == 0
-    assert sorted(p.name for p in (work / "data").iterdir()) == shards
-    assert torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"] == step
+    assert_a_finished_run_resumes_without_redoing_work(trained)
 
 
 def test_fast_evaluation_equals_round_by_round_serving(trained: dict) -> None:

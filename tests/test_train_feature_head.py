@@ -6,23 +6,15 @@ import json
 
 import pytest
 
-from tests.test_train_draft import write_prompt_files
-from tests.tiny_models import build_model, build_tokenizer
+from tests.test_train_draft import assert_a_finished_run_resumes_without_redoing_work, train_on_a_tiny_target
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from specd_common.cli import main
-
-    root = tmp_path_factory.mktemp("train_feature_head")
-    target = build_model(root / "target", seed=0, tokenizer=build_tokenizer())
-    write_prompt_files(root / "data")
-    argv = ["train-draft", "--target", str(target), "--recipe", "feature-tiny", "--work-dir", str(root / "work"),
-            "--data-dir", str(root / "data"), "--device", "cpu", "--threads", "1"]
-    assert main(argv) == 0
-    return {"root": root, "target": target, "head": root / "work" / "draft", "argv": argv}
+    run = train_on_a_tiny_target(tmp_path_factory.mktemp("train_feature_head"), "feature-tiny")
+    return {**run, "head": run["draft"]}
 
 
 def test_trained_head_is_small_and_serves_through_make_drafter(trained: dict) -> None:
@@ -62,11 +54,4 @@ def test_trained_head_drafts_better_than_an_untrained_one(trained: dict) -> None
 
 
 def test_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
-    from specd_common.cli import main
-
-    work = trained["root"] / "work"
-    shards = sorted(p.name for p in (work / "data").iterdir())
-    step = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"]
-    assert main(trained["argv"] + ["--skip-eval"]) == 0
-    assert sorted(p.name for p in (work / "data").iterdir()) == shards
-    assert torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"] == step
+    assert_a_finished_run_resumes_without_redoing_work(trained)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -10,6 +11,8 @@ from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
+
+log = logging.getLogger(__name__)
 
 
 def make_drafter(
@@ -23,7 +26,7 @@ def make_drafter(
     if kind == "ngram":
         return NgramDrafter()
     if kind == "feature":
-        return load_feature_drafter(model, target, lookup_min_ngram)
+        return load_feature_drafter(model, target, lookup_min_ngram, dtype)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -31,18 +34,21 @@ def make_drafter(
     raise ValueError(f"unknown drafter {kind!r}; use 'feature', 'model' or 'ngram'")
 
 
-def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 2) -> Drafter:
+def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 2, dtype: str = "auto") -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 
     The target is loaded once for those two matrices (and its tokenizer, for the gateway's vocabulary
-    check) and then dropped; the head refuses a target of another shape. The head runs on the CPU in
-    float32: one step is a few million multiply-adds, less than a GPU kernel launch sequence costs."""
+    check) and then dropped; the head refuses a target of another shape. The head runs on the CPU:
+    one step is a few million multiply-adds, less than a GPU kernel launch sequence costs. dtype 'auto'
+    is float32; 'bfloat16' halves the weights a step reads (a single step measured 2.57 → 1.48 ms on this
+    machine's AVX512-BF16 CPU, same held-out acceptance) but was not shown faster end to end."""
+    import torch
     import json
     from pathlib import Path
 
     from draft_service.feature_drafter import FeatureDrafter
     from draft_service.feature_head import CONFIG_FILE, load_head
-    from specd_common.models import describe_model, load_causal_lm, max_sequence_length
+    from specd_common.models import describe_model, load_causal_lm, max_sequence_length, parse_dtype
 
     config = json.loads((Path(folder) / CONFIG_FILE).read_text())
     loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
@@ -53,7 +59,9 @@ def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 
     info.model_name = f"feature-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
     del loaded
-    return FeatureDrafter(head, info, max_length, lookup_min_ngram=lookup_min_ngram)
+    chosen = parse_dtype(dtype, torch.device("cpu"))
+    log.info("feature head %s in %s", folder, chosen)
+    return FeatureDrafter(head.to(chosen), info, max_length, lookup_min_ngram=lookup_min_ngram)
 
 
 def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:

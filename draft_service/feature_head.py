@@ -181,7 +181,7 @@ class FeatureHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., H] → scores over the head's vocabulary [..., V'] (index with vocab_ids for token ids)."""
-        return features.float() @ self.head_rows.T
+        return (features.to(self.head_rows.dtype) @ self.head_rows.T).float()
 
     def trained_state(self) -> dict:
         """What gets saved: the trained weights and the vocabulary map (not the target's matrices)."""

@@ -139,3 +139,17 @@ def test_auto_drafter_is_the_shipped_head_only_for_the_default_target(monkeypatc
     assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET) == ("feature", str(tmp_path))
     assert config.resolve_drafter("auto", "", "my/other-model") == ("ngram", "")
     assert config.resolve_drafter("model", "m", config.DEFAULT_TARGET) == ("model", "m")
+
+
+def test_a_bfloat16_head_drafts_too(tiny, target):
+    """--dtype bfloat16 on the draft service: the head's scores are cast back to float32 for choosing."""
+    from draft_service.app import make_drafter
+    from specd_common.params import Warp
+
+    drafter = make_drafter("feature", str(tiny.feature_head), dtype="bfloat16")
+    assert next(drafter.head.parameters()).dtype == torch.bfloat16
+    prompt = list(range(5, 15))
+    session = drafter.open(prompt, Warp(temperature=1.0))
+    drafter.add_features(session, encode_features(feature_data.target_features(target.model, [prompt])[0][:-1], 0))
+    proposal = drafter.propose(session, 3, np.random.default_rng(0))
+    assert len(proposal.token_ids) == 3 and len(proposal.draft_probs) == 3

@@ -1,7 +1,7 @@
 """The feature-head drafter: drafts from the target's hidden states, sent along with each commit.
 
 Session state, for a committed sequence x_0..x_{L-1}:
-- `features` [n, H]: every target feature received so far (f_0..f_{n-1}); the gateway keeps n ≥ L - 1;
+- `buffer[:held]` [n, H]: every target feature received so far (f_0..f_{n-1}); the gateway keeps n ≥ L - 1;
 - the head's cache: one entry per token x_1..x_{c-1} read with its true preceding feature, where
   c = sequence.cached (x_0 has no preceding feature, so it never gets an entry);
 - `last`: the head's estimate f̂_{c-1}, from which the next token is scored.
@@ -37,8 +37,20 @@ class FeatureSession(DraftSession):
     """A DraftSession plus the head's cache and the target features received so far."""
 
     cache: HeadCache = field(default_factory=HeadCache)
-    features: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [n, H]
+    buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [capacity, H]; rows [0, held) are f_0..
+    held: int = 0  # target features received so far
     last: Optional[torch.Tensor] = None  # [H] the head's estimate at the last entry's position
+
+    def store(self, start: int, rows: torch.Tensor) -> None:
+        """Write rows [n, H] at positions start.. (start ≤ held), growing the buffer geometrically so a
+        long answer costs amortized O(n) per round, not a copy of everything held."""
+        needed = start + rows.shape[0]
+        if needed > self.buffer.shape[0]:
+            grown = torch.zeros((max(needed, 2 * self.buffer.shape[0]), rows.shape[1]))
+            grown[:start] = self.buffer[:start]
+            self.buffer = grown
+        self.buffer[start:needed] = rows
+        self.held = needed
 
 
 class FeatureDrafter:
@@ -65,20 +77,20 @@ class FeatureDrafter:
         sequence = TokenSequence(
             tokens=list(prompt), max_length=self.max_length, cached=1, on_crop=lambda n: cache.crop(max(0, cache.length - n))
         )
-        return FeatureSession(sequence=sequence, warp=warp, cache=cache, features=torch.zeros((0, self.head.config.hidden_size)))
+        return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.hidden_size)))
 
     def add_features(self, session: FeatureSession, message: common_pb2.TargetFeatures) -> None:
         """Store features at their positions (overwriting any re-sent ones); they must extend what is held."""
         rows = decode_features(message, self.head.config.hidden_size)  # [n, H]
         if not len(rows):
             return
-        held = session.features.shape[0]
+        held = session.held
         if message.start_position > held:
             raise FailedPrecondition(
                 f"target_features start at position {message.start_position} but the session holds features only up to "
                 f"position {held - 1}; send the missing positions first"
             )
-        session.features = torch.cat((session.features[: message.start_position], rows))
+        session.store(message.start_position, rows)
 
     def propose(self, session: FeatureSession, k: int, rng: np.random.Generator) -> Proposal:
         sequence = session.sequence
@@ -100,16 +112,16 @@ class FeatureDrafter:
         first, length = max(sequence.cached, 1), len(sequence.tokens)
         if first >= length:
             return
-        if session.features.shape[0] < length - 1:
+        if session.held < length - 1:
             raise FailedPrecondition(
-                f"the session holds target features up to position {session.features.shape[0] - 1} but needs them up to "
+                f"the session holds target features up to position {session.held - 1} but needs them up to "
                 f"{length - 2}; send target_features with Prefill and Propose (the gateway does when GetModelInfo "
                 "reports wants_target_features)"
             )
         session.cache.crop(first - 1)
         tokens = torch.tensor([sequence.tokens[first:length]])  # [1, n]
         with model_forward(length - first):
-            estimates = self.head(tokens, session.features[None, first - 1 : length - 1], torch.arange(first, length), session.cache)
+            estimates = self.head(tokens, session.buffer[None, first - 1 : length - 1], torch.arange(first, length), session.cache)
         session.last = estimates[0, -1]  # [H]
         sequence.cached = length
 

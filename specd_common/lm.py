@@ -53,7 +53,7 @@ def prepack_linears_for_cpu(model: torch.nn.Module) -> int:
 
     Why: PyTorch's default CPU matmul repacks the weight on every call, and for 2–5 rows (a verify
     pass over k + 1 positions) that costs nearly as much per row as one-row decoding: measured on the
-    embedded target, one thread, 1/2/3/4/5 positions: 38/65/85/63/74 ms, prepacked 38/47/52/48/49 ms
+    embedded target, one thread, 1/2/3/4/5 positions: 38/65/85/63/74 ms, prepacked 37/49/50/53/52 ms
     (README, "Speed features"). Same math; float32 results differ by summation order only (~1e-4 in
     the logits). CPU float32 only; returns how many layers were replaced (0 when oneDNN is missing)."""
     if not torch.backends.mkldnn.is_available():

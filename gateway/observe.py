@@ -15,15 +15,33 @@ speculative-decoding ones live under `specd.`:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from opentelemetry import trace
 
 from specd_common import telemetry
 from specd_common.metrics import GatewayMetrics
 
-if TYPE_CHECKING:
-    from gateway.engine import Chunk, Generation
+
+class ObservedGeneration(Protocol):
+    """What the observer reads of a gateway.engine.Generation (a protocol, so this module does not
+    import the engine that calls it)."""
+
+    spec: Any  # GenerationSpec: prompt_ids, max_new_tokens, warp, ...
+    stats: Any  # SpeculationStats
+    generated: list
+    backends: Any
+    request_id: str
+    speculate: bool
+
+
+class RoundResult(Protocol):
+    """What the observer reads of one round's result (gateway.engine.Chunk)."""
+
+    finish_reason: Optional[str]
+
+
+Chunk = TypeVar("Chunk", bound=RoundResult)
 
 OPERATION = "text_completion"
 
@@ -31,7 +49,7 @@ OPERATION = "text_completion"
 class GenerationObserver:
     """Spans and metrics for one Generation; cheap no-ops when there is nothing to report to."""
 
-    def __init__(self, generation: "Generation"):
+    def __init__(self, generation: ObservedGeneration):
         self.generation = generation
         scope = telemetry.current()
         self.active = scope is not None
@@ -61,7 +79,7 @@ class GenerationObserver:
                 self.failed = True
                 raise
 
-    def round(self, run_round: Callable[[], "Chunk"]) -> "Chunk":
+    def round(self, run_round: Callable[[], Chunk]) -> Chunk:
         """Run one speculative round (one target pass) under a `specd.round` span; count it."""
         if not self.active:
             return run_round()
@@ -146,7 +164,7 @@ class GenerationObserver:
             self.metrics.finished.labels(reason).inc()
 
 
-def request_attributes(generation: "Generation") -> dict:
+def request_attributes(generation: ObservedGeneration) -> dict:
     """GenAI request attributes (and specd's request settings) for the gateway's server span."""
     spec, backends = generation.spec, generation.backends
     attributes = {

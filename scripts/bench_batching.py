@@ -109,7 +109,7 @@ def run_stack(max_batch: int, args: argparse.Namespace) -> dict:
     import grpc
 
     from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-    from specd_common.cli import spawn_services, wait_until_serving
+    from specd_app.cli import spawn_services, wait_until_serving
 
     os.environ["SPECD_MAX_BATCH_SIZE"] = str(max_batch)
     os.environ["SPECD_BATCH_WAIT_MS"] = str(args.batch_wait_ms)

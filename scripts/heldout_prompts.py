@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draft_service.train_prompts import KINDS, load_all_prompts, select_prompts
+from draft_training.train_prompts import KINDS, load_all_prompts, select_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -105,7 +105,7 @@ def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0) -> Itera
     """`specd up` with a tiny target and the n-gram drafter on free ports; stopped with SIGTERM after."""
     gateway, draft, verify = free_ports(3)
     command = [
-        sys.executable, "-m", "specd_common.cli", "up",
+        sys.executable, "-m", "specd_app.cli", "up",
         "--target", str(model_dir), "--drafter", "ngram", "--threads", "1",
         "--gateway-port", str(gateway), "--draft-port", str(draft), "--verify-port", str(verify),
     ]

@@ -220,7 +220,7 @@ def test_batcher_on_a_real_model_matches_solo_passes(lm):
 
 
 def test_batching_flags_and_environment(monkeypatch):
-    from specd_common.cli import build_parser
+    from specd_app.cli import build_parser
 
     args = build_parser().parse_args(["serve", "verify", "--max-batch-size", "4", "--batch-wait-ms", "3"])
     assert BatchPolicy.from_args(args) == BatchPolicy(max_batch_size=4, max_wait_ms=3.0)

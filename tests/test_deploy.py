@@ -101,7 +101,7 @@ def test_gateway_needs_only_what_its_image_installs():
     module it loads comes from a distribution in deploy/docker/requirements-gateway.txt."""
     code = (
         "import json, sys, importlib.metadata as md\n"
-        "import gateway.app, gateway.service, specd_common.cli\n"
+        "import gateway.app, gateway.service, specd_app.cli\n"
         "dists = md.packages_distributions()\n"
         "top = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
         "print(json.dumps({m: dists.get(m, []) for m in sorted(top)}))\n"

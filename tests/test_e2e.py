@@ -42,7 +42,7 @@ def specd_up():
     """`specd up` on free ports with the embedded default; stopped with SIGTERM at the end."""
     ports = dict(zip(("gateway", "draft", "verify"), free_ports(3)))
     command = [
-        sys.executable, "-m", "specd_common.cli", "up",
+        sys.executable, "-m", "specd_app.cli", "up",
         "--gateway-port", str(ports["gateway"]), "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
     ]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "SPECD_LOG_LEVEL": "WARNING"})
@@ -75,7 +75,7 @@ def wait_serving(address: str, process: subprocess.Popen, timeout_s: float) -> N
 
 
 def specd_generate(address: str, prompt: str, *flags: str) -> dict:
-    command = [sys.executable, "-m", "specd_common.cli", "generate", "--gateway", address, "--prompt", prompt,
+    command = [sys.executable, "-m", "specd_app.cli", "generate", "--gateway", address, "--prompt", prompt,
                "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", *flags]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(result.stdout)

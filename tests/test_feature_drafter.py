@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service import feature_data
+from draft_training import feature_data
 from draft_service.feature_head import HeadCache, load_head
 from gateway.features import FeatureLog
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verify_pb2, verify_pb2_grpc

@@ -22,7 +22,7 @@ from draft_service.drafters import ModelDrafter
 from gateway.app import start_gateway_server
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
-from specd_common.cli import build_parser
+from specd_app.cli import build_parser
 from specd_common.config import ServerConfig
 from specd_common.models import load_causal_lm
 from tests.specd_stack import free_ports
@@ -198,7 +198,7 @@ def test_specd_serve_exposes_metrics_on_the_flagged_port(tmp_path):
     env = dict(os.environ, SPECD_LOG_LEVEL="WARNING")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), str(repo / "protos"), env.get("PYTHONPATH")]))
     command = [
-        sys.executable, "-m", "specd_common.cli", "serve", "draft", "--drafter", "ngram", "--host", "127.0.0.1",
+        sys.executable, "-m", "specd_app.cli", "serve", "draft", "--drafter", "ngram", "--host", "127.0.0.1",
         "--port", str(grpc_port), "--metrics-port", str(metrics_port),
     ]
     log_path = tmp_path / "draft.log"

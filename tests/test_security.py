@@ -285,7 +285,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "protos"), os.environ.get("PYTHONPATH", "")])}
     env.pop("SPECD_TOKEN", None)
     return subprocess.run(
-        [sys.executable, "-m", "specd_common.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "specd_app.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -365,7 +365,7 @@ def test_incomplete_settings_fail_at_start(tmp_path):
 
 
 def test_specd_serve_gateway_with_an_empty_token_file_exits_before_serving(tmp_path):
-    from specd_common.cli import main
+    from specd_app.cli import main
 
     empty = tmp_path / "token"
     empty.write_text("")

@@ -143,7 +143,7 @@ def specd_up(receiver, tiny_models, tmp_path):
     target, draft = tiny_models
     gateway_port, draft_port, verify_port = free_ports(3)
     command = [
-        sys.executable, "-m", "specd_common.cli", "up", "--target", str(target), "--drafter", "model",
+        sys.executable, "-m", "specd_app.cli", "up", "--target", str(target), "--drafter", "model",
         "--draft-model", str(draft), "--host", "127.0.0.1", "--gateway-port", str(gateway_port),
         "--draft-port", str(draft_port), "--verify-port", str(verify_port), "--threads", "1",
     ]

@@ -3,12 +3,54 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from tests.test_train_draft import assert_a_finished_run_resumes_without_redoing_work, train_on_a_tiny_target
+from tests.tiny_models import build_model, build_tokenizer
 
 torch = pytest.importorskip("torch")
+
+
+def write_prompt_files(data_dir: Path) -> None:
+    """Small stand-ins for the shared GSM8K / HumanEval / seed-task files, same fields."""
+    data_dir.mkdir()
+    rows = {
+        "gsm8k_train.jsonl": [
+            {"id": f"gsm8k-train-{i}", "category": "math", "prompt": f"Natalia sold {i} clips in April and {2 * i} in May. How many?",
+             "reference": f"She sold {i} + {2 * i} = <<{i}+{2 * i}={3 * i}>>{3 * i} clips.\n#### {3 * i}"}
+            for i in range(200)
+        ],
+        "humaneval.jsonl": [{"id": f"HumanEval/{i}", "category": "code", "prompt": f"def add_{i}(a, b):\n"} for i in range(20)],
+        "seed_tasks.jsonl": [{"id": f"seed_task_{i}-0", "category": "chat", "prompt": f"hello world, how are you today {i}?",
+                              "reference": "I am fine, thank you. " * 12} for i in range(30)],
+    }
+    for name, items in rows.items():
+        (data_dir / name).write_text("".join(json.dumps(item) + "\n" for item in items))
+
+
+def train_on_a_tiny_target(root: Path, recipe: str) -> dict:
+    """`specd train-draft --recipe <recipe>` on a tiny random target and the stand-in prompt files."""
+    from specd_app.cli import main
+
+    target = build_model(root / "target", seed=0, tokenizer=build_tokenizer())
+    write_prompt_files(root / "data")
+    argv = ["train-draft", "--target", str(target), "--recipe", recipe, "--work-dir", str(root / "work"),
+            "--data-dir", str(root / "data"), "--device", "cpu", "--threads", "1"]
+    assert main(argv) == 0
+    return {"root": root, "target": target, "draft": root / "work" / "draft", "argv": argv}
+
+
+def assert_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
+    """Rerunning with the same work dir finds the data and the finished checkpoint: no new shards, same step."""
+    from specd_app.cli import main
+
+    work = trained["root"] / "work"
+    shards = sorted(p.name for p in (work / "data").iterdir())
+    step = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"]
+    assert main(trained["argv"] + ["--skip-eval"]) == 0
+    assert sorted(p.name for p in (work / "data").iterdir()) == shards
+    assert torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]["step"] == step
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +65,7 @@ def test_trained_head_is_small_and_serves_through_make_drafter(trained: dict) ->
     from draft_service.app import make_drafter
     from specd_common.features import encode_features
     from specd_common.params import Warp
-    from draft_service import feature_data
+    from draft_training import feature_data
     from specd_common.models import load_causal_lm
 
     for name in ("feature_head.safetensors", "feature_head.json", "recipe.json", "eval.json", "training.json"):
@@ -37,9 +79,9 @@ def test_trained_head_is_small_and_serves_through_make_drafter(trained: dict) ->
 
 
 def test_trained_head_drafts_better_than_an_untrained_one(trained: dict) -> None:
-    from draft_service.draft_eval import evaluate_drafter
+    from draft_training.draft_eval import evaluate_drafter
     from draft_service.feature_drafter import FeatureDrafter
-    from draft_service.feature_training import build_head, eval_records
+    from draft_training.feature_training import build_head, eval_records
     from specd_common.models import describe_model, load_causal_lm
 
     target = load_causal_lm(str(trained["target"]))

@@ -263,7 +263,7 @@ def test_acceptance_estimate_returns_to_the_prior_when_not_drafting():
 # --- bench report --------------------------------------------------------------------------------
 def test_bench_report_computes_speedup_and_alpha():
     from specd.v1 import generate_pb2
-    from specd_common.bench import Sample, markdown_table, report
+    from specd_app.bench import Sample, markdown_table, report
 
     stats = generate_pb2.SpeculationStats(
         target_passes=10, draft_tokens=30, accepted_tokens=15, rejected_rounds=8,

@@ -81,7 +81,7 @@ def build_feature_head(target: Path, path: Path, vocab_stride: int = 1) -> Path:
     """An untrained feature head for `target` (layer copied from its last layer, fc passing features
     through), scoring every `vocab_stride`-th id plus EOS: a reduced vocabulary, as trained heads have."""
     from draft_service.feature_head import save_head
-    from draft_service.feature_training import build_head
+    from draft_training.feature_training import build_head
     from specd_common.models import eos_token_ids, load_causal_lm
 
     loaded = load_causal_lm(str(target), device="cpu", dtype="float32")

@@ -21,6 +21,7 @@ COPY specd_common ./specd_common
 COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
+COPY specd_app ./specd_app
 RUN pip install --no-deps . \
     && cd / && python -c "import gateway.app, sys; assert 'torch' not in sys.modules, 'gateway imports torch'" \
     && ! pip show torch >/dev/null 2>&1

@@ -28,6 +28,7 @@ COPY specd_common ./specd_common
 COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
+COPY specd_app ./specd_app
 RUN pip install --no-deps .
 
 FROM ${CUDA_IMAGE}

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
 
-    from draft_service.training_cli import add_train_draft_parser
+    from draft_training.cli import add_train_draft_parser
 
     add_train_draft_parser(commands)
 
@@ -249,7 +249,7 @@ def spawn_services(
     host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
 ) -> dict:
     """verify, draft and gateway as child processes (`specd serve ...`); returns name → Popen."""
-    serve = [sys.executable, "-m", "specd_common.cli", "serve"]
+    serve = [sys.executable, "-m", "specd_app.cli", "serve"]
     common = ["--host", host, "--threads", str(threads)]
     commands = {
         "verify": serve + ["verify", *common, "--port", str(ports["verify"]), "--model", target],
@@ -262,7 +262,7 @@ def spawn_services(
 def gateway_command(host: str, ports: dict, num_draft_tokens: int, *extra: str) -> list[str]:
     """`specd serve gateway` on ports["gateway"], pointed at the draft and verify on the same host."""
     return [
-        sys.executable, "-m", "specd_common.cli", "serve", "gateway", "--host", host,
+        sys.executable, "-m", "specd_app.cli", "serve", "gateway", "--host", host,
         "--port", str(ports["gateway"]),
         "--verify-address", f"{host}:{ports['verify']}",
         "--draft-address", f"{host}:{ports['draft']}",
@@ -295,7 +295,7 @@ def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: floa
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from specd_common import bench
+    from specd_app import bench
 
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]

@@ -16,7 +16,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from specd_common.features import encode_features
 from specd_common.lm import CausalLM
@@ -92,34 +91,6 @@ def simulate_answer(drafter, record: dict, k: int, stats: SpecStats) -> None:
     stats.tokens += len(answer)
 
 
-def simulate_matches(matches: list[bool], k: int, stats: SpecStats) -> None:
-    """The same rounds as simulate_answer, from teacher-forced matches of a model drafter.
-
-    Exact for greedy model drafts: while the first j drafted tokens equal the target's answer, the
-    draft's context is the true prefix, so its next token is its teacher-forced argmax there. A round
-    at position p therefore accepts the run of consecutive matches starting at p (capped at k), and
-    one teacher-forced forward per answer replaces k cached forwards per round.
-    """
-    position = 0
-    while position < len(matches):
-        budget = min(k, len(matches) - position - 1)
-        accepted = 0
-        while accepted < budget and matches[position + accepted]:
-            accepted += 1
-        stats.add_round(k, accepted, budget)
-        position += accepted + 1
-    stats.tokens += len(matches)
-
-
-@torch.inference_mode()
-def teacher_forced_matches(model, record: dict) -> list[bool]:
-    """Per answer position: does the model's argmax (given the true prefix) equal the target's token?"""
-    device = next(model.parameters()).device
-    tokens = record["tokens"].long().unsqueeze(0).to(device)  # [1, T]
-    logits = model(input_ids=tokens).logits[0, record["start"] - 1 : -1]  # [T - start, V]
-    return (logits.argmax(dim=-1).cpu() == record["tokens"][record["start"] :].long()).tolist()
-
-
 def _report(records: list[dict], simulate, ks) -> dict:
     """Per k: overall and per task kind tokens per pass, acceptance and per-position acceptance."""
     report = {}
@@ -141,12 +112,6 @@ def evaluate_drafter(drafter, records: list[dict], ks=(2, 3, 4)) -> dict:
     return _report(records, lambda _, record, k, stats: simulate_answer(drafter, record, k, stats), ks)
 
 
-def evaluate_model(model, records: list[dict], ks=(2, 3, 4)) -> dict:
-    """A greedy model drafter, exactly and much faster, from one teacher-forced forward per answer."""
-    matches = [teacher_forced_matches(model, record) for record in records]
-    return _report(records, lambda index, _, k, stats: simulate_matches(matches[index], k, stats), ks)
-
-
 def forward_ms(loaded, prompt: list[int], positions: int = 1, repeats: int = 15) -> float:
     """Median ms of one cached forward over `positions` new tokens after `prompt` (rolled back each time)."""
     lm = CausalLM(loaded)
@@ -160,26 +125,3 @@ def forward_ms(loaded, prompt: list[int], positions: int = 1, repeats: int = 15)
         times.append((time.perf_counter() - started) * 1000)
         session.apply_commit(length, [])
     return round(statistics.median(times[2:]), 2)
-
-
-def cost_report(draft, target, prompt: list[int]) -> dict:
-    """Draft vs target forward cost in this process, interleaved so both see the same machine load."""
-    with torch.inference_mode():
-        draft_ms = [forward_ms(draft, prompt) for _ in range(3)]
-        target_ms = [forward_ms(target, prompt) for _ in range(3)]
-    result = {
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": len(prompt),
-        "draft_forward_ms": min(draft_ms),
-        "target_forward_ms": min(target_ms),
-    }
-    result["ratio"] = round(result["draft_forward_ms"] / result["target_forward_ms"], 3)
-    log.info("cost: draft %.2f ms, target %.2f ms per 1-position forward (ratio %.3f, %d threads)",
-             result["draft_forward_ms"], result["target_forward_ms"], result["ratio"], result["threads"])
-    return result
-
-
-def teacher_forced_agreement(model, records: list[dict]) -> float:
-    """Fraction of answer positions where the model's argmax equals the target's (position-1 acceptance)."""
-    matches = [m for record in records for m in teacher_forced_matches(model, record)]
-    return sum(matches) / max(1, len(matches))

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import torch
 
-from draft_service import distill_data
-from draft_service.distill_data import Budget, chat_prompt_ids, clean_reference
+from draft_training import distill_data
+from draft_training.distill_data import Budget, chat_prompt_ids, clean_reference
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,8 @@
 """Self-distillation data: the target's own greedy answers, and its top-k next-token distribution.
 
-Two sources, both stored as shards of records under <work-dir>/data:
-- `generate`: the target answers prompts greedily (batched); the logits of each generation step
-  are exactly the teacher signal for that position, so generating yields text and targets at once.
-- `teacher_force`: existing text (public reference answers) in one forward pass per batch, about
-  4x cheaper per token than generating; the context is not the target's own, the targets are.
+`generate`: the target answers prompts greedily (batched); the logits of each generation step are
+exactly the teacher signal for that position, so generating yields text and targets at once. Public
+reference answers are read as they are (`clean_reference`); feature_data.py runs the target over them.
 
 A record: tokens [T] (chat-templated prompt + answer), `start` (first answer position), and for each
 answer position j in [start, T) the target's top-k at the position before it: topk_ids [T - start, K]
@@ -154,53 +152,3 @@ def clean_reference(row: dict) -> str:
     """A public reference answer as plain prose: GSM8K calculator marks removed, '#### n' spelled out."""
     text = re.sub(r"<<[^>]*>>", "", row.get("reference", ""))
     return re.sub(r"\n?#### *(.+)$", r"\nThe answer is \1.", text.strip())
-
-
-@torch.inference_mode()
-def teacher_force_batch(model, tokenizer, rows: Sequence[dict], top_k: int, max_answer_tokens: int) -> list[dict]:
-    """Target top-k at every answer position of prompt + reference answer, one forward per batch."""
-    device = next(model.parameters()).device
-    sequences, starts = [], []
-    for row in rows:
-        prompt = chat_prompt_ids(tokenizer, row["prompt"])
-        answer = tokenizer(clean_reference(row), add_special_tokens=False)["input_ids"][:max_answer_tokens]
-        sequences.append(prompt + answer)
-        starts.append(len(prompt))
-    width = max(len(s) for s in sequences)
-    input_ids = torch.zeros((len(rows), width), dtype=torch.long)  # [B, width], right-padded
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, sequence in enumerate(sequences):
-        input_ids[i, : len(sequence)] = torch.tensor(sequence)
-        attention[i, : len(sequence)] = 1
-    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state  # [B, width, H]
-    head = model.get_output_embeddings()
-    records = []
-    for i, (sequence, start) in enumerate(zip(sequences, starts)):
-        logits = head(hidden[i, start - 1 : len(sequence) - 1])  # [n, V]: the head only where there is a target
-        ids, values = _topk(logits.cpu(), top_k)  # [n, K]
-        records.append(
-            {"id": rows[i]["id"], "category": rows[i]["category"], "tokens": torch.tensor(sequence, dtype=torch.int32),
-             "start": start, "topk_ids": ids, "topk_logits": values}
-        )
-    return records
-
-
-def teacher_force_stage(
-    model, tokenizer, rows: list[dict], directory: Path, prefix: str, *, batch_size: int, top_k: int,
-    max_answer_tokens: int, budget: Budget,
-) -> int:
-    """Distil target distributions on reference answers; resumable; stops at the budget."""
-    done = stored_ids(directory, prefix)
-    todo = [row for row in rows if row["id"] not in done and row.get("reference")]
-    log.info("teacher-force[%s]: %d stored, %d to go", prefix, len(done), len(todo))
-    started, tokens = time.monotonic(), 0
-    for begin in range(0, len(todo), batch_size):
-        if budget.spent():
-            log.info("teacher-force[%s]: time budget of %.0f min spent", prefix, budget.minutes)
-            break
-        records = teacher_force_batch(model, tokenizer, todo[begin : begin + batch_size], top_k, max_answer_tokens)
-        save_shard(directory, prefix, records)
-        done.update(r["id"] for r in records)
-        tokens += sum(len(r["topk_ids"]) for r in records)
-        log.info("teacher-force[%s]: %d rows, %d tokens, %.1f tok/s", prefix, len(done), tokens, tokens / (time.monotonic() - started))
-    return len(done)

@@ -1,6 +1,6 @@
 """Flags of `specd train-draft`, torch-free so that building the `specd` parser stays cheap everywhere.
 
-The work itself lives in draft_service/training.py and is imported only when the command runs.
+The work itself lives in draft_training/feature_training.py and is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -11,32 +11,33 @@ from pathlib import Path
 from specd_common.config import DEFAULT_TARGET
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
-RECIPE_NAMES = ("tiny", "cpu", "full", "feature-tiny", "feature-cpu", "feature-full")
+RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-full")
+# The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
+# so scripts written for them keep working.
+RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.recipe.startswith("feature-"):
-        from draft_service.feature_training import run_feature_recipe
+    from draft_training.feature_training import run_feature_recipe
 
-        return run_feature_recipe(args)
-    from draft_service.training import run_train_draft
-
-    return run_train_draft(args)
+    args.recipe = RECIPE_ALIASES.get(args.recipe, args.recipe)
+    return run_feature_recipe(args)
 
 
 def add_train_draft_parser(commands) -> None:
     """Register `specd train-draft` on the top-level sub-command set."""
     parser = commands.add_parser("train-draft", help="distil a small draft model from the target (resumable)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
-    parser.add_argument("--recipe", default="cpu", choices=RECIPE_NAMES, help="feature-* train an EAGLE-style head reading the target's features (feature-cpu: ~70 min on 2 cores); "
-                        "tiny/cpu/full a small stand-alone Llama; *tiny is a test, *full is for a GPU")
+    parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + tuple(RECIPE_ALIASES),
+                        help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, "
+                        "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same)")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--gen-minutes", type=float, default=None, help="override the recipe's generation budget")
-    parser.add_argument("--tf-minutes", type=float, default=None, help="override the teacher-forcing budget")
+    parser.add_argument("--tf-minutes", type=float, default=None, help="override the feature-extraction budget")
     parser.add_argument("--train-minutes", type=float, default=None, help="override the training budget")
     parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
     parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out answers (0 = all)")

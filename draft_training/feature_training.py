@@ -1,7 +1,7 @@
 """`specd train-draft --recipe feature-*`: an EAGLE-style feature head for a target, resumably.
 
-Stages, each resumable from <work-dir> (the `tiny`/`cpu`/`full` recipes of training.py train a
-small stand-alone Llama instead; this is the architecture that won, see docs/draft-training.md):
+Stages, each resumable from <work-dir> (docs/draft-training.md has the results, and the stand-alone
+small-Llama draft this pipeline replaced):
   1. data     — held-out answers (eval), training answers (generated), then target features for the
                 training answers and public reference answers (feature_data.py);
   2. train    — the head learns to predict the target's next feature and next-token distribution;
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draft_service import distill_data, feature_data
-from draft_service.distill_data import Budget
-from draft_service.train_prompts import KINDS, load_all_prompts, select_prompts
+from draft_training import distill_data, feature_data
+from draft_training.distill_data import Budget
+from draft_training.train_prompts import KINDS, load_all_prompts, select_prompts
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +200,7 @@ def head_step_ms(head, record: dict, repeats: int = 30) -> float:
 
 def feature_evaluation(head, target, work: Path, limit: int, target_spec: str) -> dict:
     """Stage 3: simulated greedy speculation on held-out answers (head and n-gram), and cost."""
-    from draft_service.draft_eval import evaluate_drafter, forward_ms
+    from draft_training.draft_eval import evaluate_drafter, forward_ms
     from draft_service.drafters import NgramDrafter
     from draft_service.feature_drafter import FeatureDrafter
     from specd_common.models import describe_model, max_sequence_length
@@ -232,7 +230,7 @@ def run_feature_recipe(args) -> int:
     from functools import partial
 
     from draft_service.feature_head import save_head
-    from draft_service.training import start_run, train_draft, write_json
+    from draft_training.loop import start_run, train_draft, write_json
     from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}

@@ -1,0 +1,101 @@
+"""The package layering stays as the README's code map says (a lint, run with the suite).
+
+  specd_app (CLI, `specd up`, bench)      draft_training (offline, `specd train-draft`)
+        │ may import everything below            │ may import the serving packages
+  gateway   draft_service   verify_service       (serving: never imports the two above,
+        │            │             │               nor one service another)
+  specd_common (shared) ── specd.v1 (generated protos)
+
+Imports are read with `ast`, function-level imports included, so a lazy import cannot hide a
+dependency that points the wrong way.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVING = ("gateway", "draft_service", "verify_service")
+ABOVE_SERVING = ("specd_app", "draft_training")
+# package → packages of this repository it must never import
+FORBIDDEN = {
+    "specd_common": SERVING + ABOVE_SERVING,
+    "gateway": ("draft_service", "verify_service") + ABOVE_SERVING,
+    "draft_service": ("gateway", "verify_service") + ABOVE_SERVING,
+    "verify_service": ("gateway", "draft_service") + ABOVE_SERVING,
+    "draft_training": ("specd_app",),
+}
+PACKAGES = tuple(FORBIDDEN) + ("specd_app",)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module name an `import` or `from … import` in this file names (absolute imports)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def modules_of(package: str) -> dict[str, Path]:
+    return {f"{package}.{path.stem}": path for path in sorted((REPO / package).glob("*.py")) if path.stem != "__init__"}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the directed graph as a list of nodes (first == last), or [] if it has none."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_find_cycle_finds_one_and_only_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_import_points_up_or_sideways(package):
+    wrong = {
+        f"{module} imports {name}"
+        for module, path in modules_of(package).items()
+        for name in imported_modules(path)
+        if name.split(".")[0] in FORBIDDEN[package]
+    }
+    assert not wrong, sorted(wrong)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_inside_a_package(package):
+    modules = modules_of(package)
+    graph = {module: {name for name in imported_modules(path) if name in modules} for module, path in modules.items()}
+    assert find_cycle(graph) == []
+
+
+def test_the_draft_service_trains_nothing():
+    """Offline training lives in draft_training/; the draft service only serves drafts and loads heads."""
+    for path in (REPO / "draft_service").glob("*.py"):
+        text = path.read_text()
+        for marker in ("torch.optim", ".backward(", "zero_grad"):
+            assert marker not in text, f"{path.name} contains {marker!r}: training code belongs in draft_training/"

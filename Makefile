@@ -36,9 +36,9 @@ test-slow: setup  ## long tests (soak) and everything else
 protos:  ## regenerate the Python stubs next to the .proto files
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
 
-bench: setup  ## target-only vs specd vs transformers on held-out prompts of every task kind (the README's table)
-	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 --threads 1 \
-		--fixed-k 1 2 3 4 --output docs/benchmarks/results_feature.json
+bench: setup  ## specd up's defaults vs in-process transformers (all cores), side by side, on held-out prompts (the README's table)
+	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \
+		--fixed-k 1 2 --output docs/benchmarks/bench.json
 
 deploy-check:  ## render every overlay, validate strictly offline (kubernetes-validate), lint policies and Dockerfiles
 	PYTHON=$(PY) deploy/check.sh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Sequence
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def make_drafter(
     kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
-    lookup_min_ngram: int = 2,
+    lookup_min_ngram: int = 2, threads: int = 0, max_threads: int = 0,
 ) -> Drafter:
     """'ngram' → prompt lookup; 'model' → a Hugging Face draft model loaded from `model`, batching
     concurrent sessions' drafting steps per `batching`; 'feature' → a feature head folder (`model`)
@@ -26,7 +27,7 @@ def make_drafter(
     if kind == "ngram":
         return NgramDrafter()
     if kind == "feature":
-        return load_feature_drafter(model, target, lookup_min_ngram, dtype)
+        return load_feature_drafter(model, target, lookup_min_ngram, dtype, threads, max_threads)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -34,14 +35,18 @@ def make_drafter(
     raise ValueError(f"unknown drafter {kind!r}; use 'feature', 'model' or 'ngram'")
 
 
-def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 2, dtype: str = "auto") -> Drafter:
+def load_feature_drafter(
+    folder: str, target: str = "", lookup_min_ngram: int = 2, dtype: str = "auto", threads: int = 0, max_threads: int = 0
+) -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 
     The target is loaded once for those two matrices (and its tokenizer, for the gateway's vocabulary
     check) and then dropped; the head refuses a target of another shape. The head runs on the CPU:
     one step is a few million multiply-adds, less than a GPU kernel launch sequence costs. dtype 'auto'
-    is float32; 'bfloat16' halves the weights a step reads (a single step measured 2.57 → 1.48 ms on this
-    machine's AVX512-BF16 CPU, same held-out acceptance) but was not shown faster end to end."""
+    and threads 0 are measured at start-up (tune_feature_drafter): bfloat16 halves the weights a step
+    reads (a single step 2.57 → 1.48 ms on an AVX512-BF16 CPU, same held-out acceptance) and is slow
+    where the CPU has no bf16 instructions; drafts never change what the target accepts, so the
+    head's precision is a speed choice only."""
     import torch
     import json
     from pathlib import Path
@@ -59,9 +64,52 @@ def load_feature_drafter(folder: str, target: str = "", lookup_min_ngram: int = 
     info.model_name = f"feature-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
     del loaded
-    chosen = parse_dtype(dtype, torch.device("cpu"))
-    log.info("feature head %s in %s", folder, chosen)
-    return FeatureDrafter(head.to(chosen), info, max_length, lookup_min_ngram=lookup_min_ngram)
+    dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch.device("cpu"))]
+    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(d), info, max_length, lookup_min_ngram) for d in dtypes}
+    drafter, runtime = tune_feature_drafter(drafters, threads, max_threads)
+    drafter.info().runtime_config = runtime
+    log.info("draft runtime: feature head %s, %s", folder, runtime)
+    return drafter
+
+
+def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> tuple[Drafter, str]:
+    """The fastest of `drafters` (dtype name → FeatureDrafter) at the fewest threads within the
+    tolerance, from interleaved timings of a 3-token draft after a 32-token prompt; sets torch's
+    threads; returns the drafter and the choice as JSON (for GetModelInfo.runtime_config)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from specd_common import autotune
+    from specd_common.features import encode_features
+    from specd_common.params import Warp
+
+    counts = autotune.threads_to_try(threads, max_threads)
+    if len(counts) * len(drafters) == 1:
+        torch.set_num_threads(counts[0])
+        name = next(iter(drafters))
+        return drafters[name], json.dumps({"device": "cpu", "threads": counts[0], "dtype": name, "source": "flags"})
+
+    def draft_three(drafter):
+        prompt = list(range(1, 33))  # distinct ids: prompt lookup finds nothing, the head drafts
+        session = drafter.open(prompt, Warp())
+        drafter.add_features(session, encode_features(torch.zeros((len(prompt) - 1, drafter.head.config.hidden_size)), 0))
+        rng = np.random.default_rng(0)
+
+        def run() -> None:
+            drafter.propose(session, 3, rng)
+            del session.sequence.tokens[len(prompt):]  # drop the drafts: the next run drafts the same
+
+        return run
+
+    seconds = autotune.measure_interleaved({(t, name): draft_three(d) for t in counts for name, d in drafters.items()}, repeats)
+    best = min(drafters, key=lambda name: min(s for (t, n), s in seconds.items() if n == name))
+    chosen_threads = autotune.fewest_threads({t: s for (t, n), s in seconds.items() if n == best})
+    torch.set_num_threads(chosen_threads)
+    record = {"device": "cpu", "threads": chosen_threads, "dtype": best, "source": "measured",
+              "draft3_ms": {f"{t}:{n}": round(s * 1000, 2) for (t, n), s in seconds.items()}}
+    return drafters[best], json.dumps(record, separators=(",", ":"))
 
 
 def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:

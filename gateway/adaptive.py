@@ -10,16 +10,30 @@ target step) is always a candidate, so a request whose drafts keep failing stops
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
-
-from gateway.rejection import expected_tokens_per_pass
+from typing import Callable, Optional, Sequence, Union
 
 
-def best_draft_length(acceptance: float, max_k: int, round_cost_s: Callable[[int], float]) -> int:
-    """argmax over k in [0, max_k] of expected tokens / round cost (ties: the smaller k)."""
+def expected_tokens(chain: Sequence[float], k: int) -> float:
+    """Expected tokens from a round of k drafts when draft i is accepted with probability chain[i-1]
+    given that drafts 1..i-1 were (positions past the chain's end repeat its last value):
+    1 + Σ_j Π_{i≤j} chain[i-1]. With one value α this is (1 − α^(k+1)) / (1 − α)."""
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= chain[min(i, len(chain) - 1)] if chain else 0.0
+        total += reach
+    return total
+
+
+def best_draft_length(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float]) -> int:
+    """argmax over k in [0, max_k] of expected tokens / round cost (ties: the smaller k).
+
+    acceptance: one per-token rate α, or the conditional rate per draft position (the measured
+    ones fall with the position — 0.57, 0.34, 0.27 for the shipped head — so one α over-promises
+    long drafts)."""
+    chain = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
     best_k, best_rate = 0, -1.0
     for k in range(max_k + 1):
-        rate = expected_tokens_per_pass(acceptance, k) / max(round_cost_s(k), 1e-9)
+        rate = expected_tokens(chain, k) / max(round_cost_s(k), 1e-9)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
@@ -72,26 +86,43 @@ class StepCosts:
 
 
 class AcceptanceEstimate:
-    """Per-token acceptance α of one request: accepted / examined drafts, exponentially forgotten,
-    shrunk toward a prior.
+    """Acceptance of one request's drafts, per draft position: accepted / examined, exponentially
+    forgotten, shrunk toward a prior.
 
-    A draft is examined when every draft before it was accepted; drafts after the first rejection
-    say nothing about α, so counting them (accepted / drafted) would underestimate it. Rounds
-    without drafts forget too, so a request that stopped drafting drifts back to the prior and
-    tries again: the draft may have become useful (code, repeated text) where it was not before.
+    Draft i is examined when drafts 1..i-1 were accepted; drafts after the first rejection say
+    nothing, so counting them (accepted / drafted) would underestimate. Position i's prior is the
+    estimate of position i-1 (position 1's is `prior`), so a position never reached yet borrows
+    from the one before it. Rounds without drafts forget too, so a request that stopped drafting
+    drifts back to the prior and tries again: the draft may have become useful (code, repeated
+    text) where it was not before.
     """
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
-        self._accepted = 0.0
-        self._examined = 0.0
+        self._accepted: list[float] = []  # per position (0 = the first draft)
+        self._examined: list[float] = []
+
+    def chain(self, length: int) -> list[float]:
+        """Conditional acceptance of draft positions 1..length."""
+        rates, previous = [], self.prior
+        for i in range(length):
+            accepted = self._accepted[i] if i < len(self._accepted) else 0.0
+            examined = self._examined[i] if i < len(self._examined) else 0.0
+            previous = min((accepted + previous * self.prior_weight) / (examined + self.prior_weight), 0.999)
+            rates.append(previous)
+        return rates
 
     @property
     def value(self) -> float:
-        estimate = (self._accepted + self.prior * self.prior_weight) / (self._examined + self.prior_weight)
+        """Per-token acceptance over all positions (accepted / examined, with the prior)."""
+        estimate = (sum(self._accepted) + self.prior * self.prior_weight) / (sum(self._examined) + self.prior_weight)
         return min(estimate, 0.999)
 
     def update(self, drafted: int, accepted: int) -> None:
-        examined = accepted + (1 if accepted < drafted else 0)
-        self._accepted = self.decay * self._accepted + accepted
-        self._examined = self.decay * self._examined + examined
+        examined = min(drafted, accepted + 1)
+        while len(self._examined) < examined:
+            self._examined.append(0.0)
+            self._accepted.append(0.0)
+        for i in range(len(self._examined)):
+            self._examined[i] = self.decay * self._examined[i] + (1 if i < examined else 0)
+            self._accepted[i] = self.decay * self._accepted[i] + (1 if i < accepted else 0)

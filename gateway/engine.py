@@ -322,7 +322,7 @@ class Generation:
         cap = max(0, min(self.spec.num_draft_tokens, left - 1))
         if not self.spec.adaptive:
             return cap
-        k = best_draft_length(self._acceptance.value, cap, self.backends.costs.round_cost_s)
+        k = best_draft_length(self._acceptance.chain(cap), cap, self.backends.costs.round_cost_s)
         self._rounds_since_draft = 0 if k else self._rounds_since_draft + 1
         if self._rounds_since_draft > PROBE_EVERY_ROUNDS:  # a one-token probe keeps the estimate current
             self._rounds_since_draft = 0

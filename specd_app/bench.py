@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import grpc
 
@@ -91,37 +91,50 @@ def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concur
         return samples, time.perf_counter() - started
 
 
-def run_hf_mode(target_spec: str, draft_spec: str, rows: list[dict], max_new_tokens: int, k: Optional[int], progress) -> tuple[list[Sample], float]:
-    """transformers generate in this process, greedy, one prompt at a time. k: assisted, with the draft
-    model (draft_spec) or, without one, transformers' prompt-lookup assistant (k tokens)."""
-    import torch
+class HFRunner:
+    """transformers `generate` in this process, greedy, one prompt at a time: the target alone, or
+    assisted (k > 0) by the draft model (draft_spec) or, without one, by transformers' prompt lookup."""
 
-    from gateway.tokenizer import GatewayTokenizer
-    from specd_common.models import describe_model, load_causal_lm
+    def __init__(self, target_spec: str, draft_spec: str, warm_prompt: str):
+        import torch
 
-    loaded = load_causal_lm(target_spec)
-    tokenizer = GatewayTokenizer(describe_model(loaded))
-    extra: dict = {}
-    if k and draft_spec:
-        assistant = load_causal_lm(draft_spec).model
-        assistant.generation_config.num_assistant_tokens = k
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        extra = {"assistant_model": assistant}
-    elif k:
-        extra = {"prompt_lookup_num_tokens": k}
-    samples = []
-    with torch.inference_mode():  # warm-up, not counted
-        loaded.model.generate(torch.tensor([tokenizer.encode_prompt(rows[0]["prompt"], raw=False)]), max_new_tokens=8, do_sample=False, **extra)
-    wall = time.perf_counter()
-    for row in rows:
-        ids = torch.tensor([tokenizer.encode_prompt(row["prompt"], raw=False)])
+        from gateway.tokenizer import GatewayTokenizer
+        from specd_common.models import describe_model, load_causal_lm
+
+        self.torch = torch
+        self.loaded = load_causal_lm(target_spec)
+        self.tokenizer = GatewayTokenizer(describe_model(self.loaded))
+        self.assistant = load_causal_lm(draft_spec).model if draft_spec else None
+        for k in (None, 3):  # warm-up, not counted
+            self.run({"prompt": warm_prompt}, 8, k)
+
+    def run(self, row: dict, max_new_tokens: int, k: Optional[int]) -> Sample:
+        extra: dict = {}
+        if k and self.assistant is not None:
+            self.assistant.generation_config.num_assistant_tokens = k
+            self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            extra = {"assistant_model": self.assistant}
+        elif k:
+            extra = {"prompt_lookup_num_tokens": k}
+        ids = self.torch.tensor([self.tokenizer.encode_prompt(row["prompt"], raw=False)])
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = loaded.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
-        seconds = time.perf_counter() - started
-        samples.append(Sample(category=row.get("category", "all"), tokens=out.shape[1] - ids.shape[1], seconds=seconds))
-        progress()
-    return samples, time.perf_counter() - wall
+        with self.torch.inference_mode():
+            out = self.loaded.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+        return Sample(category=row.get("category", "all"), tokens=out.shape[1] - ids.shape[1], seconds=time.perf_counter() - started)
+
+
+def run_interleaved(modes: dict[str, Callable[[dict], Sample]], rows: list[dict], progress) -> dict[str, tuple[list[Sample], float]]:
+    """Every row through every mode before the next row, the order rotated from row to row, so a slow
+    spell of a shared machine (seen here: ±15% within minutes) hits all modes alike and the modes are
+    compared side by side. Wall seconds of a mode = the sum of its samples (one stream at a time)."""
+    names = list(modes)
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
+    for index, row in enumerate(rows):
+        for name in names[index % len(names):] + names[: index % len(names)]:
+            progress.stage(name)
+            samples[name].append(modes[name](row))
+            progress()
+    return {name: (done, sum(sample.seconds for sample in done)) for name, done in samples.items()}
 
 
 def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None) -> dict:
@@ -193,6 +206,10 @@ def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
                 base = reference["by_category"].get(kind, {}).get("tokens_per_s")
                 if base:
                     summary["speedup"] = round(summary["tokens_per_s"] / base, 3)
+    hf = out["modes"].get("hf_target")
+    for entry in out["modes"].values():  # what a user compares with: transformers generate in-process, same cores
+        if hf:
+            entry["overall"]["vs_hf_target"] = round(entry["overall"]["tokens_per_s"] / hf["overall"]["tokens_per_s"], 3)
     overlap = out["modes"].get("specd_overlap", {}).get("overall", {})
     sequential = out["modes"].get(f"specd_k{k}", out["modes"].get("specd", {})).get("overall", {})
     if "lookahead_hit_rate" in overlap and "round_ms" in sequential:
@@ -215,10 +232,45 @@ def overlap_on_separate_devices(sequential: dict, hit_rate: float) -> dict:
     }
 
 
+def machine_facts() -> dict:
+    """Where a report was measured: CPU model, cores, memory, GPU, library versions, date."""
+    import os
+    import platform
+
+    import torch
+
+    facts = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": platform.processor() or platform.machine(),
+             "logical_cpus": os.cpu_count(), "torch": torch.__version__, "torch_default_threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            facts["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+        with open("/proc/meminfo") as meminfo:
+            facts["memory_gib"] = round(int(meminfo.readline().split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def stack_runtime(addresses: dict) -> dict:
+    """The runtime each model service chose at start-up (GetModelInfo.runtime_config), by service name."""
+    from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
+
+    stubs = {"verify": verify_pb2_grpc.VerifyServiceStub, "draft": draft_pb2_grpc.DraftServiceStub}
+    chosen = {}
+    for name, stub_class in stubs.items():
+        if name in addresses:
+            with grpc.insecure_channel(addresses[name]) as channel:
+                info = stub_class(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+            chosen[name] = json.loads(info.runtime_config) if info.runtime_config else {}
+    return chosen
+
+
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | tokens/s | speedup | vs hf_target | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
         o = entry["overall"]
@@ -226,7 +278,7 @@ def markdown_table(result: dict) -> str:
         itl = f"{o['itl_ms_p50']} / {o['itl_ms_p95']}" if "itl_ms_p50" in o else "-"
         outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
-            f"| {mode} | {o['tokens_per_s']} | {o.get('speedup', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
+            f"| {mode} | {o['tokens_per_s']} | {o.get('speedup', '-')} | {o.get('vs_hf_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
             f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
         )
     return "\n".join(lines)

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = serve.add_parser("verify", help="the target model")
     add_server_flags(verify, "verify")
     add_model_flags(verify, DEFAULT_TARGET)
+    add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), off (plain)",
+             choices=["auto", "on", "off"])
     verify.set_defaults(func=serve_verify)
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
@@ -160,9 +162,11 @@ def serve_verify(args: argparse.Namespace) -> None:
     from specd_common.server import wait_for_termination
     from verify_service.app import start_verify_server
 
-    _set_threads(args.threads)
     loaded = load_causal_lm(args.model, args.device, args.dtype)
-    running = start_verify_server(loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args))
+    running = start_verify_server(
+        loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
+        max_threads=args.max_threads,
+    )
     wait_for_termination(running, args.grace)
 
 
@@ -171,11 +175,12 @@ def serve_draft(args: argparse.Namespace) -> None:
     from specd_common.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
-    _set_threads(args.threads)
+    if args.drafter != "feature":  # a feature drafter measures its own threads (tune_feature_drafter)
+        _set_threads(args.threads)
     if args.drafter in ("model", "feature") and not args.model:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
-                           lookup_min_ngram=args.lookup_min_ngram)
+                           lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads)
     running = start_draft_server(drafter, ServerConfig.from_args(args))
     wait_for_termination(running, args.grace)
 
@@ -248,15 +253,36 @@ def run_up(args: argparse.Namespace) -> int:
 def spawn_services(
     host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
 ) -> dict:
-    """verify, draft and gateway as child processes (`specd serve ...`); returns name → Popen."""
+    """verify, draft and gateway as child processes (`specd serve ...`); returns name → Popen.
+
+    One after another: each model service measures its own forward passes at start-up to choose
+    its runtime (specd_common/autotune.py), and two services measuring at once on shared cores would
+    each time the other's load. The draft starts once the verify serves, the gateway once the draft does."""
     serve = [sys.executable, "-m", "specd_app.cli", "serve"]
     common = ["--host", host, "--threads", str(threads)]
+    caps = stack_thread_caps(os.cpu_count() or 1)
     commands = {
-        "verify": serve + ["verify", *common, "--port", str(ports["verify"]), "--model", target],
-        "draft": serve + ["draft", *common, "--port", str(ports["draft"]), "--drafter", drafter, "--model", draft_model, "--target", target],
+        "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
+        "draft": serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]), "--drafter", drafter,
+                          "--model", draft_model, "--target", target],
         "gateway": gateway_command(host, ports, num_draft_tokens),
     }
-    return {name: subprocess.Popen(command) for name, command in commands.items()}
+    children: dict = {}
+    for name, command in commands.items():
+        children[name] = subprocess.Popen(command)
+        if name != "gateway" and not wait_until_serving(f"{host}:{ports[name]}", children, {"requested": False}):
+            break  # the caller's wait for the gateway reports which child died
+    return children
+
+
+def stack_thread_caps(cores: int) -> dict:
+    """How `specd up` shares one machine's cores: the verify may measure its way up to all cores but
+    one, the draft up to one. The spare core runs the gateway, the clients' streams and gRPC while the
+    target computes; without it they preempt the target's OpenMP workers, and every layer's barrier
+    waits for the preempted one (measured on a 2-core AMD EPYC VM, default stack, target-only: 8.8
+    tok/s with the verify on 2 threads, 12.8 on 1). The draft runs between verify passes and its step
+    is small. Both services still measure within their cap (specd_common/autotune.py)."""
+    return {"verify": max(1, cores - 1), "draft": 1}
 
 
 def gateway_command(host: str, ports: dict, num_draft_tokens: int, *extra: str) -> list[str]:
@@ -272,7 +298,7 @@ def gateway_command(host: str, ports: dict, num_draft_tokens: int, *extra: str) 
 
 
 def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: float = 900.0) -> bool:
-    """Poll the gateway's health until SERVING; False if a child dies, a stop is requested or time runs out."""
+    """Poll a service's health until SERVING; False if a child dies, a stop is requested or time runs out."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -295,6 +321,12 @@ def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: floa
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import contextlib
+    import functools
+
+    import grpc
+
+    from specd.v1 import generate_pb2_grpc
     from specd_app import bench
 
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
@@ -305,32 +337,48 @@ def run_bench(args: argparse.Namespace) -> int:
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
     children: dict = {}
-    address, overlap_address = args.gateway, None
+    address, overlap_address, runtime = args.gateway, None, {}
     if not address:
-        address, overlap_address, children = start_local_stack(
+        address, overlap_address, children, addresses = start_local_stack(
             args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap
         )
+        runtime = bench.stack_runtime(addresses)
     if overlap_address:
         service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
         progress.add(len(rows))
     results = {}
     try:
-        for mode, fields in service_modes:
-            progress.stage(mode)
-            target_address = overlap_address if mode == "specd_overlap" else address
-            results[mode] = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
+        _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
+        # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
+        hf = None if args.no_hf else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"])
+        if args.concurrency == 1:  # side by side: every prompt through every mode in turn
+            with contextlib.ExitStack() as stack:
+                modes = {}
+                for mode, fields in service_modes:
+                    target_address = overlap_address if mode == "specd_overlap" else address
+                    stub = generate_pb2_grpc.GenerateServiceStub(stack.enter_context(grpc.insecure_channel(target_address)))
+                    bench.stream_one(stub, rows[0], 8, **fields)  # warm-up, not counted
+                    modes[mode] = functools.partial(bench.stream_one, stub, max_new_tokens=args.max_new_tokens, **fields)
+                for mode, k in hf_modes:
+                    modes[mode] = functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)
+                results = bench.run_interleaved(modes, rows, progress)
+        else:
+            for mode, fields in service_modes:
+                progress.stage(mode)
+                target_address = overlap_address if mode == "specd_overlap" else address
+                results[mode] = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
+            for mode, k in hf_modes:  # one stream: what one user of transformers gets
+                progress.stage(mode)
+                results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
     finally:
         for child in children.values():
             child.send_signal(signal.SIGTERM)
             child.wait(timeout=60)
-    _set_threads(args.threads)  # the in-process transformers modes get the same thread budget as the services
-    for mode, k in hf_modes:
-        progress.stage(mode)
-        # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
-        hf_draft = args.draft_model if args.drafter == "model" else ""
-        results[mode] = bench.run_hf_mode(args.target, hf_draft, rows, args.max_new_tokens, k, progress)
     progress.close()
     report = bench.report(results, args.num_draft_tokens)
+    report["machine"] = bench.machine_facts()
+    report["command"] = " ".join(["specd", *sys.argv[1:]])
+    report["stack_runtime"] = runtime
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "drafter": args.drafter, "draft_model": args.draft_model,
@@ -346,9 +394,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def start_local_stack(
     target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False
-) -> tuple[str, Optional[str], dict]:
+) -> tuple[str, Optional[str], dict, dict]:
     """The three services as child processes on free ports, plus a second gateway with --overlap when
-    asked (same draft and verify); returns both gateway addresses and the children."""
+    asked (same draft and verify); returns both gateway addresses, the children and name → address."""
     import socket
 
     ports = []
@@ -367,7 +415,7 @@ def start_local_stack(
     for gateway in filter(None, (address, overlap_address)):
         if not wait_until_serving(gateway, children, {"requested": False}):
             raise SystemExit("the local stack did not start; see the log above")
-    return address, overlap_address, children
+    return address, overlap_address, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
 
 
 def run_generate(args: argparse.Namespace) -> int:

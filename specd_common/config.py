@@ -126,6 +126,7 @@ def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None
     add_flag(parser, "model", default_model, "hub id, local folder, GGUF file, or embedded:<name>")
     add_flag(parser, "device", "auto", "auto, cpu, cuda, cuda:N")
     add_flag(parser, "dtype", "auto", "auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
-    add_flag(parser, "threads", 0, "torch CPU threads for this service (0 = torch's default)")
+    add_flag(parser, "threads", 0, "torch CPU threads for this service (0 = measured at start-up by the verify and feature drafters, torch's default for others)")
+    add_flag(parser, "max-threads", 0, "with --threads 0: the most threads the start-up measurement may choose (0 = all cores; `specd up` leaves cores to the rest of the stack)")
     add_flag(parser, "max-batch-size", 8, "sessions scored in one batched forward pass (1 = one session at a time)")
     add_flag(parser, "batch-wait-ms", 20.0, "longest a batch waits for expected sessions (also capped at 1/4 of a pass)")

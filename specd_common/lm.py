@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from specd_common import kv_batch
+from specd_common import autotune, kv_batch
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -32,37 +32,53 @@ class KVSession(TokenSequence):
     fed_features: Optional[torch.Tensor] = None
 
 
-class PrepackedLinear(torch.nn.Module):
-    """y = x Wᵀ + b with W held in oneDNN's blocked layout (what torch.utils.mkldnn.MkldnnLinear does,
-    without its deprecated TorchScript base). Input and output are ordinary dense tensors [..., in] → [..., out]."""
+class LayoutSwitch:
+    """Which weight layout the next forward's linear layers use (set by CausalLM before each pass;
+    passes are serialised by its lock, so one shared attribute is enough)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, layout: str = autotune.PLAIN):
+        self.layout = layout
+
+
+class SwitchableLinear(torch.nn.Module):
+    """y = x Wᵀ + b, with W kept in PyTorch's plain layout, in oneDNN's prepacked blocked layout
+    (reordered once, at load: what torch.utils.mkldnn.MkldnnLinear does, without its deprecated
+    TorchScript base), or both; `switch.layout` picks per forward. Input and output are ordinary dense
+    tensors [..., in] → [..., out]. Same math; the two layouts' float32 results differ only by
+    summation order (~1e-4 in the logits)."""
+
+    def __init__(self, linear: torch.nn.Linear, switch: LayoutSwitch, keep: set[str]):
         super().__init__()
         self.out_features = linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to_mkldnn())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to_mkldnn())
+        self.switch = switch
+        self.weight = linear.weight if autotune.PLAIN in keep else None  # [out, in], shared (tied embeddings stay tied)
+        self.bias = linear.bias if autotune.PLAIN in keep else None
+        packed = autotune.PREPACKED in keep
+        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn() if packed else None)
+        self.register_buffer("packed_bias", linear.bias.detach().to_mkldnn() if packed and linear.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None or (self.switch.layout == autotune.PLAIN and self.weight is not None):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [N, in]
-        y = torch._C._nn.mkldnn_linear(rows, self.weight, self.bias).to_dense()  # [N, out]
+        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()  # [N, out]
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def prepack_linears_for_cpu(model: torch.nn.Module) -> int:
-    """Replace every nn.Linear by a oneDNN linear whose weight is reordered once, at load time.
+def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: set[str]) -> int:
+    """Replace every float32 nn.Linear by a SwitchableLinear keeping the `keep` layouts.
 
-    Why: PyTorch's default CPU matmul repacks the weight on every call, and for 2–5 rows (a verify
-    pass over k + 1 positions) that costs nearly as much per row as one-row decoding: measured on the
-    embedded target, one thread, 1/2/3/4/5 positions: 38/65/85/63/74 ms, prepacked 37/49/50/53/52 ms
-    (README, "Speed features"). Same math; float32 results differ by summation order only (~1e-4 in
-    the logits). CPU float32 only; returns how many layers were replaced (0 when oneDNN is missing)."""
-    if not torch.backends.mkldnn.is_available():
+    Why: PyTorch's default CPU linear repacks the weight on every call, which on some CPUs makes a
+    pass over 2–5 positions (a verify round) cost nearly as much per row as one-row decoding, and on
+    others is the faster choice (specd_common/autotune.py measures which). CPU float32 only; returns
+    how many layers were replaced (0 when oneDNN is missing or only the plain layout is kept)."""
+    if not torch.backends.mkldnn.is_available() or keep == {autotune.PLAIN}:
         return 0
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, PrepackedLinear(child))
+                setattr(parent, name, SwitchableLinear(child, switch, keep))
                 replaced += 1
     return replaced
 
@@ -70,15 +86,61 @@ def prepack_linears_for_cpu(model: torch.nn.Module) -> int:
 class CausalLM:
     """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck)."""
 
-    def __init__(self, loaded: LoadedModel, prepack_cpu: bool = False):
-        """prepack_cpu: on a float32 CPU model, prepack its linear layers (prepack_linears_for_cpu); this
+    def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN})):
+        """layouts: on a float32 CPU model, the linear-weight layouts to keep (make_linears_switchable;
+        `tune` picks among them per forward size and drops the unused). Keeping the prepacked layout
         changes loaded.model in place, so only the owner of the model (a service) should ask for it."""
         self.loaded = loaded
-        if prepack_cpu and loaded.device.type == "cpu":
-            prepack_linears_for_cpu(loaded.model)
+        self.switch = LayoutSwitch()
+        if loaded.device.type == "cpu":
+            make_linears_switchable(loaded.model, self.switch, set(layouts))
+        self.layouts = set(layouts) if loaded.device.type == "cpu" else {autotune.PLAIN}
+        self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()
+
+    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> autotune.RuntimeChoice:
+        """Measure this model's forward passes on this machine and adopt the fastest runtime
+        (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
+        `max_threads` > 0) and the weight layout per forward size (among self.layouts). Not on
+        CUDA: there the default stands."""
+        if self.loaded.device.type != "cpu":
+            return self.runtime
+        counts = autotune.threads_to_try(threads, max_threads)
+        if len(counts) == 1 and len(self.layouts) == 1:
+            torch.set_num_threads(counts[0])
+            self.runtime = autotune.RuntimeChoice("cpu", counts[0], {1: next(iter(self.layouts))}, source="flags")
+            return self.runtime
+        prompt = [i % self.vocab_size for i in range(1, 33)]  # any ids: the cost does not depend on them
+        session = self.new_session(prompt)
+
+        def timed_forward(positions: int, layout: str):
+            fixed = autotune.RuntimeChoice("cpu", 0, {1: layout})
+
+            def run() -> None:
+                self.runtime = fixed
+                self._run(session, prompt[:positions])
+                session.cache.crop(-positions)  # back to the prompt
+
+            return run
+
+        costs = autotune.measure_forward_costs(timed_forward, counts, sorted(self.layouts), repeats=repeats)
+        choice = autotune.choose_runtime(costs)
+        torch.set_num_threads(choice.threads)
+        self.use_only(choice.needs)
+        self.runtime = choice
+        return choice
+
+    def use_only(self, layouts: set[str]) -> None:
+        """Drop the weights of layouts no forward will use (frees their memory)."""
+        for module in self.loaded.model.modules():
+            if isinstance(module, SwitchableLinear):
+                if autotune.PLAIN not in layouts:
+                    module.weight = module.bias = None
+                if autotune.PREPACKED not in layouts:
+                    module.packed_weight = module.packed_bias = None
+        self.layouts &= layouts
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:
         """A session holding `prompt`, with everything but the last token already in its cache."""
@@ -136,6 +198,7 @@ class CausalLM:
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)  # [1, n]
         start = session.cache.get_seq_length()
         with self._forward_lock, model_forward(len(token_ids)):
+            self.switch.layout = self.runtime.layout_for(len(token_ids))
             output = self.loaded.model(
                 input_ids=input_ids, past_key_values=session.cache, use_cache=True, output_hidden_states=session.keep_features
             )
@@ -151,6 +214,7 @@ class CausalLM:
         keep = any(session.keep_features for session in sessions)
         with self._forward_lock:
             batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
+            self.switch.layout = self.runtime.layout_for(batch.input_ids.numel())
             output = self.loaded.model(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,

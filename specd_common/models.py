@@ -187,4 +187,4 @@ def max_sequence_length(loaded: LoadedModel) -> int:
 
 def model_vocab_size(loaded: LoadedModel) -> int:
     """Rows of the output head: the id range the model can score."""
-    return int(loaded.model.get_output_embeddings().weight.shape[0])
+    return int(loaded.model.get_output_embeddings().out_features)  # nn.Linear and SwitchableLinear both say it

@@ -248,6 +248,21 @@ def test_acceptance_estimate_ignores_drafts_after_the_first_rejection():
     assert estimate.value == pytest.approx(0.5)
 
 
+def test_acceptance_per_position_makes_falling_acceptance_draft_shorter():
+    from gateway.adaptive import AcceptanceEstimate, best_draft_length, expected_tokens
+
+    assert expected_tokens([0.5], 2) == pytest.approx(1.75)  # (1 − α^3) / (1 − α)
+    assert expected_tokens([0.6, 0.3, 0.2], 3) == pytest.approx(1 + 0.6 + 0.18 + 0.036)
+    estimate = AcceptanceEstimate(prior=0.5, prior_weight=1e-9, decay=1.0)
+    for _ in range(20):  # first draft accepted in 60% of rounds, the second in a third of those
+        for accepted in (2, 1, 1, 0, 0):
+            estimate.update(drafted=3, accepted=accepted)
+    chain = estimate.chain(3)
+    assert chain == pytest.approx([0.6, 1 / 3, 0.0], abs=1e-6)
+    cost = lambda k: 1.0 + 0.15 * k  # noqa: E731
+    assert best_draft_length(estimate.value, 3, cost) > best_draft_length(chain, 3, cost) == 1
+
+
 def test_acceptance_estimate_returns_to_the_prior_when_not_drafting():
     from gateway.adaptive import AcceptanceEstimate
 
@@ -283,21 +298,25 @@ def test_bench_report_computes_speedup_and_alpha():
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
 
 
-def test_prepacked_linear_computes_what_linear_computes():
+def test_switchable_linear_computes_what_linear_computes_in_either_layout():
     import torch
 
-    from specd_common.lm import PrepackedLinear, prepack_linears_for_cpu
+    from specd_common.autotune import PLAIN, PREPACKED
+    from specd_common.lm import LayoutSwitch, SwitchableLinear, make_linears_switchable
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
     x = torch.randn(2, 3, 16)  # [B, T, in]
+    switch = LayoutSwitch()
     with torch.inference_mode():
         expected = model(x)
-        replaced = prepack_linears_for_cpu(model)
-        got = model(x)
-    if not torch.backends.mkldnn.is_available():
-        assert replaced == 0
-        return
-    assert replaced == 2 and isinstance(model[0], PrepackedLinear) and isinstance(model[2], PrepackedLinear)
-    assert got.shape == (2, 3, 8)
-    assert torch.allclose(got, expected, atol=1e-5)
+        replaced = make_linears_switchable(model, switch, {PLAIN, PREPACKED})
+        if not torch.backends.mkldnn.is_available():
+            assert replaced == 0
+            return
+        assert replaced == 2 and isinstance(model[0], SwitchableLinear) and isinstance(model[2], SwitchableLinear)
+        for layout in (PLAIN, PREPACKED):
+            switch.layout = layout
+            got = model(x)
+            assert got.shape == (2, 3, 8)
+            assert torch.allclose(got, expected, atol=1e-5), layout

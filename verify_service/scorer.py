@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from specd.v1 import common_pb2
+from specd_common.autotune import PLAIN, PREPACKED
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
 from specd_common.features import encode_features
@@ -15,6 +17,8 @@ from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
 from specd_common.params import Warp
 from specd_common.warping import warp_probs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,14 +38,27 @@ class Scores:
     features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when the session keeps them
 
 
-class Scorer:
-    """Wraps the target model for many sessions."""
+PREPACK_CHOICES = {"auto": {PLAIN, PREPACKED}, "on": {PREPACKED}, "off": {PLAIN}}
 
-    def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy()):
-        self.lm = CausalLM(loaded, prepack_cpu=True)
-        self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
-        self._info = describe_model(loaded)
+
+class Scorer:
+    """Wraps the target model for many sessions.
+
+    On a CPU it first measures its own forward passes (CausalLM.tune): torch threads (unless
+    `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
+    (auto: both, measured; on: prepacked; off: PyTorch's plain layout)."""
+
+    def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
+                 max_threads: int = 0):
+        if prepack not in PREPACK_CHOICES:
+            raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
+        self._info = describe_model(loaded)  # before tuning, which may drop the plain weights it reads
         self._info.hidden_size = loaded.model.config.hidden_size
+        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
+        runtime = self.lm.tune(threads, max_threads)
+        log.info("verify runtime: %s", runtime.summary())
+        self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
+        self._info.runtime_config = runtime.summary()
 
     def info(self) -> common_pb2.GetModelInfoResponse:
         return self._info

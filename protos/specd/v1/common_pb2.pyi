@@ -61,7 +61,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size")
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class GetModelInfoResponse(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     WANTS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_sequence_length: int
@@ -86,7 +87,8 @@ class GetModelInfoResponse(_message.Message):
     drafter: str
     wants_target_features: bool
     hidden_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    runtime_config: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

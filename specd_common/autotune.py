@@ -1,0 +1,182 @@
+"""Hardware decides: a model service measures its own forward passes at start-up and picks its runtime.
+
+What is chosen (each overridable by a flag, each logged in one line, each reported by GetModelInfo):
+  * threads: the fewest torch threads within `THREAD_TOLERANCE` of the fastest measured count. On a
+    memory-bound CPU a second thread often buys nothing (a 2-core AMD EPYC VM: one decoding step of
+    the default target 63–72 ms on 1 thread, 78–83 ms on 2), and a thread left idle serves the other
+    processes of the stack (gateway, draft, gRPC) instead of fighting them.
+  * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
+    every call) or the weight prepacked once in oneDNN's layout (specd_common.lm.SwitchableLinear).
+    Which is faster depends on the CPU and on how many positions a pass scores: on one 2-core AMD
+    EPYC prepacking made a 4-position verify pass 1.4x cheaper, on a 2-core Intel Xeon it was a
+    40–80% slowdown (shared/notes/cpu-costs-intel.md). Both layouts are kept when each wins
+    somewhere, and every forward uses the one measured faster for its position count.
+
+The measuring is impure (`measure_forward_costs`); the choosing is a pure function of the timings
+(`choose_runtime`), so a test can prove it on fake timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+PLAIN, PREPACKED = "plain", "prepacked"
+LAYOUTS = (PLAIN, PREPACKED)
+MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
+# Position counts a round uses, and how much each matters: target-only and the one-token probe
+# (n = 1) dominate; speculative rounds score k + 1 = 2..5 positions.
+POSITION_WEIGHTS = {1: 3.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 0.5}
+# Fewer threads win unless more are at least 10% faster: a spare core serves the gateway, the draft and
+# gRPC, and on a shared VM two medians of five passes differ by ~5-10% from noise alone.
+THREAD_TOLERANCE = 0.10
+
+
+# Costs[threads][layout][positions] = median seconds of one forward over that many new positions
+Costs = dict[int, dict[str, dict[int, float]]]
+
+
+@dataclass
+class RuntimeChoice:
+    """What a model service runs with, and the measurements that chose it."""
+
+    device: str
+    threads: int  # 0 = left as torch's default (not a CPU, or not chosen)
+    layouts: dict[int, str] = field(default_factory=dict)  # positions → layout (beyond the last key: the last one)
+    costs_ms: dict = field(default_factory=dict)  # the measured table, ms, for the record
+    source: str = "measured"  # measured | flags | default
+
+    def layout_for(self, positions: int) -> str:
+        """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
+        if not self.layouts:
+            return PLAIN
+        fitting = [n for n in self.layouts if n <= positions]
+        return self.layouts[max(fitting) if fitting else min(self.layouts)]
+
+    @property
+    def needs(self) -> set[str]:
+        """The layouts some forward uses: the weights that must be kept."""
+        return set(self.layouts.values()) or {PLAIN}
+
+    def summary(self) -> str:
+        """One log line: the choice and what it was chosen from."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def interpolate(costs: dict[int, float], positions: int) -> float:
+    """Cost at `positions` from measured sizes: linear between neighbours, flat beyond the ends."""
+    sizes = sorted(costs)
+    if positions <= sizes[0]:
+        return costs[sizes[0]]
+    if positions >= sizes[-1]:
+        return costs[sizes[-1]]
+    upper = next(n for n in sizes if n >= positions)
+    lower = max(n for n in sizes if n <= positions)
+    if upper == lower:
+        return costs[lower]
+    share = (positions - lower) / (upper - lower)
+    return costs[lower] + share * (costs[upper] - costs[lower])
+
+
+def best_layouts(by_layout: dict[str, dict[int, float]], positions: Iterable[int]) -> dict[int, str]:
+    """For each position count, the layout with the lower (interpolated) cost; ties go to plain."""
+    return {
+        n: min(sorted(by_layout), key=lambda layout: (interpolate(by_layout[layout], n), layout != PLAIN))
+        for n in positions
+    }
+
+
+def expected_cost(by_layout: dict[str, dict[int, float]], layouts: dict[int, str], weights: dict[int, float]) -> float:
+    """Weighted cost of a round mix when each position count uses its chosen layout."""
+    return sum(weight * interpolate(by_layout[layouts[n]], n) for n, weight in weights.items())
+
+
+def choose_runtime(costs: Costs, device: str = "cpu", weights: dict[int, float] = POSITION_WEIGHTS) -> RuntimeChoice:
+    """The thread count and per-size layouts that minimise the weighted forward cost.
+
+    Fewer threads win unless more are `THREAD_TOLERANCE` faster (they are then free for the rest of
+    the stack). A layout that wins at no position count is dropped, so its weights need not be kept."""
+    candidates = {}
+    for threads, by_layout in costs.items():
+        layouts = best_layouts(by_layout, sorted(set(weights) | set(MEASURED_POSITIONS)))
+        candidates[threads] = (expected_cost(by_layout, layouts, weights), layouts)
+    threads = fewest_threads({t: cost for t, (cost, _) in candidates.items()})
+    layouts = compress(candidates[threads][1])
+    table = {t: {layout: {n: round(s * 1000, 2) for n, s in sizes.items()} for layout, sizes in by_layout.items()} for t, by_layout in costs.items()}
+    return RuntimeChoice(device=device, threads=threads, layouts=layouts, costs_ms=table)
+
+
+def compress(layouts: dict[int, str]) -> dict[int, str]:
+    """Keep only the sizes where the layout changes ({1: plain, 2: prepacked, 4: prepacked} → {1: plain, 2: prepacked})."""
+    kept, previous = {}, None
+    for n in sorted(layouts):
+        if layouts[n] != previous:
+            kept[n] = previous = layouts[n]
+    return kept
+
+
+def thread_candidates(cores: int) -> list[int]:
+    """1, then every power of two below the core count, then all cores."""
+    counts = {1, cores}
+    n = 2
+    while n < cores:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def threads_to_try(threads: int, max_threads: int = 0) -> list[int]:
+    """[threads] when fixed (> 0), else the candidates up to `max_threads` (0 = torch's default,
+    all cores)."""
+    import torch
+
+    if threads > 0:
+        return [threads]
+    cores = torch.get_num_threads()
+    return thread_candidates(min(cores, max_threads) if max_threads > 0 else cores)
+
+
+def measure_interleaved(runs: dict, repeats: int = 5, threads_of: Callable = lambda key: key[0]) -> dict:
+    """Median seconds of each `runs[key]()`, with torch set to `threads_of(key)` threads.
+
+    The rounds are interleaved (each round times every run once, after one untimed warm-up round),
+    so a burst of load from a neighbour on a shared machine spreads over all candidates instead of
+    condemning one. torch.set_num_threads is process-wide; the caller sets its choice afterwards."""
+    import torch
+
+    samples: dict = {key: [] for key in runs}
+    for round_index in range(repeats + 1):
+        for key, run in runs.items():
+            torch.set_num_threads(threads_of(key))
+            started = time.perf_counter()
+            run()
+            if round_index:  # round 0 warms every shape up
+                samples[key].append(time.perf_counter() - started)
+    return {key: statistics.median(times) for key, times in samples.items()}
+
+
+def fewest_threads(cost_by_threads: dict[int, float], tolerance: float = THREAD_TOLERANCE) -> int:
+    """The smallest thread count whose cost is within `tolerance` of the cheapest."""
+    fastest = min(cost_by_threads.values())
+    return min(t for t, cost in cost_by_threads.items() if cost <= fastest * (1 + tolerance))
+
+
+def measure_forward_costs(
+    timed_forward: Callable[[int, str], Callable[[], None]],
+    threads: Sequence[int],
+    layouts: Sequence[str] = LAYOUTS,
+    positions: Sequence[int] = MEASURED_POSITIONS,
+    repeats: int = 5,
+) -> Costs:
+    """Median seconds of `timed_forward(positions, layout)()` for every thread count, layout and size."""
+    runs = {(t, layout, n): timed_forward(n, layout) for t in threads for layout in layouts for n in positions}
+    costs: Costs = {}
+    for (count, layout, n), seconds in measure_interleaved(runs, repeats).items():
+        costs.setdefault(count, {}).setdefault(layout, {})[n] = seconds
+    return costs

@@ -1,0 +1,96 @@
+"""The start-up runtime choice (specd_common/autotune.py) on fake timings, and on a real tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd_common.autotune import (
+    PLAIN, PREPACKED, RuntimeChoice, choose_runtime, compress, fewest_threads, interpolate, thread_candidates,
+)
+
+MS = 1e-3
+
+
+def costs(plain: dict, prepacked: dict) -> dict:
+    return {PLAIN: {n: v * MS for n, v in plain.items()}, PREPACKED: {n: v * MS for n, v in prepacked.items()}}
+
+
+# Shapes measured on real machines (ms per forward over n new positions, 2 threads): on the AMD EPYC
+# prepacking wins from 2 positions up; on the Intel Xeon it loses everywhere.
+AMD = costs({1: 57, 2: 102, 3: 118, 4: 100, 5: 85, 8: 102}, {1: 74, 2: 75, 3: 73, 4: 83, 5: 77, 8: 91})
+INTEL = costs({1: 31, 2: 34, 4: 50, 8: 62}, {1: 57, 2: 68, 4: 73, 8: 80})
+
+
+def test_each_size_gets_the_layout_measured_faster():
+    choice = choose_runtime({2: AMD})
+    assert choice.layouts == {1: PLAIN, 2: PREPACKED}
+    assert [choice.layout_for(n) for n in (1, 2, 3, 4, 5, 8, 64)] == [PLAIN] + [PREPACKED] * 6
+    assert choice.needs == {PLAIN, PREPACKED}
+
+
+def test_a_layout_that_never_wins_is_dropped():
+    choice = choose_runtime({2: INTEL})
+    assert choice.layouts == {1: PLAIN} and choice.needs == {PLAIN}
+    assert choice.layout_for(5) == PLAIN
+
+
+def test_more_threads_must_be_clearly_faster():
+    memory_bound = {1: INTEL, 2: {layout: {n: s * 0.93 for n, s in sizes.items()} for layout, sizes in INTEL.items()}}
+    assert choose_runtime(memory_bound).threads == 1  # 7% faster is not worth a core
+    compute_bound = {1: INTEL, 2: {layout: {n: s * 0.6 for n, s in sizes.items()} for layout, sizes in INTEL.items()}}
+    assert choose_runtime(compute_bound).threads == 2
+
+
+def test_the_choice_records_what_chose_it():
+    choice = choose_runtime({1: INTEL, 2: AMD})
+    record = json.loads(choice.summary())
+    assert record["source"] == "measured" and record["threads"] in (1, 2)
+    assert record["costs_ms"]["2"][PREPACKED]["4"] == 83.0
+
+
+def test_fewest_threads_within_the_tolerance():
+    assert fewest_threads({1: 1.0, 2: 0.95, 4: 0.5}) == 4
+    assert fewest_threads({1: 1.0, 2: 0.95}) == 1
+    assert fewest_threads({1: 1.0, 2: 1.2}) == 1
+
+
+def test_interpolation_and_helpers():
+    assert interpolate({1: 10.0, 4: 40.0}, 2) == pytest.approx(20.0)
+    assert interpolate({1: 10.0, 4: 40.0}, 9) == 40.0 and interpolate({2: 5.0}, 1) == 5.0
+    assert compress({1: PLAIN, 2: PREPACKED, 3: PREPACKED, 8: PLAIN}) == {1: PLAIN, 2: PREPACKED, 8: PLAIN}
+    assert thread_candidates(1) == [1] and thread_candidates(2) == [1, 2] and thread_candidates(16) == [1, 2, 4, 8, 16]
+    assert RuntimeChoice("cuda", 0).layout_for(4) == PLAIN
+
+
+def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    from specd_common.lm import CausalLM
+    from specd_common.models import load_causal_lm
+    from tests.tiny_models import build_model
+
+    loaded = load_causal_lm(str(build_model(tmp_path / "m", seed=0)))
+    reference = CausalLM(load_causal_lm(str(build_model(tmp_path / "m", seed=0))))
+    prompt, drafts = [5, 6, 7, 8], [9, 10, 11]
+    expected = reference.forward(reference.new_session(prompt), drafts)
+    threads = torch.get_num_threads()
+    lm = CausalLM(loaded, layouts={PLAIN, PREPACKED})
+    choice = lm.tune(repeats=1)
+    try:
+        assert choice.source == "measured" and choice.threads in thread_candidates(threads)
+        assert torch.get_num_threads() == choice.threads
+        assert set(choice.costs_ms) == set(thread_candidates(threads))
+        assert lm.layouts == choice.needs
+        got = lm.forward(lm.new_session(prompt), drafts)
+        assert torch.allclose(got, expected, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_thread_caps_of_the_stack_and_the_candidates_within_them():
+    from specd_app.cli import stack_thread_caps
+    from specd_common.autotune import threads_to_try
+
+    assert stack_thread_caps(1) == {"verify": 1, "draft": 1} and stack_thread_caps(16)["verify"] == 15
+    assert threads_to_try(3) == [3] and threads_to_try(0, max_threads=1) == [1]

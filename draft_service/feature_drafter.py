@@ -24,7 +24,7 @@ from draft_service.feature_head import FeatureHead, HeadCache
 from draft_service.ngram import prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
-from specd_common.errors import FailedPrecondition
+from specd_common.errors import FailedPrecondition, InvalidArgument
 from specd_common.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
@@ -84,7 +84,12 @@ class FeatureDrafter:
         rows = decode_features(message, self.head.config.hidden_size)  # [n, H]
         if not len(rows):
             return
-        held = session.held
+        held, length = session.held, len(session.sequence.tokens)
+        if message.start_position + len(rows) > length:  # a session holds one row per position at most
+            raise InvalidArgument(
+                f"target_features cover positions {message.start_position}..{message.start_position + len(rows) - 1} but the "
+                f"session has {length} tokens; send features only for positions of the committed sequence"
+            )
         if message.start_position > held:
             raise FailedPrecondition(
                 f"target_features start at position {message.start_position} but the session holds features only up to "

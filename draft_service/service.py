@@ -36,11 +36,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Prefill(self, request: draft_pb2.DraftPrefillRequest, context: grpc.ServicerContext):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         self._check_ids(request.prompt_token_ids, "prompt_token_ids")
+        limit = self.drafter.info().max_sequence_length  # 0: a model-free drafter has none
+        require(
+            not limit or len(request.prompt_token_ids) < limit,
+            f"prompt has {len(request.prompt_token_ids)} tokens; this drafter's model takes at most {limit - 1}",
+        )
         warp = Warp.from_proto(request.sampling)
-        session = self.drafter.open(list(request.prompt_token_ids), warp)
-        if self.reads_features:
-            self.drafter.add_features(session, request.target_features)
-        self.sessions.create(request.session_id, session)
+        with self.sessions.opening(request.session_id) as keep:  # id and slot claimed before any drafting work
+            session = self.drafter.open(list(request.prompt_token_ids), warp)
+            if self.reads_features:
+                self.drafter.add_features(session, request.target_features)
+            keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return draft_pb2.DraftPrefillResponse(sequence_length=len(session.sequence.tokens))
 

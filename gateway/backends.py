@@ -15,6 +15,8 @@ from typing import Generic, Optional, Sequence, TypeVar
 
 import grpc
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from gateway.adaptive import StepCosts
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
@@ -31,6 +33,8 @@ class Pool(Generic[Stub]):
 
     addresses: list[str]
     stubs: list[Stub]
+    health: list = field(default_factory=list)  # grpc.health.v1 stubs, one per replica (empty: not probed)
+    failed: set = field(default_factory=set)  # replicas that failed a call and have not answered a health check since
     _turn: itertools.count = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -46,6 +50,24 @@ class Pool(Generic[Stub]):
             if index not in exclude:
                 return index
         return None
+
+    def usable(self, index: int, probe_timeout_s: float) -> bool:
+        """May replica `index` be called? Yes unless it failed a call before (mark_failed) and does not
+        now answer its health check as SERVING within probe_timeout_s: a frozen or overloaded process
+        is then skipped at the cost of a short probe, not of another full call timeout."""
+        if index not in self.failed or index >= len(self.health):
+            return True
+        try:
+            serving = self.health[index].Check(health_pb2.HealthCheckRequest(), timeout=probe_timeout_s).status
+        except grpc.RpcError:
+            return False
+        if serving != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        self.failed.discard(index)
+        return True
+
+    def mark_failed(self, index: int) -> None:
+        self.failed.add(index)
 
 
 @dataclass
@@ -68,7 +90,11 @@ class Backends:
     ) -> "Backends":
         """Ask every replica who it is (waiting up to timeout_s); refuse mismatched vocabularies."""
         verify = Pool(list(verify_channels), [verify_pb2_grpc.VerifyServiceStub(c) for c in verify_channels.values()])
-        draft = Pool(list(draft_channels), [draft_pb2_grpc.DraftServiceStub(c) for c in draft_channels.values()])
+        draft = Pool(
+            list(draft_channels),
+            [draft_pb2_grpc.DraftServiceStub(c) for c in draft_channels.values()],
+            [health_pb2_grpc.HealthStub(c) for c in draft_channels.values()],
+        )
         if not len(verify):
             raise FailedPrecondition("the gateway needs at least one verify service address")
         target_infos = _model_infos(verify, timeout_s)

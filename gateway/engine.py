@@ -38,6 +38,7 @@ DEFAULT_RPC_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 5.0
 DRAFT_BACKOFF_S = 1.0
 DRAFT_MAX_BACKOFF_S = 30.0
+DRAFT_PROBE_S = 0.2  # longest a health check of a draft that failed before may take
 PROBE_EVERY_ROUNDS = 8  # adaptive k: after this many rounds without drafts, draft one token to re-measure
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
@@ -276,18 +277,27 @@ class Generation:
         raise self._interrupted("no verify replica is available")
 
     def _open_draft(self) -> None:
-        """(Re)open a draft session; on failure speculation pauses and is retried after a back-off."""
+        """(Re)open a draft session; on failure speculation pauses and is retried after a back-off.
+        A draft that failed a call before (in any request) is first asked for its health (DRAFT_PROBE_S
+        at most): one that is frozen or still overloaded stays skipped without stalling the stream for
+        another draft timeout."""
         pool = self.backends.draft
         index = pool.pick()
+        if not pool.usable(index, min(DRAFT_PROBE_S, self._draft_timeout())):
+            self._draft_down(index, "failed before and gives no SERVING answer to a health check", mark=False)
+            return
         try:
             extra = {"target_features": self._unsent_features(0)} if self._features is not None else {}
             self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, index, self._draft_timeout(), **extra)
             self._draft_backoff_s = DRAFT_BACKOFF_S
         except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer
-            self._draft_down(pool.addresses[index], error)
+            self._draft_down(index, str(error.code()))
 
-    def _draft_down(self, address: str, error: grpc.RpcError) -> None:
-        log.warning("draft %s failed (%s); target-only rounds for %.1f s", address, error.code(), self._draft_backoff_s)
+    def _draft_down(self, index: int, reason: str, mark: bool = True) -> None:
+        log.warning("draft %s failed (%s); target-only rounds for %.1f s", self.backends.draft.addresses[index], reason,
+                    self._draft_backoff_s)
+        if mark:
+            self.backends.draft.mark_failed(index)
         self._draft.index = None
         self._lookahead = ([], [])
         self._draft_retry_at = time.monotonic() + self._draft_backoff_s
@@ -342,7 +352,7 @@ class Generation:
         try:
             proposal = stub.Propose(request, timeout=self._draft_timeout())
         except grpc.RpcError as error:
-            self._draft_down(self.backends.draft.addresses[self._draft.index], error)
+            self._draft_down(self._draft.index, str(error.code()))
             return [], []
         self._draft.sync.agreed = len(self.sequence)
         self._draft.features_sent = len(self.sequence) - 1
@@ -374,7 +384,7 @@ class Generation:
         try:
             reply = call.result()
         except grpc.RpcError as error:
-            self._draft_down(self.backends.draft.addresses[self._draft.index], error)
+            self._draft_down(self._draft.index, str(error.code()))
             return
         self._account(request, reply, draft=True)
         self.stats.lookahead_rounds += 1

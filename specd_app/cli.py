@@ -211,10 +211,11 @@ def run_up(args: argparse.Namespace) -> int:
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     if args.drafter in ("model", "feature") and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
+    from specd_app.supervise import Child, Supervisor
+
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port}
-    children = spawn_services(
-        args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens
-    )
+    commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens)
+    children = start_in_order(commands, args.host, ports)
     gateway_address = f"{args.host}:{args.gateway_port}"
     stop = {"requested": False}
 
@@ -234,11 +235,14 @@ def run_up(args: argparse.Namespace) -> int:
             run_generate(build_parser().parse_args(demo))
             if args.exit_after_demo:
                 return 0
-        log.info("serving until Ctrl-C")
-        while not stop["requested"] and all(child.poll() is None for child in children.values()):
+        log.info("serving until Ctrl-C; a service that exits is restarted")
+        started = time.monotonic()
+        supervisor = Supervisor({name: Child(name, commands[name], children[name], started) for name in children})
+        while not stop["requested"]:
+            supervisor.step()
+            children.update({name: child.process for name, child in supervisor.children.items()})
             time.sleep(0.2)
-        failed = [name for name, child in children.items() if child.poll() not in (None, 0)]
-        return 1 if failed else 0
+        return 0
     finally:
         for child in children.values():
             if child.poll() is None:
@@ -253,20 +257,31 @@ def run_up(args: argparse.Namespace) -> int:
 def spawn_services(
     host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
 ) -> dict:
-    """verify, draft and gateway as child processes (`specd serve ...`); returns name → Popen.
+    """verify, draft and gateway as child processes (`specd serve ...`), started in order; name → Popen."""
+    commands = service_commands(host, ports, target, drafter, draft_model, threads, num_draft_tokens)
+    return start_in_order(commands, host, ports)
 
-    One after another: each model service measures its own forward passes at start-up to choose
-    its runtime (specd_common/autotune.py), and two services measuring at once on shared cores would
-    each time the other's load. The draft starts once the verify serves, the gateway once the draft does."""
+
+def service_commands(
+    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
+) -> dict:
+    """The `specd serve ...` command line of each service of a one-machine stack, in start order."""
     serve = [sys.executable, "-m", "specd_app.cli", "serve"]
     common = ["--host", host, "--threads", str(threads)]
     caps = stack_thread_caps(os.cpu_count() or 1)
-    commands = {
+    return {
         "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
         "draft": serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]), "--drafter", drafter,
                           "--model", draft_model, "--target", target],
         "gateway": gateway_command(host, ports, num_draft_tokens),
     }
+
+
+def start_in_order(commands: dict, host: str, ports: dict) -> dict:
+    """Start the services one after another: each model service measures its own forward passes at
+    start-up to choose its runtime (specd_common/autotune.py), and two services measuring at once on
+    shared cores would each time the other's load. The draft starts once the verify serves, the
+    gateway once the draft does. Returns name → Popen (fewer if one died while starting)."""
     children: dict = {}
     for name, command in commands.items():
         children[name] = subprocess.Popen(command)
@@ -308,7 +323,8 @@ def wait_until_serving(address: str, children: dict, stop: dict, timeout_s: floa
         while time.monotonic() < deadline and not stop["requested"]:
             dead = [name for name, child in children.items() if child.poll() is not None]
             if dead:
-                log.error("%s exited before the gateway was ready", ", ".join(dead))
+                log.error("%s exited (code %s) before %s was ready", ", ".join(dead),
+                          ", ".join(str(children[name].returncode) for name in dead), address)
                 return False
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -414,6 +430,8 @@ def start_local_stack(
         )
     for gateway in filter(None, (address, overlap_address)):
         if not wait_until_serving(gateway, children, {"requested": False}):
+            for child in children.values():  # leave nothing running behind
+                child.kill()
             raise SystemExit("the local stack did not start; see the log above")
     return address, overlap_address, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
 

@@ -46,7 +46,17 @@ class SessionStore(Generic[State]):
 
     def create(self, session_id: str, state: State) -> None:
         """Add a session; ALREADY_EXISTS for a live id, RESOURCE_EXHAUSTED when the store is full."""
+        with self.opening(session_id) as keep:
+            keep(state)
+
+    @contextlib.contextmanager
+    def opening(self, session_id: str) -> Iterator[Callable[[State], None]]:
+        """Claim the id and a slot before the costly part of opening a session (a prefill forward):
+        ALREADY_EXISTS / RESOURCE_EXHAUSTED come at once, not after the work. The block calls the
+        yielded function with the new state; if it raises instead, the claim is dropped. Until then
+        the entry is held, so a request for the same id waits and the reaper skips it."""
         validate_session_id(session_id)
+        entry: _Entry = _Entry(None, last_used=self._clock())
         with self._lock:
             if session_id in self._entries:
                 raise AlreadyExists(f"session {session_id!r} already exists; use a new id or release it first")
@@ -54,7 +64,23 @@ class SessionStore(Generic[State]):
                 raise ResourceExhausted(
                     f"{len(self._entries)} sessions are open (the limit); retry later or release finished sessions"
                 )
-            self._entries[session_id] = _Entry(state, last_used=self._clock())
+            entry.lock.acquire()
+            self._entries[session_id] = entry
+        filled = False
+
+        def keep(state: State) -> None:
+            nonlocal filled
+            entry.state, filled = state, True
+
+        try:
+            yield keep
+        finally:
+            if not filled:
+                with self._lock:
+                    if self._entries.get(session_id) is entry:
+                        del self._entries[session_id]
+            entry.last_used = self._clock()
+            entry.lock.release()
 
     @contextlib.contextmanager
     def use(self, session_id: str) -> Iterator[State]:
@@ -65,6 +91,8 @@ class SessionStore(Generic[State]):
         if entry is None:
             raise NotFound(f"session {session_id!r} not found (never opened, released, or expired after idling)")
         with entry.lock:
+            if entry.state is None:  # its opening failed while this request waited
+                raise NotFound(f"session {session_id!r} not found (its Prefill failed)")
             entry.last_used = self._clock()
             yield entry.state
             entry.last_used = self._clock()
@@ -78,7 +106,7 @@ class SessionStore(Generic[State]):
     def snapshot(self) -> list[State]:
         """The open sessions' states, for metrics (read them, do not mutate them)."""
         with self._lock:
-            return [entry.state for entry in self._entries.values()]
+            return [entry.state for entry in self._entries.values() if entry.state is not None]  # not half-open ones
 
     def expire_idle(self) -> list[str]:
         """Drop sessions idle longer than the timeout and not in use; return their ids."""

@@ -11,7 +11,11 @@ from specd_common.params import Warp
 
 def warp_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     """logits [n, V] → probabilities [n, V] float32 after temperature, then top-k, then top-p."""
-    scores = logits.float() / warp.temperature  # [n, V]
+    logits = logits.float()
+    # Shifted so the best score is 0 first (softmax, top-k and top-p are shift-invariant): then a tiny
+    # temperature sends every other score to -inf instead of overflowing the best to inf (inf - inf =
+    # NaN), and the result tends to greedy, its limit, down to any temperature > 0.
+    scores = (logits - logits.max(dim=-1, keepdim=True).values) / warp.temperature  # [n, V]
     if 0 < warp.top_k < scores.shape[-1]:
         kth_best = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]  # [n, 1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))

@@ -86,6 +86,7 @@ class Stack:
 
     host: str
     ports: dict  # service name -> port
+    pid: int = 0  # the `specd up` process
 
     def address(self, service: str) -> str:
         return f"{self.host}:{self.ports[service]}"
@@ -101,12 +102,13 @@ def _serving(address: str) -> bool:
 
 
 @contextlib.contextmanager
-def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0) -> Iterator[Stack]:
-    """`specd up` with a tiny target and the n-gram drafter on free ports; stopped with SIGTERM after."""
+def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0, drafter: tuple = ("--drafter", "ngram")) -> Iterator[Stack]:
+    """`specd up` with a tiny target and (by default) the n-gram drafter on free ports; stopped with SIGTERM after.
+    The Stack's `pid` is the `specd up` process."""
     gateway, draft, verify = free_ports(3)
     command = [
         sys.executable, "-m", "specd_app.cli", "up",
-        "--target", str(model_dir), "--drafter", "ngram", "--threads", "1",
+        "--target", str(model_dir), *drafter, "--threads", "1",
         "--gateway-port", str(gateway), "--draft-port", str(draft), "--verify-port", str(verify),
     ]
     stack = Stack("127.0.0.1", {"gateway": gateway, "draft": draft, "verify": verify})
@@ -114,6 +116,7 @@ def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0) -> Itera
         process = subprocess.Popen(
             command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        stack.pid = process.pid
         try:
             deadline = time.monotonic() + timeout_s
             while not all(_serving(stack.address(name)) for name in SERVICES):

@@ -31,8 +31,9 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
-        session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features)
-        self.sessions.create(request.session_id, session)
+        with self.sessions.opening(request.session_id) as keep:  # id and slot claimed before the forward
+            session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features)
+            keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return verify_pb2.VerifyPrefillResponse(
             sequence_length=len(session.sequence.tokens), features=self.scorer.last_features(session)

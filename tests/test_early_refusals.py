@@ -1,0 +1,121 @@
+"""Model services check what they can before doing work, and refuse clearly (issue 15, items 2–5)."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specd_common.errors import AlreadyExists, ResourceExhausted
+from specd_common.features import encode_features
+from specd_common.params import Warp
+from specd_common.sessions import SessionStore
+from specd_common.warping import warp_probs
+from tests.conftest import start_cluster
+from tests.test_services import generate
+
+
+# --- the store claims a slot before the work ------------------------------------------------------
+def test_opening_claims_the_id_and_slot_before_the_work_and_frees_them_if_it_fails():
+    store: SessionStore[str] = SessionStore(max_sessions=2, idle_timeout_s=60)
+    store.create("a", "state-a")
+    ran = []
+    with pytest.raises(AlreadyExists):
+        with store.opening("a"):
+            ran.append("duplicate")
+    with pytest.raises(RuntimeError):
+        with store.opening("b"):
+            raise RuntimeError("the prefill failed")
+    assert len(store) == 1  # the failed opening left no slot behind
+    with store.opening("b") as keep:
+        with pytest.raises(ResourceExhausted):  # "b" holds the last slot while it opens
+            with store.opening("c"):
+                ran.append("over the limit")
+        keep("state-b")
+    assert not ran
+    with store.use("b") as state:
+        assert state == "state-b"
+
+
+def test_a_request_for_a_session_that_is_opening_waits_for_it():
+    store: SessionStore[str] = SessionStore(max_sessions=4, idle_timeout_s=60)
+    seen = []
+    with store.opening("s") as keep:
+        reader = threading.Thread(target=lambda: seen.append(store.use("s").__enter__()))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive()  # blocked on the half-open session
+        keep("ready")
+    reader.join(5)
+    assert seen == ["ready"]
+    assert store.snapshot() == ["ready"]
+
+
+# --- the services --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def feature_cluster(tiny):
+    running = start_cluster(tiny.target, "feature", tiny.feature_head, max_sessions=2)
+    yield running
+    running.stop()
+
+
+def test_verify_refuses_a_duplicate_or_an_extra_session_without_running_the_target(feature_cluster, monkeypatch):
+    stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.verify.port}"))
+    lm = feature_cluster.verify.servicer.scorer.lm
+    stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="one", prompt_token_ids=[5, 6, 7]), timeout=30)
+    stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="two", prompt_token_ids=[5, 6, 7]), timeout=30)
+    forwards = []
+    monkeypatch.setattr(lm, "_run", lambda *args: forwards.append(args))
+    try:
+        for session_id, code in (("one", grpc.StatusCode.ALREADY_EXISTS), ("three", grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id=session_id, prompt_token_ids=list(range(5, 60))), timeout=30)
+            assert error.value.code() == code
+        assert forwards == []  # refused before any forward pass
+    finally:
+        for session_id in ("one", "two"):
+            stub.Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=10)
+
+
+def test_draft_refuses_a_prompt_longer_than_its_model_takes(feature_cluster):
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.draft.port}"))
+    limit = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).max_sequence_length
+    assert limit > 0
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="long", prompt_token_ids=[5] * limit), timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(limit - 1) in error.value.details()
+    assert len(feature_cluster.draft.servicer.sessions) == 0
+
+
+def test_draft_refuses_more_feature_rows_than_the_sequence_has(feature_cluster):
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.draft.port}"))
+    hidden = feature_cluster.draft.servicer.drafter.head.config.hidden_size
+    prompt = [5, 6, 7, 8]
+    stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="f", prompt_token_ids=prompt,
+                                               target_features=encode_features(torch.zeros(3, hidden), 0)), timeout=30)
+    try:
+        with pytest.raises(grpc.RpcError) as error:  # 3,400 rows for a 4-token session
+            stub.Propose(draft_pb2.ProposeRequest(session_id="f", commit=common_pb2.Commit(prefix_length=4), num_draft_tokens=2,
+                                                  target_features=encode_features(torch.zeros(3400, hidden), 0)), timeout=30)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4 tokens" in error.value.details()
+    finally:
+        stub.Release(common_pb2.ReleaseRequest(session_id="f"), timeout=10)
+
+
+# --- tiny temperatures: computed stably, their limit is greedy --------------------------------------
+def test_a_tiny_temperature_warps_to_the_argmax_without_nan():
+    logits = torch.tensor([[3.0, 9.5, -2.0, 9.25], [40.0, -1e4, 39.0, 0.0]])
+    for temperature in (1e-38, 1e-20, 1e-6):
+        probs = warp_probs(logits, Warp(temperature=temperature, top_p=0.9))
+        assert not torch.isnan(probs).any()
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(dim=-1), 4).float())
+
+
+def test_a_tiny_temperature_through_the_gateway_gives_the_greedy_answer(feature_cluster):
+    stub = feature_cluster.stub()
+    greedy = generate(stub, text="hello world", max_new_tokens=12)
+    cold = generate(stub, text="hello world", max_new_tokens=12, seed=3, sampling=common_pb2.SamplingParams(temperature=1e-38))
+    assert cold.token_ids == greedy.token_ids and cold.finish_reason == greedy.finish_reason

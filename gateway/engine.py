@@ -232,8 +232,11 @@ class Generation:
 
     # --- sessions ------------------------------------------------------------------------------
     def _open_sessions(self) -> None:
+        """The verify session now; the draft's only while speculation is allowed (under load it is
+        not, and a draft session would cost a prefill that no round uses; it opens in the first round
+        that may draft, with every committed token and feature)."""
         self._open_verify()
-        if self.speculate:
+        if self.speculate and self._speculation_allowed():
             self._open_draft()
 
     def _timeout(self) -> float:
@@ -324,10 +327,12 @@ class Generation:
         """k for this round: 0 without a live draft; never more drafts than tokens left (the last is the bonus)."""
         if not self.speculate:
             return 0
+        if not self._speculation_allowed():
+            return 0  # the server is busy enough that drafts would cost throughput
         if not self._draft.open and time.monotonic() >= self._draft_retry_at:
             self._open_draft()
-        if not self._draft.open or not self._speculation_allowed():
-            return 0  # no draft, or the server is busy enough that drafts would cost throughput
+        if not self._draft.open:
+            return 0  # no draft (down, or backing off)
         left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
         cap = max(0, min(self.spec.num_draft_tokens, left - 1))
         if not self.spec.adaptive:

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(verify, DEFAULT_TARGET)
     add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), off (plain)",
              choices=["auto", "on", "off"])
+    add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
+             "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     verify.set_defaults(func=serve_verify)
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
@@ -165,7 +167,7 @@ def serve_verify(args: argparse.Namespace) -> None:
     loaded = load_causal_lm(args.model, args.device, args.dtype)
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
-        max_threads=args.max_threads,
+        max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
     )
     wait_for_termination(running, args.grace)
 

@@ -51,6 +51,7 @@ class RuntimeChoice:
     layouts: dict[int, str] = field(default_factory=dict)  # positions → layout (beyond the last key: the last one)
     costs_ms: dict = field(default_factory=dict)  # the measured table, ms, for the record
     source: str = "measured"  # measured | flags | default
+    kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
@@ -180,3 +181,38 @@ def measure_forward_costs(
     for (count, layout, n), seconds in measure_interleaved(runs, repeats).items():
         costs.setdefault(count, {}).setdefault(layout, {})[n] = seconds
     return costs
+
+
+KV_MEMORY_SHARE = 0.5  # of the memory free after loading the model, what the KV caches may use
+
+
+def kv_bytes_per_token(config, element_size: int) -> int:
+    """Bytes one cached position costs: keys and values of every layer's KV heads."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * element_size
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory free now on the device the caches live on (0 if unknown): CUDA's free memory, or the
+    host's MemAvailable."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def kv_token_budget(bytes_per_token: int, available_bytes: int, share: float = KV_MEMORY_SHARE) -> int:
+    """How many positions the sessions of a service may hold in all: `share` of the free memory over
+    the per-position cost (0 = no budget, when the free memory is unknown)."""
+    if available_bytes <= 0 or bytes_per_token <= 0:
+        return 0
+    return max(1, int(available_bytes * share) // bytes_per_token)

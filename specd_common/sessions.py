@@ -27,13 +27,17 @@ class _Entry(Generic[State]):
     state: State
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    tokens: int = 0  # positions this session holds (counted against the token budget)
 
 
 class SessionStore(Generic[State]):
-    """session id → state, at most `max_sessions`, expiring after `idle_timeout_s` without use."""
+    """session id → state, at most `max_sessions`, expiring after `idle_timeout_s` without use, and
+    holding at most `max_tokens` positions in all (0 = no token budget): memory is bounded by what
+    the sessions hold, not only by how many there are."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic, max_tokens: int = 0):
         self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._entries: dict[str, _Entry[State]] = {}
@@ -49,14 +53,42 @@ class SessionStore(Generic[State]):
         with self.opening(session_id) as keep:
             keep(state)
 
+    @property
+    def tokens(self) -> int:
+        """Positions held by all sessions (what the token budget counts)."""
+        with self._lock:
+            return sum(entry.tokens for entry in self._entries.values())
+
+    def _check_budget(self, more: int) -> None:
+        """RESOURCE_EXHAUSTED if `more` positions would pass the budget (caller holds self._lock)."""
+        if not self.max_tokens or more <= 0:
+            return
+        held = sum(entry.tokens for entry in self._entries.values())
+        if held + more > self.max_tokens:
+            raise ResourceExhausted(
+                f"the KV budget is full: sessions hold {held} of {self.max_tokens} tokens and this needs {more} more; "
+                "retry later, send a shorter prompt, or raise --kv-token-budget"
+            )
+
+    def account(self, session_id: str, tokens: int) -> None:
+        """Record that a session now holds `tokens` positions: RESOURCE_EXHAUSTED, before any work,
+        when growing to that many would pass the budget (call it inside `use`, before the forward)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise NotFound(f"session {session_id!r} not found (never opened, released, or expired after idling)")
+            self._check_budget(tokens - entry.tokens)
+            entry.tokens = tokens
+
     @contextlib.contextmanager
-    def opening(self, session_id: str) -> Iterator[Callable[[State], None]]:
+    def opening(self, session_id: str, tokens: int = 0) -> Iterator[Callable[[State], None]]:
         """Claim the id and a slot before the costly part of opening a session (a prefill forward):
         ALREADY_EXISTS / RESOURCE_EXHAUSTED come at once, not after the work. The block calls the
         yielded function with the new state; if it raises instead, the claim is dropped. Until then
-        the entry is held, so a request for the same id waits and the reaper skips it."""
+        the entry is held, so a request for the same id waits and the reaper skips it. `tokens`: the
+        positions it will hold, checked against the token budget now."""
         validate_session_id(session_id)
-        entry: _Entry = _Entry(None, last_used=self._clock())
+        entry: _Entry = _Entry(None, last_used=self._clock(), tokens=tokens)
         with self._lock:
             if session_id in self._entries:
                 raise AlreadyExists(f"session {session_id!r} already exists; use a new id or release it first")
@@ -64,6 +96,7 @@ class SessionStore(Generic[State]):
                 raise ResourceExhausted(
                     f"{len(self._entries)} sessions are open (the limit); retry later or release finished sessions"
                 )
+            self._check_budget(tokens)
             entry.lock.acquire()
             self._entries[session_id] = entry
         filled = False

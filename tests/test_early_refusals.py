@@ -119,3 +119,59 @@ def test_a_tiny_temperature_through_the_gateway_gives_the_greedy_answer(feature_
     greedy = generate(stub, text="hello world", max_new_tokens=12)
     cold = generate(stub, text="hello world", max_new_tokens=12, seed=3, sampling=common_pb2.SamplingParams(temperature=1e-38))
     assert cold.token_ids == greedy.token_ids and cold.finish_reason == greedy.finish_reason
+
+
+# --- admission by memory: a KV-token budget -------------------------------------------------------
+def test_the_token_budget_counts_what_sessions_hold_and_refuses_growth_past_it():
+    store: SessionStore[str] = SessionStore(max_sessions=8, idle_timeout_s=60, max_tokens=100)
+    store.create("a", "a")
+    store.account("a", 60)
+    with pytest.raises(ResourceExhausted, match="KV budget"):
+        with store.opening("b", tokens=50):
+            pass
+    with store.opening("b", tokens=40) as keep:
+        keep("b")
+    assert store.tokens == 100
+    with pytest.raises(ResourceExhausted):
+        store.account("b", 41)
+    store.account("a", 20)  # a rollback frees positions
+    store.account("b", 80)
+    store.release("a")
+    assert store.tokens == 80
+
+
+def test_the_default_budget_comes_from_free_memory_and_the_kv_bytes_per_position():
+    from types import SimpleNamespace
+
+    from specd_common.autotune import kv_bytes_per_token, kv_token_budget
+
+    smollm2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
+    assert kv_bytes_per_token(smollm2, 4) == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert kv_token_budget(46_080, 20 * 2**30) == 233_016  # half of 20 GiB
+    assert kv_token_budget(46_080, 0) == 0  # unknown free memory: no budget rather than a wrong one
+
+
+def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch):
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
+    running = start_verify_server(load_causal_lm(str(tiny.target)), ServerConfig(port=0), kv_token_budget=100)
+    stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
+    try:
+        assert '"kv_token_budget":100' in stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).runtime_config
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
+        forwards = []
+        run = running.servicer.scorer.lm._run
+        monkeypatch.setattr(running.servicer.scorer.lm, "_run", lambda *a, **k: forwards.append(a) or run(*a, **k))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="b", prompt_token_ids=list(range(5, 50))), timeout=30)  # 45
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-token-budget" in error.value.details()
+        stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=60), draft_token_ids=[7] * 30), timeout=30)
+        with pytest.raises(grpc.RpcError) as error:  # all 30 drafts kept + a bonus token + 32 drafts = 123 > 100
+            stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=90, append_token_ids=[7]),
+                                                 draft_token_ids=[7] * 32), timeout=30)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(forwards) == 1  # only the Verify that fitted ran the target
+    finally:
+        running.server.stop(0)

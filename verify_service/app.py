@@ -15,10 +15,13 @@ from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 
 def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
-    threads: int = 0, prepack: str = "auto", max_threads: int = 0,
+    threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0,
 ) -> RunningServer:
-    """threads / prepack: see Scorer (0 / auto: measured at start-up on this machine)."""
-    sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    """threads / prepack / kv_token_budget: see Scorer (0 / auto: measured or derived at start-up on this machine)."""
+    scorer = Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget)
+    sessions: SessionStore = SessionStore(
+        config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
+    )
     sessions.start_reaper()
-    servicer = VerifyServicer(Scorer(loaded, batching, threads, prepack, max_threads), sessions)
+    servicer = VerifyServicer(scorer, sessions)
     return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from specd.v1 import common_pb2
+from specd_common import autotune
 from specd_common.autotune import PLAIN, PREPACKED
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
@@ -46,19 +47,30 @@ class Scorer:
 
     On a CPU it first measures its own forward passes (CausalLM.tune): torch threads (unless
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
-    (auto: both, measured; on: prepacked; off: PyTorch's plain layout)."""
+    (auto: both, measured; on: prepacked; off: PyTorch's plain layout), then its KV-token budget."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
-                 max_threads: int = 0):
+                 max_threads: int = 0, kv_token_budget: int = 0):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
         self._info = describe_model(loaded)  # before tuning, which may drop the plain weights it reads
         self._info.hidden_size = loaded.model.config.hidden_size
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
         runtime = self.lm.tune(threads, max_threads)
+        runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
         log.info("verify runtime: %s", runtime.summary())
         self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         self._info.runtime_config = runtime.summary()
+
+    def kv_token_budget(self, requested: int) -> int:
+        """Positions all sessions may hold: `requested` when > 0, none when < 0, else derived from the
+        memory free after loading and the target's KV bytes per position (autotune.kv_token_budget)."""
+        if requested:
+            return max(requested, 0)
+        loaded = self.lm.loaded
+        element = next(loaded.model.parameters()).element_size()
+        per_token = autotune.kv_bytes_per_token(loaded.model.config, element)
+        return autotune.kv_token_budget(per_token, autotune.available_memory_bytes(str(loaded.device)))
 
     def info(self) -> common_pb2.GetModelInfoResponse:
         return self._info

@@ -31,7 +31,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
-        with self.sessions.opening(request.session_id) as keep:  # id and slot claimed before the forward
+        prompt_tokens = len(request.prompt_token_ids)
+        with self.sessions.opening(request.session_id, prompt_tokens) as keep:  # id, slot and KV budget claimed before the forward
             session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features)
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
@@ -50,6 +51,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
+            self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts)
             model_seconds = time.perf_counter() - started

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = serve.add_parser("verify", help="the target model")
     add_server_flags(verify, "verify")
     add_model_flags(verify, DEFAULT_TARGET)
-    add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), off (plain)",
-             choices=["auto", "on", "off"])
+    add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), "
+             "mkl (MKL-packed one-row GEMM), off (plain)", choices=["auto", "on", "mkl", "off"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     verify.set_defaults(func=serve_verify)

@@ -6,7 +6,8 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     the default target 63–72 ms on 1 thread, 78–83 ms on 2), and a thread left idle serves the other
     processes of the stack (gateway, draft, gRPC) instead of fighting them.
   * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
-    every call) or the weight prepacked once in oneDNN's layout (specd_common.lm.SwitchableLinear).
+    every call), the weight prepacked once in oneDNN's layout, or MKL's packed one-row GEMM
+    (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step).
     Which is faster depends on the CPU and on how many positions a pass scores: on one 2-core AMD
     EPYC prepacking made a 4-position verify pass 1.4x cheaper, on a 2-core Intel Xeon it was a
     40–80% slowdown (shared/notes/cpu-costs-intel.md). Both layouts are kept when each wins
@@ -27,8 +28,8 @@ from typing import Callable, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
-PLAIN, PREPACKED = "plain", "prepacked"
-LAYOUTS = (PLAIN, PREPACKED)
+PLAIN, PREPACKED, MKL = "plain", "prepacked", "mkl"
+LAYOUTS = (PLAIN, PREPACKED, MKL)
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts a round uses, and how much each matters: target-only and the one-token probe
 # (n = 1) dominate; speculative rounds score k + 1 = 2..5 positions.

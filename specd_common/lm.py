@@ -40,29 +40,50 @@ class LayoutSwitch:
         self.layout = layout
 
 
+def available_layouts() -> set[str]:
+    """The CPU weight layouts this torch build can run (plain always; prepacked with oneDNN; mkl
+    with MKL's packed GEMM)."""
+    layouts = {autotune.PLAIN}
+    if torch.backends.mkldnn.is_available():
+        layouts.add(autotune.PREPACKED)
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        layouts.add(autotune.MKL)
+    return layouts
+
+
 class SwitchableLinear(torch.nn.Module):
-    """y = x Wᵀ + b, with W kept in PyTorch's plain layout, in oneDNN's prepacked blocked layout
-    (reordered once, at load: what torch.utils.mkldnn.MkldnnLinear does, without its deprecated
-    TorchScript base), or both; `switch.layout` picks per forward. Input and output are ordinary dense
-    tensors [..., in] → [..., out]. Same math; the two layouts' float32 results differ only by
-    summation order (~1e-4 in the logits)."""
+    """y = x Wᵀ + b, with W kept in up to three layouts; `switch.layout` picks per forward:
+      plain      PyTorch's linear on the ordinary weight (repacks it on every call for several rows);
+      prepacked  oneDNN's blocked layout, reordered once at load (what torch.utils.mkldnn.MkldnnLinear
+                 does, without its deprecated TorchScript base);
+      mkl        MKL's packed GEMM for one row (a decoding step), packed once at load; other row counts
+                 run the plain path.
+    Input and output are ordinary dense tensors [..., in] → [..., out]. Same math; the layouts' float32
+    results differ only by summation order (~1e-4 in the logits)."""
 
     def __init__(self, linear: torch.nn.Linear, switch: LayoutSwitch, keep: set[str]):
         super().__init__()
         self.out_features = linear.out_features
         self.switch = switch
-        self.weight = linear.weight if autotune.PLAIN in keep else None  # [out, in], shared (tied embeddings stay tied)
-        self.bias = linear.bias if autotune.PLAIN in keep else None
+        dense = bool(keep & {autotune.PLAIN, autotune.MKL})  # MKL's op falls back to (and takes) the plain weight
+        self.weight = linear.weight if dense else None  # [out, in], shared (tied embeddings stay tied)
+        self.bias = linear.bias if dense else None
         packed = autotune.PREPACKED in keep
         self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn() if packed else None)
         self.register_buffer("packed_bias", linear.bias.detach().to_mkldnn() if packed and linear.bias is not None else None)
+        mkl = autotune.MKL in keep
+        self.register_buffer("mkl_weight", torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), 1) if mkl else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None or (self.switch.layout == autotune.PLAIN and self.weight is not None):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [N, in]
-        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()  # [N, out]
-        return y.reshape(*x.shape[:-1], self.out_features)
+        layout = self.switch.layout
+        if layout == autotune.MKL and self.mkl_weight is not None and x.numel() == x.shape[-1]:  # one row
+            y = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.mkl_weight, self.weight, self.bias, 1)  # [1, out]
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.packed_weight is not None and (layout == autotune.PREPACKED or self.weight is None):
+            rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [N, in]
+            y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()  # [N, out]
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: set[str]) -> int:
@@ -71,8 +92,9 @@ def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: 
     Why: PyTorch's default CPU linear repacks the weight on every call, which on some CPUs makes a
     pass over 2–5 positions (a verify round) cost nearly as much per row as one-row decoding, and on
     others is the faster choice (specd_common/autotune.py measures which). CPU float32 only; returns
-    how many layers were replaced (0 when oneDNN is missing or only the plain layout is kept)."""
-    if not torch.backends.mkldnn.is_available() or keep == {autotune.PLAIN}:
+    how many layers were replaced (0 when only the plain layout is kept or available)."""
+    keep = keep & available_layouts()
+    if keep <= {autotune.PLAIN}:
         return 0
     replaced = 0
     for parent in list(model.modules()):
@@ -94,7 +116,7 @@ class CausalLM:
         self.switch = LayoutSwitch()
         if loaded.device.type == "cpu":
             make_linears_switchable(loaded.model, self.switch, set(layouts))
-        self.layouts = set(layouts) if loaded.device.type == "cpu" else {autotune.PLAIN}
+        self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
         self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
@@ -136,10 +158,12 @@ class CausalLM:
         """Drop the weights of layouts no forward will use (frees their memory)."""
         for module in self.loaded.model.modules():
             if isinstance(module, SwitchableLinear):
-                if autotune.PLAIN not in layouts:
+                if not layouts & {autotune.PLAIN, autotune.MKL}:
                     module.weight = module.bias = None
                 if autotune.PREPACKED not in layouts:
                     module.packed_weight = module.packed_bias = None
+                if autotune.MKL not in layouts:
+                    module.mkl_weight = None
         self.layouts &= layouts
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:

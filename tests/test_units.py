@@ -298,25 +298,26 @@ def test_bench_report_computes_speedup_and_alpha():
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
 
 
-def test_switchable_linear_computes_what_linear_computes_in_either_layout():
+def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 
-    from specd_common.autotune import PLAIN, PREPACKED
-    from specd_common.lm import LayoutSwitch, SwitchableLinear, make_linears_switchable
+    from specd_common.autotune import MKL, PLAIN, PREPACKED
+    from specd_common.lm import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
-    x = torch.randn(2, 3, 16)  # [B, T, in]
+    batch, step = torch.randn(2, 3, 16), torch.randn(1, 1, 16)  # [B, T, in]: several rows, and one (a decoding step)
     switch = LayoutSwitch()
     with torch.inference_mode():
-        expected = model(x)
-        replaced = make_linears_switchable(model, switch, {PLAIN, PREPACKED})
-        if not torch.backends.mkldnn.is_available():
+        expected = [model(batch), model(step)]
+        replaced = make_linears_switchable(model, switch, {PLAIN, PREPACKED, MKL})
+        if available_layouts() == {PLAIN}:
             assert replaced == 0
             return
         assert replaced == 2 and isinstance(model[0], SwitchableLinear) and isinstance(model[2], SwitchableLinear)
-        for layout in (PLAIN, PREPACKED):
+        for layout in sorted(available_layouts()):
             switch.layout = layout
-            got = model(x)
-            assert got.shape == (2, 3, 8)
-            assert torch.allclose(got, expected, atol=1e-5), layout
+            for x, want in zip((batch, step), expected):
+                got = model(x)
+                assert got.shape == want.shape
+                assert torch.allclose(got, want, atol=1e-5), layout

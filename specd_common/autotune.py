@@ -10,8 +10,8 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step).
     Which is faster depends on the CPU and on how many positions a pass scores: on one 2-core AMD
     EPYC prepacking made a 4-position verify pass 1.4x cheaper, on a 2-core Intel Xeon it was a
-    40–80% slowdown (shared/notes/cpu-costs-intel.md). Both layouts are kept when each wins
-    somewhere, and every forward uses the one measured faster for its position count.
+    40–80% slowdown (shared/notes/cpu-costs-intel.md). Only the layouts that win at some position
+    count are kept, and every forward uses the one measured faster for its position count.
 
 The measuring is impure (`measure_forward_costs`); the choosing is a pure function of the timings
 (`choose_runtime`), so a test can prove it on fake timings.
@@ -20,13 +20,10 @@ The measuring is impure (`measure_forward_costs`); the choosing is a pure functi
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
-
-log = logging.getLogger(__name__)
 
 PLAIN, PREPACKED, MKL = "plain", "prepacked", "mkl"
 LAYOUTS = (PLAIN, PREPACKED, MKL)
@@ -144,8 +141,8 @@ def threads_to_try(threads: int, max_threads: int = 0) -> list[int]:
     return thread_candidates(min(cores, max_threads) if max_threads > 0 else cores)
 
 
-def measure_interleaved(runs: dict, repeats: int = 5, threads_of: Callable = lambda key: key[0]) -> dict:
-    """Median seconds of each `runs[key]()`, with torch set to `threads_of(key)` threads.
+def measure_interleaved(runs: dict, repeats: int = 5) -> dict:
+    """Median seconds of each `runs[key]()`, with torch set to `key[0]` threads.
 
     The rounds are interleaved (each round times every run once, after one untimed warm-up round),
     so a burst of load from a neighbour on a shared machine spreads over all candidates instead of
@@ -155,7 +152,7 @@ def measure_interleaved(runs: dict, repeats: int = 5, threads_of: Callable = lam
     samples: dict = {key: [] for key in runs}
     for round_index in range(repeats + 1):
         for key, run in runs.items():
-            torch.set_num_threads(threads_of(key))
+            torch.set_num_threads(key[0])
             started = time.perf_counter()
             run()
             if round_index:  # round 0 warms every shape up

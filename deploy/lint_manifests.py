@@ -2,7 +2,7 @@
 
 kubernetes-validate proves each object is well-formed; this proves the deployment means what the
 design says: draft and verify are separate GPU workloads behind headless Services, every specd
-container has gRPC health probes and resource requests and limits, only the gateway is reachable
+container has gRPC health probes (the plaintext gateway's readiness may be its HTTP GET /health) and resource requests and limits, only the gateway is reachable
 from outside the namespace, metrics are scrapeable, traces have an OTLP endpoint, and the drain
 timings fit together (SPECD_GRACE < terminationGracePeriodSeconds, liveness never fires while draining).
 Security: no pod uses the host's network or ports, the model Services are never exposed outside the
@@ -49,6 +49,12 @@ def selects(selector: dict, labels: dict) -> bool:
         if operator == "DoesNotExist" and key in labels:
             return False
     return True
+
+
+def http_health_probe(probe: dict) -> bool:
+    """A plaintext GET /health on the gateway's named 'http' port."""
+    get = probe.get("httpGet") or {}
+    return get.get("path") == "/health" and get.get("port") == "http" and get.get("scheme", "HTTP") == "HTTP"
 
 
 def config_value(objects: list, env: list, env_from: list, name: str) -> str | None:
@@ -123,7 +129,12 @@ def lint(path: Path) -> list:
             problem(f"{name}: TLS on {port} needs SPECD_HEALTH_PORT: Kubernetes' gRPC probes cannot speak TLS")
         if health_port >= 0 and ports.get("health") != health_port:
             problem(f"{name}: container port 'health' should be SPECD_HEALTH_PORT {health_port}")
+        http_port = int(config_value(objects, env, env_from, "SPECD_HTTP_PORT") or 0) if component == "gateway" else 0
+        if http_port and ports.get("http") != http_port:
+            problem(f"{name}: container port 'http' should be SPECD_HTTP_PORT {http_port}")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe == "readinessProbe" and http_port and not tls_on and http_health_probe(container.get(probe, {})):
+                continue  # GET /health: GenerateService's gRPC health status, and proof the HTTP API answers
             grpc_probe = container.get(probe, {}).get("grpc")
             if not grpc_probe or grpc_probe.get("port") != probe_port:
                 problem(f"{name}: {probe} must be a grpc probe on port {probe_port}")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from typing import Optional, Sequence
 
 from gateway.admission import Admission
 from gateway.backends import Backends
+from gateway.http_api import HttpApi, HttpServer, HttpSettings
 from gateway.options import GatewayOptions
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
@@ -24,12 +27,15 @@ def start_gateway_server(
     config: ServerConfig,
     options: GatewayOptions = GatewayOptions(),
     backend_tls: Optional[ClientTLS] = None,
+    http_port: Optional[int] = None,
 ) -> RunningServer:
     """Connect to the model services (waiting up to options.connect_timeout_s for them), then serve.
 
     Addresses may be lists (or comma-separated): each request pins one replica of each service.
     backend_tls is how the gateway dials them (TLS / mutual TLS); config.tls is its own public port;
     options.auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
+    http_port: also serve the OpenAI-compatible HTTP API (gateway/http_api.py) on config.host and this
+    port (0 = a free one, None = no HTTP), with the same TLS files as the gRPC port.
     """
     verify = {address: channel(address, backend_tls) for address in split_addresses(verify_addresses)}
     draft = {address: channel(address, backend_tls) for address in split_addresses(draft_addresses)}
@@ -40,10 +46,30 @@ def start_gateway_server(
     workers = config.max_sessions + options.max_waiting + 8
     interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
     warn_plaintext_token(config, options.auth_token)
-    return start_observed_server(
+    bridge_dir = tempfile.mkdtemp(prefix="specd-gateway-") if http_port is not None else None  # mode 0700
+    bridge = [f"unix:{bridge_dir}/generate.sock"] if bridge_dir else []
+    running = start_observed_server(
         "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
-        interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers,
+        interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers, private_addresses=bridge,
     )
+    if bridge_dir is not None:
+        running.cleanups.append(lambda: shutil.rmtree(bridge_dir, ignore_errors=True))
+        try:
+            running.companions.append(start_http_api(running, bridge[0], backends.target_info.model_name, config, http_port))
+        except BaseException:
+            running.stop(0)
+            raise
+    return running
+
+
+def start_http_api(running: RunningServer, bridge_address: str, model: str, config: ServerConfig, port: int) -> HttpServer:
+    """The HTTP API in front of the gateway's GenerateService (reached over the private bridge socket)."""
+    obs = running.observability
+    settings = HttpSettings(
+        bridge_address=bridge_address, service_name=SERVICE_NAME, model=model,
+        tracer=obs.tracer if obs is not None and obs.tracing else None, metrics=obs.metrics if obs is not None else None,
+    )
+    return HttpServer(HttpApi(settings), config.host, port, config.tls, config.grace_s).start()
 
 
 def warn_plaintext_token(config: ServerConfig, auth_token: str) -> None:

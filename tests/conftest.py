@@ -103,12 +103,16 @@ def start_cluster(
     gateway_tls=None,
     backend_tls=None,
     auth_token: str = "",
+    http_port: Optional[int] = None,
+    model_interceptors: tuple = (),
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
     Security (tests/test_security.py): model_tls / gateway_tls are specd_common.security.ServerTLS for
     draft+verify / the gateway's public port, backend_tls the gateway's ClientTLS toward draft+verify,
     auth_token the public API's bearer token. The defaults are plaintext and open, as before.
+    http_port: also serve the OpenAI-compatible HTTP API (0 = a free port; tests/test_http_api.py);
+    model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down).
     """
     import dataclasses
 
@@ -126,10 +130,10 @@ def start_cluster(
         model_config = dataclasses.replace(config, tls_cert=model_tls.cert, tls_key=model_tls.key, tls_client_ca=model_tls.client_ca)
     if gateway_tls is not None:
         gateway_config = dataclasses.replace(config, tls_cert=gateway_tls.cert, tls_key=gateway_tls.key, tls_client_ca=gateway_tls.client_ca)
-    verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls])
+    verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls, *model_interceptors])
     draft = None
     if drafter:
-        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), model_config, interceptors=[calls])
+        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), model_config, interceptors=[calls, *model_interceptors])
     gateway = start_gateway_server(
         f"127.0.0.1:{verify.port}",
         f"127.0.0.1:{draft.port}" if draft else None,
@@ -143,6 +147,7 @@ def start_cluster(
             auth_token=auth_token,
         ),
         backend_tls=backend_tls,
+        http_port=http_port,
     )
     return Cluster(verify, draft, gateway, calls)
 

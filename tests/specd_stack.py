@@ -105,13 +105,13 @@ def _serving(address: str) -> bool:
 def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0, drafter: tuple = ("--drafter", "ngram")) -> Iterator[Stack]:
     """`specd up` with a tiny target and (by default) the n-gram drafter on free ports; stopped with SIGTERM after.
     The Stack's `pid` is the `specd up` process."""
-    gateway, draft, verify = free_ports(3)
+    gateway, draft, verify, http = free_ports(4)
     command = [
         sys.executable, "-m", "specd_app.cli", "up",
         "--target", str(model_dir), *drafter, "--threads", "1",
-        "--gateway-port", str(gateway), "--draft-port", str(draft), "--verify-port", str(verify),
+        "--gateway-port", str(gateway), "--draft-port", str(draft), "--verify-port", str(verify), "--http-port", str(http),
     ]
-    stack = Stack("127.0.0.1", {"gateway": gateway, "draft": draft, "verify": verify})
+    stack = Stack("127.0.0.1", {"gateway": gateway, "draft": draft, "verify": verify, "http": http})
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -38,12 +38,18 @@ def shared_prompts(per_file: int = 2) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def specd_up():
+def up_ports() -> dict:
+    return dict(zip(("gateway", "draft", "verify", "http"), free_ports(4)))
+
+
+@pytest.fixture(scope="module")
+def specd_up(up_ports):
     """`specd up` on free ports with the embedded default; stopped with SIGTERM at the end."""
-    ports = dict(zip(("gateway", "draft", "verify"), free_ports(3)))
+    ports = up_ports
     command = [
         sys.executable, "-m", "specd_app.cli", "up",
         "--gateway-port", str(ports["gateway"]), "--draft-port", str(ports["draft"]), "--verify-port", str(ports["verify"]),
+        "--http-port", str(ports["http"]),
     ]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "SPECD_LOG_LEVEL": "WARNING"})
     address = f"127.0.0.1:{ports['gateway']}"
@@ -115,3 +121,40 @@ def test_sampling_with_a_seed_is_reproducible(specd_up):
     assert specd_generate(specd_up, "Write a haiku about rain.", *flags)["token_ids"] == specd_generate(
         specd_up, "Write a haiku about rain.", *flags
     )["token_ids"]
+
+
+def readme_http_examples() -> tuple[list[str], str]:
+    """The curl commands (continuation lines joined) and the Python snippet of README's HTTP API section."""
+    section = (REPO / "README.md").read_text().split("## HTTP API", 1)[1].split("\n## ", 1)[0]
+    shell = section.split("```sh\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in shell.splitlines() if line.strip().startswith("curl ")], python
+
+
+def test_readme_http_examples_work_as_written(specd_up, up_ports):
+    """Every curl line and the Python snippet of the README's HTTP API section, against the real
+    default model; the only change is the port (the stack here runs on free ports, not 8000)."""
+    commands, python = readme_http_examples()
+    assert len(commands) == 5 and "127.0.0.1:8000" in python
+    here = f"127.0.0.1:{up_ports['http']}"
+    outputs = {}
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command.replace("127.0.0.1:8000", here)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (command, result.stderr)
+        outputs[command] = result.stdout
+    answers = [json.loads(out) for command, out in outputs.items() if '"stream": true' not in command]
+    models, chat, completion, health = answers
+    assert [m["id"] for m in models["data"]] == ["embedded:smollm2-135m-instruct"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"].strip()
+    assert chat["usage"]["completion_tokens"] == 32 or chat["choices"][0]["finish_reason"] == "stop"
+    assert completion["choices"][0]["text"].strip() and "Paris" in completion["choices"][0]["text"]
+    assert health == {"status": "ok"}
+    (stream,) = [out for command, out in outputs.items() if '"stream": true' in command]
+    events = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]).strip()
+    result = subprocess.run([sys.executable, "-c", python.replace("127.0.0.1:8000", here)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "acceptance_rate" in result.stdout

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -141,11 +142,11 @@ def specd_env(otlp_endpoint: str) -> dict:
 @pytest.fixture
 def specd_up(receiver, tiny_models, tmp_path):
     target, draft = tiny_models
-    gateway_port, draft_port, verify_port = free_ports(3)
+    gateway_port, draft_port, verify_port, http_port = free_ports(4)
     command = [
         sys.executable, "-m", "specd_app.cli", "up", "--target", str(target), "--drafter", "model",
         "--draft-model", str(draft), "--host", "127.0.0.1", "--gateway-port", str(gateway_port),
-        "--draft-port", str(draft_port), "--verify-port", str(verify_port), "--threads", "1",
+        "--draft-port", str(draft_port), "--verify-port", str(verify_port), "--threads", "1", "--http-port", str(http_port),
     ]
     log_path = tmp_path / "specd-up.log"
     with open(log_path, "wb") as log:
@@ -155,7 +156,7 @@ def specd_up(receiver, tiny_models, tmp_path):
     address = f"127.0.0.1:{gateway_port}"
     try:
         wait_serving(address, process, log_path)
-        yield address
+        yield address, http_port
     finally:
         stop(process)
 
@@ -328,7 +329,8 @@ def check_request_trace(trace: Trace, root: ReceivedSpan, stats, response_tokens
 
 
 def test_one_trace_per_request_across_specd_up(receiver, specd_up):
-    stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(specd_up))
+    address, http_port = specd_up
+    stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(address))
 
     # 1. unary, greedy: the gateway's server span is the root of the trace
     response = stub.Generate(
@@ -386,6 +388,29 @@ def test_one_trace_per_request_across_specd_up(receiver, specd_up):
     assert len(errors) == 1
     assert errors[0].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert not trace_of(receiver, errors[0].trace_id).named("specd.round")
+
+    # 4. the OpenAI-compatible HTTP API: its SERVER span continues the caller's trace (traceparent
+    #    header) and is the parent of the gateway's gRPC span, under which the whole request is traced
+    http_trace, http_caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(
+        model=client.models.list().data[0].id, prompt="the quick brown fox", max_tokens=16, temperature=0,
+        extra_headers={"traceparent": f"00-{http_trace}-{http_caller}-01"},
+    )
+    http_stats = generate_pb2.SpeculationStats(**{k: v for k, v in reply.model_extra["specd"].items() if k != "acceptance_rate"})
+    trace = wait_for_trace(
+        receiver,
+        lambda spans: next((s for s in spans if s.trace_id == http_trace and s.name == "specd.v1.GenerateService/Generate"), None),
+        lambda t: is_complete(t, http_stats) and t.named("POST /v1/completions"),
+    )
+    print(waterfall(trace))
+    (http_span,) = trace.named("POST /v1/completions", "specd-gateway", SERVER)
+    assert http_span.parent_id == http_caller
+    assert http_span.attributes["http.response.status_code"] == 200
+    (root,) = trace.named("specd.v1.GenerateService/Generate", "specd-gateway", SERVER)
+    assert root.parent_id == http_span.span_id
+    trace.by_id[http_caller] = http_span  # the caller's span is outside the system
+    check_request_trace(trace, root, http_stats, reply.usage.completion_tokens, reply.choices[0].finish_reason)
 
 
 # --------------------------------------------------------------------------- configuration (in-process)

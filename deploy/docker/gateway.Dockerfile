@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# specd gateway: the public GenerateService. CPU only: no torch, no transformers, no CUDA.
+# specd gateway: the public GenerateService (gRPC) and the OpenAI-compatible HTTP API. CPU only: no torch, no transformers, no CUDA.
 # Build from the repository root:
 #   docker build -f deploy/docker/gateway.Dockerfile -t specd-gateway:dev .
 # Run (model services elsewhere):
@@ -32,12 +32,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     SPECD_HOST=0.0.0.0 \
     SPECD_PORT=50051 \
+    SPECD_HTTP_PORT=8000 \
     SPECD_METRICS_PORT=9464
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin specd
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/specd/healthcheck.py
 USER 10001:10001
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 CMD ["python", "/opt/specd/healthcheck.py"]
 STOPSIGNAL SIGTERM
 # Exec form: specd is PID 1 and gets SIGTERM itself (NOT_SERVING, then drain for SPECD_GRACE seconds).

@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package over real HTTP.
+
+A tiny target and a partly agreeing model draft run in this process behind real sockets; every
+HTTP answer is compared with the gRPC answer for the same request (same engine, same tokens). The
+README's curl examples run against the real default model in tests/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import openai
+import pytest
+
+from specd.v1 import common_pb2, generate_pb2
+from tests.conftest import Cluster, TinyModels, start_cluster
+
+TOKEN = "s3cret-http-token"
+
+
+def http_port(cluster: Cluster) -> int:
+    return cluster.gateway.companions[0].port
+
+
+def client_for(cluster: Cluster, api_key: str = "unused") -> openai.OpenAI:
+    # max_retries=0: a refusal must reach the test as the status the server sent, not be retried away
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(cluster)}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tiny: TinyModels) -> Iterator[Cluster]:
+    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, http_port=0)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: Cluster) -> openai.OpenAI:
+    return client_for(served)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (listed,) = client.models.list().data
+    return listed.id
+
+
+def grpc_answer(cluster: Cluster, **fields) -> generate_pb2.GenerateResponse:
+    return cluster.stub().Generate(generate_pb2.GenerateRequest(**fields), timeout=60)
+
+
+def chat_request(content: str, max_new_tokens: int) -> dict:
+    return {"messages": generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=content)]),
+            "max_new_tokens": max_new_tokens}
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_models_lists_the_target(served: Cluster, model: str):
+    assert model == served.gateway.servicer.backends.target_info.model_name
+
+
+def test_greedy_chat_equals_the_grpc_answer_and_counts_usage(served: Cluster, client: openai.OpenAI, model: str):
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0)
+    expected = grpc_answer(served, **chat_request(MESSAGES[0]["content"], 24))
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == ("length" if len(expected.token_ids) == 24 else "stop")
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.total_tokens == len(expected.prompt_token_ids) + len(expected.token_ids)
+    stats = reply.model_extra["specd"]  # the extension field: speculation ran and is reported
+    assert stats["target_passes"] >= 1 and stats["draft_tokens"] > 0
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+
+
+def test_streamed_chat_deltas_concatenate_to_the_same_text(served: Cluster, client: openai.OpenAI, model: str):
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    expected = grpc_answer(served, **chat_request(MESSAGES[0]["content"], 24))
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == expected.text
+    assert [c.choices[0].finish_reason for c in content][-1] in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    usage = chunks[-1]  # include_usage: one more chunk with no choices and the usage
+    assert usage.choices == [] and usage.usage.completion_tokens == len(expected.token_ids)
+    assert usage.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_are_raw_text_and_accept_token_ids(served: Cluster, client: openai.OpenAI, model: str):
+    prompt = "Once upon a time"
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0)
+    expected = grpc_answer(served, text=prompt, raw=True, max_new_tokens=20)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    by_ids = client.completions.create(model=model, prompt=list(expected.prompt_token_ids), max_tokens=20, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_default_max_tokens_of_completions_is_openais_16(client: openai.OpenAI, model: str):
+    reply = client.completions.create(model=model, prompt="The sea", temperature=0, stop=None)
+    assert reply.usage.completion_tokens <= 16
+    assert reply.choices[0].finish_reason == "length" or reply.usage.completion_tokens < 16
+
+
+def test_seeded_sampling_equals_grpc_with_the_same_seed(served: Cluster, client: openai.OpenAI, model: str):
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    expected = grpc_answer(served, **chat_request(MESSAGES[0]["content"], 20), seed=1234,
+                           sampling=common_pb2.SamplingParams(temperature=0.9, top_p=0.95))
+    assert reply.choices[0].message.content == expected.text
+    other = grpc_answer(served, **chat_request(MESSAGES[0]["content"], 20), seed=4321,
+                        sampling=common_pb2.SamplingParams(temperature=0.9, top_p=0.95))
+    assert other.token_ids != expected.token_ids, "the seed must matter (a different seed, different tokens)"
+
+
+def test_stop_strings_end_the_text_before_them(served: Cluster, client: openai.OpenAI, model: str):
+    full = grpc_answer(served, **chat_request(MESSAGES[0]["content"], 24)).text
+    stop = full[5:7]
+    assert stop and stop in full
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0, stop=[stop])
+    assert reply.choices[0].message.content == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"logprobs": True}, "'logprobs' is not supported"),
+        ({"n": 2}, "'n' is not supported by specd (only 1 is accepted)"),
+        ({"frequency_penalty": 0.5}, "'frequency_penalty' is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
+        ({"temperature": 3}, "invalid 'temperature'"),
+        ({"max_tokens": 0}, "invalid 'max_tokens'"),
+        ({"messages": []}, "invalid 'messages'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid 'messages.0.role'"),
+    ],
+)
+def test_bad_input_is_a_400_that_names_the_parameter(client: openai.OpenAI, model: str, extra: dict, fragment: str):
+    request = {"model": model, "messages": MESSAGES, "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**request)
+    assert refused.value.status_code == 400
+    assert fragment in refused.value.body["message"], refused.value.body
+
+
+def test_no_effect_values_are_accepted(client: openai.OpenAI, model: str):
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0, n=1,
+                                           logprobs=False, presence_penalty=0, frequency_penalty=0.0)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_from_the_engine(client: openai.OpenAI, model: str):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="sea " * 2000, max_tokens=4)
+    assert "context" in refused.value.body["message"]
+
+
+def test_unknown_model_is_404(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert refused.value.body["code"] == "model_not_found"
+
+
+def test_malformed_json_and_unknown_paths_get_openai_error_bodies(served: Cluster):
+    status, body = raw_http(http_port(served), "POST", "/v1/chat/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, body = raw_http(http_port(served), "GET", "/v1/nothing-here")
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    status, body = raw_http(http_port(served), "GET", "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_http_requests_are_counted_in_the_gateway_metrics(served: Cluster, client: openai.OpenAI, model: str):
+    metrics = served.gateway.observability.metrics
+    before = metrics.http_requests.labels("/v1/chat/completions", "200")._value.get()
+    grpc_before = metrics.requests.labels("gateway", "Generate", "OK")._value.get()
+    client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert metrics.http_requests.labels("/v1/chat/completions", "200")._value.get() == before + 1
+    # the same request went through the gateway's gRPC path (admission, traces, metrics)
+    assert metrics.requests.labels("gateway", "Generate", "OK")._value.get() == grpc_before + 1
+
+
+# --------------------------------------------------------------------------- auth, overload, outage
+
+
+def test_bearer_token_is_required_when_configured(tiny: TinyModels):
+    cluster = start_cluster(tiny.target, "", auth_token=TOKEN, http_port=0)
+    try:
+        model = cluster.gateway.servicer.backends.target_info.model_name
+        with pytest.raises(openai.AuthenticationError) as refused:
+            client_for(cluster, "wrong-token").chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert refused.value.status_code == 401 and "invalid bearer token" in refused.value.body["message"]
+        body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 2}).encode()
+        status, answer = raw_http(http_port(cluster), "POST", "/v1/chat/completions", body)  # no Authorization header
+        assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error"
+        reply = client_for(cluster, TOKEN).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        cluster.stop()
+
+
+class SlowVerify(grpc.ServerInterceptor):
+    """Every Verify takes at least delay_s longer: generations last long enough to be interrupted."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.endswith("/Verify"):
+            return handler
+
+        def slow(request, context):
+            time.sleep(self.delay_s)
+            return handler.unary_unary(request, context)
+
+        return handler._replace(unary_unary=slow)
+
+
+@pytest.fixture(scope="module")
+def slow(tiny: TinyModels) -> Iterator[Cluster]:
+    """One request at a time, none waiting, each verify pass 50 ms slower."""
+    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, max_sessions=1, max_waiting=0,
+                            http_port=0, model_interceptors=(SlowVerify(0.05),))
+    yield cluster
+    cluster.stop()
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def cancelled_generations(cluster: Cluster) -> float:
+    return cluster.gateway.observability.metrics.finished.labels("cancelled")._value.get()
+
+
+def test_admission_refusal_is_429(slow: Cluster):
+    client = client_for(slow)
+    model = slow.gateway.servicer.backends.target_info.model_name
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=300, temperature=0, stream=True)
+    try:
+        next(iter(stream))  # the one slot is held
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert refused.value.status_code == 429 and "busy" in refused.value.body["message"]
+    finally:
+        stream.close()
+    assert wait_for(lambda: slow.open_sessions() == {"verify": 0, "draft": 0})
+
+
+def test_a_client_leaving_mid_stream_frees_both_sessions(slow: Cluster):
+    cancelled = cancelled_generations(slow)
+    model = slow.gateway.servicer.backends.target_info.model_name
+    stream = client_for(slow).chat.completions.create(model=model, messages=MESSAGES, max_tokens=400, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    assert slow.open_sessions() == {"verify": 1, "draft": 1}
+    stream.close()  # 400 tokens at >= 50 ms a pass would take many seconds more
+    assert wait_for(lambda: slow.open_sessions() == {"verify": 0, "draft": 0}), slow.open_sessions()
+    assert wait_for(lambda: cancelled_generations(slow) == cancelled + 1)
+
+
+def test_a_client_leaving_a_plain_request_frees_both_sessions(slow: Cluster):
+    cancelled = cancelled_generations(slow)
+    model = slow.gateway.servicer.backends.target_info.model_name
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 400, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", http_port(slow))) as connection:
+        connection.sendall(http_bytes("POST", "/v1/chat/completions", body))
+        assert wait_for(lambda: slow.open_sessions() == {"verify": 1, "draft": 1})
+    assert wait_for(lambda: slow.open_sessions() == {"verify": 0, "draft": 0}), slow.open_sessions()
+    assert wait_for(lambda: cancelled_generations(slow) == cancelled + 1)
+
+
+def test_verify_down_is_503_and_health_follows_the_gateway(tiny: TinyModels):
+    cluster = start_cluster(tiny.target, "", http_port=0)
+    try:
+        model = cluster.gateway.servicer.backends.target_info.model_name
+        cluster.verify.stop(0)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client_for(cluster).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert refused.value.status_code == 503 and "verify" in refused.value.body["message"]
+        cluster.gateway.set_serving(False)  # what SIGTERM does first: drain
+        status, body = raw_http(http_port(cluster), "GET", "/health")
+        assert status == 503 and json.loads(body) == {"status": "not_serving"}
+    finally:
+        cluster.stop()
+
+
+def test_http_port_stops_with_the_gateway(tiny: TinyModels):
+    cluster = start_cluster(tiny.target, "", http_port=0)
+    port = http_port(cluster)
+    cluster.stop()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# --------------------------------------------------------------------------- raw HTTP helpers
+
+
+def http_bytes(method: str, path: str, body: bytes = b"") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode() + body
+
+
+def raw_http(port: int, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request on a fresh connection; (status, body). No client library between test and server."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+        connection.sendall(http_bytes(method, path, body))
+        data = b""
+        while chunk := connection.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+def test_concurrent_streams_each_get_their_own_answer(served: Cluster, client: openai.OpenAI, model: str):
+    prompts = ["Tell me about the sea.", "Name a color.", "What is a cat?"]
+    results: dict[int, str] = {}
+
+    def ask(index: int) -> None:
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[index]}],
+                                                max_tokens=16, temperature=0, stream=True)
+        results[index] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for index, prompt in enumerate(prompts):
+        assert results[index] == grpc_answer(served, **chat_request(prompt, 16)).text

@@ -13,6 +13,8 @@ import datetime
 import ipaddress
 import json
 import os
+import socket
+import ssl
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -161,6 +163,7 @@ def secure(tiny, pki: PKI) -> Iterator[Cluster]:
         backend_tls=ClientTLS.from_files(str(pki.internal_ca.pem), *pki.gateway_client),
         gateway_tls=ServerTLS(*pki.gateway_server),
         auth_token=TOKEN,
+        http_port=0,
     )
     yield running
     running.stop()
@@ -385,3 +388,33 @@ def test_bearer_check_accepts_only_the_exact_token():
         assert check.authorized([Metadatum("authorization", value)]) is not None, value
     with pytest.raises(SecurityConfigError):
         BearerTokenInterceptor("")
+
+
+def https_request(port: int, pki: PKI, body: dict, token: str) -> tuple[int, dict]:
+    """POST /v1/chat/completions over TLS, checking the gateway's certificate against the public CA."""
+    context = ssl.create_default_context(cafile=str(pki.public_ca.pem))
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {GATEWAY_NAME}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        with context.wrap_socket(raw, server_hostname=GATEWAY_NAME) as connection:
+            connection.sendall(head.encode() + payload)
+            data = b""
+            while chunk := connection.recv(65536):
+                data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_http_api_speaks_tls_and_checks_the_token(secure, pki):
+    """The HTTP port uses the gateway's certificate; the token is checked as on the gRPC port."""
+    port = secure.gateway.companions[0].port
+    body = {"model": secure.gateway.servicer.backends.target_info.model_name,
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    status, answer = https_request(port, pki, body, TOKEN)
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1
+    status, answer = https_request(port, pki, body, "not-the-token")
+    assert status == 401 and answer["error"]["type"] == "authentication_error"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:  # plaintext HTTP gets no answer
+        plain.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert not plain.recv(65536).startswith(b"HTTP/1.1 200")

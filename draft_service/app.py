@@ -8,6 +8,7 @@ from typing import Sequence
 
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
+from specd_common import autotune
 from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.server import RunningServer, start_observed_server
@@ -112,8 +113,18 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     return drafters[best], json.dumps(record, separators=(",", ":"))
 
 
-def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = ()) -> RunningServer:
-    sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = (), kv_token_budget: int = 0) -> RunningServer:
+    """kv_token_budget: positions all sessions may hold (> 0), none (< 0), or 0: derived like the verify's,
+    from the memory free now and the drafter's bytes per position (no budget for the n-gram drafter)."""
+    budget = draft_token_budget(drafter, kv_token_budget)
+    log.info("draft KV-token budget: %s", budget or "none")
+    sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s, max_tokens=budget)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
     return start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)
+
+
+def draft_token_budget(drafter: Drafter, requested: int) -> int:
+    if requested:
+        return max(requested, 0)
+    return autotune.kv_token_budget(drafter.bytes_per_token(), autotune.available_memory_bytes("cpu"))

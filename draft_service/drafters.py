@@ -15,6 +15,7 @@ import torch
 
 from draft_service.ngram import prompt_lookup
 from specd.v1 import common_pb2
+from specd_common.autotune import kv_bytes_per_token
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
 from specd_common.lm import CausalLM
@@ -51,6 +52,10 @@ class Drafter(Protocol):
 
     def info(self) -> common_pb2.GetModelInfoResponse: ...
 
+    def bytes_per_token(self) -> int:
+        """Memory one position of a session costs (its KV cache, features...); 0: negligible, no budget."""
+        ...
+
 
 class ModelDrafter:
     """A small causal LM sharing the target's tokenizer, drafting autoregressively with its KV cache."""
@@ -65,6 +70,10 @@ class ModelDrafter:
 
     def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession:
         return DraftSession(self.lm.new_session(prompt), warp)
+
+    def bytes_per_token(self) -> int:
+        model = self.lm.loaded.model
+        return kv_bytes_per_token(model.config, next(model.parameters()).element_size())
 
     def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
         sequence = session.sequence
@@ -93,6 +102,9 @@ class NgramDrafter:
 
     def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession:
         return DraftSession(TokenSequence(tokens=list(prompt), max_length=NGRAM_MAX_LENGTH), warp)
+
+    def bytes_per_token(self) -> int:
+        return 0  # token ids only: the target's context and the verify's budget bound them
 
     def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
         tokens = prompt_lookup(session.sequence.tokens, k, max_ngram=self.max_ngram)

@@ -79,6 +79,12 @@ class FeatureDrafter:
         )
         return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.hidden_size)))
 
+    def bytes_per_token(self) -> int:
+        """A position holds one target feature row (float32) and the head's one-layer keys and values."""
+        config = self.head.config
+        element = next(self.head.parameters()).element_size()
+        return config.hidden_size * 4 + 2 * config.num_kv_heads * config.head_dim * element
+
     def add_features(self, session: FeatureSession, message: common_pb2.TargetFeatures) -> None:
         """Store features at their positions (overwriting any re-sent ones); they must extend what is held."""
         rows = decode_features(message, self.head.config.hidden_size)  # [n, H]

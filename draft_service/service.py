@@ -42,7 +42,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             f"prompt has {len(request.prompt_token_ids)} tokens; this drafter's model takes at most {limit - 1}",
         )
         warp = Warp.from_proto(request.sampling)
-        with self.sessions.opening(request.session_id) as keep:  # id and slot claimed before any drafting work
+        # id, slot and KV budget claimed before any drafting work
+        with self.sessions.opening(request.session_id, len(request.prompt_token_ids)) as keep:
             session = self.drafter.open(list(request.prompt_token_ids), warp)
             if self.reads_features:
                 self.drafter.add_features(session, request.target_features)
@@ -58,9 +59,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
+            length = len(session.sequence.tokens)
+            self.sessions.account(request.session_id, length + k)  # the KV budget, before any drafting work
             if self.reads_features:
                 self.drafter.add_features(session, request.target_features)
-            length = len(session.sequence.tokens)
             started = time.perf_counter()
             proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))
             model_seconds = time.perf_counter() - started

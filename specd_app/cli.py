@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(draft, "")
     add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model), model (a small LM, --model) or feature (a feature head folder, --model)")
     add_flag(draft, "target", "", "feature drafter: the target whose embedding and LM head it reads (default: the one named in the head)")
+    add_flag(draft, "kv-token-budget", 0, "positions all draft sessions may hold before Prefill/Propose get RESOURCE_EXHAUSTED "
+             "(0 = half the memory free after loading over the drafter's bytes per position, none for ngram; -1 = no budget)")
     add_flag(draft, "lookup-min-ngram", 2, "feature drafter: propose a prompt-lookup copy instead when the last N tokens recur (0 = never)")
     draft.set_defaults(func=serve_draft)
     gateway = serve.add_parser("gateway", help="the public API")
@@ -186,7 +188,7 @@ def serve_draft(args: argparse.Namespace) -> None:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
                            lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads)
-    running = start_draft_server(drafter, ServerConfig.from_args(args))
+    running = start_draft_server(drafter, ServerConfig.from_args(args), kv_token_budget=args.kv_token_budget)
     wait_for_termination(running, args.grace)
 
 

@@ -19,6 +19,8 @@ from specd_common.models import LoadedModel, max_sequence_length, model_vocab_si
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
 
+PREFILL_CHUNK = 512  # prompt positions per prefill pass (CausalLM._prefill)
+
 
 class KVSession(TokenSequence):
     """A TokenSequence whose cached positions live in a DynamicCache.
@@ -175,9 +177,22 @@ class CausalLM:
         session.cache = cache
         session.keep_features = keep_features
         if len(prompt) > 1:
-            self._run(session, session.tokens[:-1], all_logits=False)  # only the cache is wanted
+            self._prefill(session, session.tokens[:-1])
             session.cached = len(prompt) - 1
         return session
+
+    def _prefill(self, session: KVSession, token_ids: Sequence[int]) -> None:
+        """Feed a prompt into the cache in chunks of PREFILL_CHUNK positions (only the cache is wanted).
+        Chunks bound a long prompt's activations (attention over n positions is heads × n² floats:
+        137 MiB a matrix for this default target at 2,000 tokens) and let other sessions' passes run
+        between them; the cache and features are those of one pass."""
+        features = []
+        for start in range(0, len(token_ids), PREFILL_CHUNK):
+            self._run(session, token_ids[start : start + PREFILL_CHUNK], all_logits=False)
+            if session.keep_features:
+                features.append(session.fed_features)  # [chunk, H]
+        if session.keep_features:
+            session.fed_start, session.fed_features = 0, torch.cat(features)  # [n, H]
 
     def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
         """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after

@@ -92,7 +92,7 @@ class Stack:
         return f"{self.host}:{self.ports[service]}"
 
 
-def _serving(address: str) -> bool:
+def serving(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -119,7 +119,7 @@ def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0, drafter:
         stack.pid = process.pid
         try:
             deadline = time.monotonic() + timeout_s
-            while not all(_serving(stack.address(name)) for name in SERVICES):
+            while not all(serving(stack.address(name)) for name in SERVICES):
                 if process.poll() is not None:
                     pytest.fail(f"specd up exited with {process.returncode}:\n{log_path.read_text()}", pytrace=False)
                 if time.monotonic() > deadline:

@@ -255,3 +255,19 @@ def test_concurrent_streams_through_the_services_match_single_streams(tiny):
         cluster.stop()
     assert together == alone
     assert max(verify_stats.sizes) > 1 and max(draft_stats.sizes) > 1
+
+
+def test_a_prompt_prefilled_in_chunks_equals_one_pass(lm, monkeypatch):
+    """Chunked prefill (PREFILL_CHUNK positions a pass) leaves the same cache, next logits and target
+    features as feeding the whole prompt at once."""
+    import specd_common.lm as lm_module
+
+    prompt = [(11 * i) % 300 + 1 for i in range(23)]
+    whole = lm.new_session(prompt, keep_features=True)
+    monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 5)  # 22 cached positions: chunks of 5, 5, 5, 5, 2
+    chunked = lm.new_session(prompt, keep_features=True)
+    assert chunked.cached == whole.cached == 22 and chunked.cache.get_seq_length() == 22
+    assert chunked.fed_start == 0 and chunked.fed_features.shape == whole.fed_features.shape == (22, lm.loaded.model.config.hidden_size)
+    torch.testing.assert_close(chunked.fed_features, whole.fed_features, atol=ATOL, rtol=0)
+    assert_caches_match(whole, chunked)
+    torch.testing.assert_close(lm.forward(chunked, [7, 8]), lm.forward(whole, [7, 8]), atol=ATOL, rtol=0)

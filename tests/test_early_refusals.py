@@ -175,3 +175,100 @@ def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch)
         assert len(forwards) == 1  # only the Verify that fitted ran the target
     finally:
         running.server.stop(0)
+
+
+def test_draft_refuses_past_its_kv_budget_before_drafting(tiny, monkeypatch):
+    from draft_service.app import draft_token_budget, make_drafter, start_draft_server
+    from specd_common.config import ServerConfig
+
+    drafter = make_drafter("model", str(tiny.draft_same))
+    assert drafter.bytes_per_token() == 2 * 2 * 2 * 16 * 4  # tiny Llama: 2 layers × K,V × 2 KV heads × 16 dims × fp32
+    assert draft_token_budget(make_drafter("ngram"), 0) == 0  # token ids only: no budget
+    running = start_draft_server(drafter, ServerConfig(port=0), kv_token_budget=100)
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
+    try:
+        stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
+        drafted = []
+        propose = drafter.propose
+        monkeypatch.setattr(drafter, "propose", lambda *a, **k: drafted.append(a) or propose(*a, **k))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="b", prompt_token_ids=list(range(5, 50))), timeout=30)  # 45
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-token-budget" in error.value.details()
+        stub.Propose(draft_pb2.ProposeRequest(session_id="a", commit=common_pb2.Commit(prefix_length=60), num_draft_tokens=16), timeout=30)
+        with pytest.raises(grpc.RpcError) as error:  # 76 held, + 16 appended + 16 drafts = 108 > 100
+            stub.Propose(draft_pb2.ProposeRequest(session_id="a", commit=common_pb2.Commit(prefix_length=60, append_token_ids=[7] * 16 + [8] * 16),
+                                                  num_draft_tokens=16), timeout=30)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(drafted) == 1  # only the Propose that fitted drafted
+    finally:
+        running.server.stop(0)
+
+
+# --- the budget bounds memory: a real verify process with the default target ---------------------
+KV_BUDGET_TOKENS = 8100
+PROMPT_TOKENS = 2000
+# A prefill's activations and the allocator's retained free memory: prompts are fed in chunks of
+# 512 positions (specd_common/lm.py PREFILL_CHUNK); measured here 150-170 MiB above ready + KV
+# (a whole 2,000-token pass at once: 400-570 MiB, attention being 9 heads × 2,000² floats a matrix).
+ACTIVATION_ALLOWANCE = 256 * 2**20
+
+
+def memory_kib(pid: int, field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of a process, in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+@pytest.mark.e2e
+def test_a_full_kv_budget_refuses_at_once_and_bounds_the_verify_rss(tmp_path):
+    """Fill a `specd serve verify` (SmolLM2-135M, fp32) budget of 8,100 positions with 2,000-token
+    prompts: the fifth is refused with RESOURCE_EXHAUSTED in under a second, and the process's peak
+    RSS stays within its RSS when ready (model resident after a 4-token prefill, runtime) + the
+    budget's KV bytes (8,100 × 46,080 B = 356 MiB) + 256 MiB for a prefill's activations. Without the budget every prompt would be admitted (and a fifth adds 92 MB)."""
+    import subprocess
+    import sys
+    import time
+
+    from specd_common.autotune import kv_bytes_per_token
+    from tests.specd_stack import REPO, free_ports, repo_env, serving
+
+    (port,) = free_ports(1)
+    command = [sys.executable, "-m", "specd_app.cli", "serve", "verify", "--port", str(port), "--threads", "1",
+               "--prepack", "off", "--metrics-port", "-1", "--kv-token-budget", str(KV_BUDGET_TOKENS)]
+    with open(tmp_path / "verify.log", "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not serving(f"127.0.0.1:{port}"):
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "verify.log").read_text()[-3000:]
+            time.sleep(0.5)
+        stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        info = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+        # the weights are memory-mapped: resident only once a forward pass has read them all
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="warm-up", prompt_token_ids=[5, 6, 7, 8]), timeout=60)
+        stub.Release(common_pb2.ReleaseRequest(session_id="warm-up"), timeout=30)
+        ready_rss = memory_kib(process.pid, "VmRSS") * 1024
+        per_token = kv_bytes_per_token(_smollm2_config(), 4)
+        assert per_token == 46_080
+        prompt = [(7 * i) % (info.vocab_size - 10) + 5 for i in range(PROMPT_TOKENS)]
+        for index in range(KV_BUDGET_TOKENS // PROMPT_TOKENS):
+            stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id=f"s{index}", prompt_token_ids=prompt), timeout=300)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="one-too-many", prompt_token_ids=prompt), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - started < 1.0
+        peak = memory_kib(process.pid, "VmHWM") * 1024
+        bound = ready_rss + KV_BUDGET_TOKENS * per_token + ACTIVATION_ALLOWANCE
+        print(f"peak {peak / 2**20:.0f} MiB, ready {ready_rss / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
+        assert peak <= bound, f"peak RSS {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB (ready {ready_rss / 2**20:.0f} MiB)"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _smollm2_config():
+    """SmolLM2-135M's attention shapes: 30 layers, 3 KV heads of 64 dimensions."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, head_dim=64, num_attention_heads=9, hidden_size=576)

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from specd.v1 import generate_pb2, generate_pb2_grpc
-from tests.specd_stack import REPO, _serving, free_ports, repo_env
+from tests.specd_stack import REPO, free_ports, repo_env, serving
 
 PROMPT = "hello world"
 MAX_NEW = 400
@@ -44,7 +44,7 @@ def serve(service: str, port: int, log_dir: Path, *flags: str) -> Iterator[subpr
 
 def wait_serving(*ports: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while not all(_serving(f"127.0.0.1:{port}") for port in ports):
+    while not all(serving(f"127.0.0.1:{port}") for port in ports):
         assert time.monotonic() < deadline, f"services on {ports} did not become SERVING"
         time.sleep(0.3)
 

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from gateway.admission import Admission
 from gateway.backends import Backends
+from gateway.health_watch import VerifyWatch
 from gateway.http_api import HttpApi, HttpServer, HttpSettings
 from gateway.options import GatewayOptions
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
@@ -52,6 +53,8 @@ def start_gateway_server(
         "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
         interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers, private_addresses=bridge,
     )
+    watch = VerifyWatch(backends.verify.health, backends.verify.addresses, running.set_serving)
+    running.companions.append(watch.start())
     if bridge_dir is not None:
         running.cleanups.append(lambda: shutil.rmtree(bridge_dir, ignore_errors=True))
         try:
@@ -60,6 +63,11 @@ def start_gateway_server(
             running.stop(0)
             raise
     return running
+
+
+def http_server(running: RunningServer) -> Optional[HttpServer]:
+    """The gateway's HTTP API server (its bound port is `.port`), None when HTTP is off."""
+    return next((companion for companion in running.companions if isinstance(companion, HttpServer)), None)
 
 
 def start_http_api(running: RunningServer, bridge_address: str, model: str, config: ServerConfig, port: int) -> HttpServer:

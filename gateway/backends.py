@@ -89,7 +89,11 @@ class Backends:
         timeout_s: float,
     ) -> "Backends":
         """Ask every replica who it is (waiting up to timeout_s); refuse mismatched vocabularies."""
-        verify = Pool(list(verify_channels), [verify_pb2_grpc.VerifyServiceStub(c) for c in verify_channels.values()])
+        verify = Pool(
+            list(verify_channels),
+            [verify_pb2_grpc.VerifyServiceStub(c) for c in verify_channels.values()],
+            [health_pb2_grpc.HealthStub(c) for c in verify_channels.values()],
+        )
         draft = Pool(
             list(draft_channels),
             [draft_pb2_grpc.DraftServiceStub(c) for c in draft_channels.values()],

@@ -37,7 +37,7 @@ class RunningServer:
     observability: Any = None  # specd_common.telemetry.Observability: tracer, metrics, /metrics endpoint
     health_server: Optional[grpc.Server] = None  # plaintext health-only port (probes), when configured
     health_port: int = -1
-    companions: list = field(default_factory=list)  # other listeners of this service (the gateway's HTTP API)
+    companions: list = field(default_factory=list)  # begin_stop() / stop(grace): the gateway's HTTP API, its verify watch
     cleanups: list = field(default_factory=list)  # callables run after stopping (e.g. remove a socket's folder)
 
     def set_serving(self, serving: bool) -> None:
@@ -47,9 +47,9 @@ class RunningServer:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
-        self.set_serving(False)
         for companion in self.companions:
             companion.begin_stop()
+        self.set_serving(False)
         stopped = self.server.stop(grace_s)
         for companion in self.companions:
             companion.stop(grace_s)

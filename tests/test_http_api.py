@@ -18,13 +18,14 @@ import openai
 import pytest
 
 from specd.v1 import common_pb2, generate_pb2
+from gateway.app import http_server
 from tests.conftest import Cluster, TinyModels, start_cluster
 
 TOKEN = "s3cret-http-token"
 
 
 def http_port(cluster: Cluster) -> int:
-    return cluster.gateway.companions[0].port
+    return http_server(cluster.gateway).port
 
 
 def client_for(cluster: Cluster, api_key: str = "unused") -> openai.OpenAI:
@@ -288,19 +289,40 @@ def test_a_client_leaving_a_plain_request_frees_both_sessions(slow: Cluster):
     assert wait_for(lambda: cancelled_generations(slow) == cancelled + 1)
 
 
-def test_verify_down_is_503_and_health_follows_the_gateway(tiny: TinyModels):
+def test_verify_down_is_a_quick_503_and_health_follows_the_verify(tiny: TinyModels):
+    """While no verify replica serves, requests get 503 at once and the gateway's health (gRPC and
+    /health) says NOT_SERVING; a verify back on its address brings both back."""
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
     cluster = start_cluster(tiny.target, "", http_port=0)
     try:
         model = cluster.gateway.servicer.backends.target_info.model_name
+        port = cluster.verify.port
         cluster.verify.stop(0)
+        started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as refused:
             client_for(cluster).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
         assert refused.value.status_code == 503 and "verify" in refused.value.body["message"]
-        cluster.gateway.set_serving(False)  # what SIGTERM does first: drain
-        status, body = raw_http(http_port(cluster), "GET", "/health")
-        assert status == 503 and json.loads(body) == {"status": "not_serving"}
+        assert time.monotonic() - started < 2.0
+        assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 503, timeout_s=5)
+        assert gateway_health(cluster) == "NOT_SERVING"
+        cluster.verify = start_verify_server(load_causal_lm(str(tiny.target)), ServerConfig(port=port))
+        assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 200, timeout_s=10)
+        assert gateway_health(cluster) == "SERVING"
+        reply = client_for(cluster).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert reply.usage.completion_tokens >= 1
     finally:
         cluster.stop()
+
+
+def gateway_health(cluster: Cluster) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def test_http_port_stops_with_the_gateway(tiny: TinyModels):

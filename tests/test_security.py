@@ -39,6 +39,7 @@ from specd_common.security import (
     load_token,
     open_channel,
 )
+from gateway.app import http_server
 from tests.conftest import Cluster, start_cluster
 
 TOKEN = "s3cret-token-for-tests"
@@ -408,7 +409,7 @@ def https_request(port: int, pki: PKI, body: dict, token: str) -> tuple[int, dic
 
 def test_http_api_speaks_tls_and_checks_the_token(secure, pki):
     """The HTTP port uses the gateway's certificate; the token is checked as on the gRPC port."""
-    port = secure.gateway.companions[0].port
+    port = http_server(secure.gateway).port
     body = {"model": secure.gateway.servicer.backends.target_info.model_name,
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     status, answer = https_request(port, pki, body, TOKEN)

@@ -10,6 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_app.supervise import FIRST_BACKOFF_S, HEALTHY_AFTER_S, MAX_BACKOFF_S, Child, Supervisor
 from tests.specd_stack import specd_up
@@ -84,6 +86,12 @@ def generate(address: str, **fields) -> generate_pb2.GenerateResponse:
         return generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=60)
 
 
+def gateway_health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def until_drafts_are_accepted(address: str, timeout_s: float = 90.0) -> generate_pb2.GenerateResponse:
     """Send requests until one has accepted drafts (the restarted draft is back in use)."""
     deadline = time.monotonic() + timeout_s
@@ -114,15 +122,24 @@ def test_specd_up_restarts_a_killed_draft_and_verify_and_skips_a_frozen_draft(ti
         assert until_drafts_are_accepted(address).token_ids == expected  # restarted, and used again
 
         os.kill(child_pid(stack.pid, "verify"), signal.SIGKILL)
+        health = []  # the gateway's health while the verify is away and back
         deadline = time.monotonic() + 90
-        while True:  # requests fail UNAVAILABLE while the verify restarts, then succeed
+        while True:  # requests fail UNAVAILABLE at once while the verify restarts, then succeed
+            health.append(gateway_health(address))
+            started = time.monotonic()
             try:
                 assert generate(address).token_ids == expected
                 break
             except grpc.RpcError as error:
                 assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                assert time.monotonic() - started < 2.0, "a request waited for a verify that is down"
                 assert time.monotonic() < deadline, "the verify did not come back"
-                time.sleep(0.5)
+                time.sleep(0.2)
+        assert "NOT_SERVING" in health, health  # readiness takes the gateway out while its target is down
+        deadline = time.monotonic() + 10
+        while gateway_health(address) != "SERVING":
+            assert time.monotonic() < deadline, "the gateway did not report SERVING once its verify was back"
+            time.sleep(0.2)
 
         frozen = child_pid(stack.pid, "draft")
         os.kill(frozen, signal.SIGSTOP)

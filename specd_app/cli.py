@@ -356,6 +356,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd.v1 import generate_pb2_grpc
     from specd_app import bench
 
+    if args.overlap and args.gateway:
+        raise SystemExit("--overlap starts a second gateway next to the local stack it starts; with --gateway there is "
+                         "none to start: run that gateway with --overlap true and bench it alone")
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]

@@ -105,6 +105,7 @@ def start_cluster(
     auth_token: str = "",
     http_port: Optional[int] = None,
     model_interceptors: tuple = (),
+    draft_timeout_s: float = 5.0,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -141,6 +142,7 @@ def start_cluster(
         GatewayOptions(
             num_draft_tokens=num_draft_tokens,
             connect_timeout_s=30,
+            draft_timeout_s=draft_timeout_s,
             max_waiting=max_waiting,
             max_speculative_requests=max_speculative_requests,
             overlap=overlap,

@@ -158,3 +158,35 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
     result = subprocess.run([sys.executable, "-c", python.replace("127.0.0.1:8000", here)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "acceptance_rate" in result.stdout
+
+
+def test_the_default_drafter_is_the_shipped_head_and_the_head_itself_gets_drafts_accepted(specd_up, up_ports, default_target):
+    """`specd up`'s draft is the shipped feature head; with prompt lookup switched off (so every draft
+    is the head's own), the head's greedy drafts are accepted and the answer is the target's."""
+    from draft_service.app import load_feature_drafter, start_draft_server
+    from gateway.app import start_gateway_server
+    from gateway.options import GatewayOptions
+    from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
+    from specd_common.config import DEFAULT_FEATURE_HEAD, ServerConfig
+    from verify_service.app import start_verify_server
+
+    with grpc.insecure_channel(f"127.0.0.1:{up_ports['draft']}") as channel:
+        info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+    assert info.drafter == "feature" and info.model_name == f"feature-head:{DEFAULT_FEATURE_HEAD.name}"
+
+    config = ServerConfig(port=0)
+    verify = start_verify_server(default_target, config, threads=1, prepack="off")
+    draft = start_draft_server(load_feature_drafter(str(DEFAULT_FEATURE_HEAD), lookup_min_ngram=0, dtype="float32", threads=1), config)
+    gateway = start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}", config, GatewayOptions(connect_timeout_s=60))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            prompt = shared_prompts(1)[2]
+            request = dict(text=prompt, max_new_tokens=MAX_NEW_TOKENS, draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)
+            head = stub.Generate(generate_pb2.GenerateRequest(**request), timeout=300)
+            alone = stub.Generate(generate_pb2.GenerateRequest(**request, disable_speculation=True), timeout=300)
+    finally:
+        for server in (gateway, draft, verify):
+            server.stop(0)
+    assert list(head.token_ids) == list(alone.token_ids)
+    assert head.stats.draft_tokens > 0 and head.stats.accepted_tokens > 0

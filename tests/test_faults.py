@@ -136,3 +136,57 @@ def test_losing_the_only_verify_gives_unavailable_with_the_partial_output(models
             metadata = dict(error.trailing_metadata())
             generated = [int(t) for t in metadata["specd-generated-token-ids"].split(",") if t]
             assert generated[: len(received)] == received and len(generated) >= len(received) > 0
+
+
+# --- a draft that errs or stalls (in process: an interceptor on the draft service) ------------------
+
+
+class TroubledPropose(grpc.ServerInterceptor):
+    """The draft's first `times` Propose calls fail with `code`, or first sleep `delay_s`; later ones behave."""
+
+    def __init__(self, times: int, code: grpc.StatusCode | None = None, delay_s: float = 0.0):
+        self.left, self.code, self.delay_s = times, code, delay_s
+        self.troubled = 0
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.endswith("DraftService/Propose"):
+            return handler
+
+        def propose(request, context):
+            if self.left > 0:
+                self.left -= 1
+                self.troubled += 1
+                if self.code is not None:
+                    context.abort(self.code, "injected draft failure")
+                time.sleep(self.delay_s)
+            return handler.unary_unary(request, context)
+
+        return handler._replace(unary_unary=propose)
+
+
+@pytest.mark.parametrize(
+    "trouble", [TroubledPropose(1, code=grpc.StatusCode.INTERNAL), TroubledPropose(1, delay_s=1.0)], ids=["error", "slow"]
+)
+def test_a_draft_that_errs_or_stalls_costs_speed_only_and_is_reopened_after_the_backoff(tiny, trouble, monkeypatch):
+    """A failing or too-slow (> --draft-timeout) Propose: the request goes on target-only (exact), the draft
+    is re-opened after the back-off (a health probe, then a new Prefill), and its drafts are accepted again."""
+    import gateway.engine
+    from tests.conftest import start_cluster
+
+    monkeypatch.setattr(gateway.engine, "DRAFT_BACKOFF_S", 0.05)  # re-open within this short request
+    cluster = start_cluster(tiny.target, "model", tiny.draft_same, model_interceptors=(trouble,), draft_timeout_s=0.3)
+    try:
+        request = dict(text="hello world", max_new_tokens=60, draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)
+        expected = cluster.stub().Generate(generate_pb2.GenerateRequest(**request, disable_speculation=True), timeout=60)
+        prefills = cluster.calls.counts["Prefill"]
+        started = time.monotonic()
+        reply = cluster.stub().Generate(generate_pb2.GenerateRequest(**request), timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        cluster.stop()
+    assert trouble.troubled == 1
+    assert list(reply.token_ids) == list(expected.token_ids)
+    assert cluster.calls.counts["Prefill"] - prefills == 3  # verify once, draft twice: opened, then re-opened after the back-off
+    assert reply.stats.accepted_tokens > 0  # the identical draft is used again once back
+    assert elapsed < 5.0  # a stalled draft costs one --draft-timeout (0.3 s), not its whole stall per round

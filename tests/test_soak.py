@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from specd_app.bench import machine_facts
 from tests.specd_stack import free_ports
 from tests.test_faults import serve, wait_serving
 
@@ -106,6 +107,8 @@ def test_soak_above_the_admission_limit(tiny, tmp_path):
         "seconds": SOAK_SECONDS, "clients": CONCURRENCY, "admitted": ADMITTED, "waiting": WAITING,
         "outcomes": dict(outcomes), "rss_mb_after_warm_up": {n: round(v, 1) for n, v in warm.items()},
         "rss_mb_final": {n: round(v, 1) for n, v in final.items()}, "growth_mb": growth, "open_sessions_after": sessions,
+        "command": "SPECD_SOAK_REPORT=docs/benchmarks/soak.json .venv/bin/python -m pytest -m slow tests/test_soak.py",
+        "machine": machine_facts(), "load_average": os.getloadavg(),
     }
     report = os.environ.get("SPECD_SOAK_REPORT") or str(tmp_path / "soak.json")
     with open(report, "w") as out:

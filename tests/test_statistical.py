@@ -1,21 +1,31 @@
 """Sampled output follows the target distribution: chi-square tests at significance 1e-3, fixed seeds.
 
 Two levels: the rejection rule on a real model's next-token distributions (the embedded default
-target), and the whole system (gateway + services over gRPC, tiny models) on the first sampled token.
+target), and the whole system (gateway + services over gRPC, tiny models with peaked next-token
+distributions). The whole-system test computes, from the very p and q the gateway used, its power
+against each known-wrong rule (correction drawn from p, accept every draft, reject every draft, q
+taken from another warp) and requires >= 0.99 at the significance level; controls swap each wrong
+rule into the running gateway and show the test then fails.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
-from gateway.rejection import rejection_sample
+import gateway.engine
+from gateway.rejection import RoundOutcome, recovered_token, rejection_sample
 from specd.v1 import common_pb2, generate_pb2
 from specd_common.distributions import decode_distribution, encode_distribution, sample_from
 from specd_common.params import Warp
 from specd_common.warping import warp_probs
 from tests.conftest import start_cluster
+from tests.tiny_models import build_feature_head, build_model, build_noisy_copy, build_tokenizer
 from tests.test_rejection import SIGNIFICANCE, chi_square_p_value
 
 WARPS = [Warp(temperature=1.0), Warp(temperature=0.6), Warp(temperature=1.0, top_k=20), Warp(temperature=0.9, top_p=0.9)]
@@ -46,40 +56,192 @@ def test_rejection_rule_on_real_model_distributions(default_target, warp):
     assert chi_square_p_value(firsts, p) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize(
-    "warp,overlap,drafter",
-    [
-        (Warp(temperature=1.0), False, "model"),
-        (Warp(temperature=0.8, top_k=8), False, "model"),
-        (Warp(temperature=1.0, top_p=0.8), True, "model"),
-        (Warp(temperature=1.0), False, "feature"),  # q is zero outside the head's vocabulary
-    ],
-    ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head"],
-)
-def test_system_samples_follow_the_target(tiny, warp, overlap, drafter):
-    """Through gateway, draft and verify: the first sampled token's frequencies match the target's p."""
-    from specd_common.models import load_causal_lm
 
-    draft_model = tiny.feature_head if drafter == "feature" else tiny.draft_noisy
-    running = start_cluster(tiny.target, drafter, draft_model, num_draft_tokens=2, overlap=overlap)
+# --------------------------------------------------------------------------- the whole system
+
+SAMPLES = {"model": 1000, "feature": 2000}  # requests per case: the untrained head overlaps p less
+REQUIRED_POWER = 0.99
+HEAD_SCALE, DRAFT_NOISE = 15.0, 0.4  # peaked target; a draft overlapping it by 35-50 % at the first position
+
+
+@dataclass
+class PeakedModels:
+    target: object
+    draft: object
+    feature_head: object
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory) -> PeakedModels:
+    """Tiny models whose first-position distributions are peaked (top token 0.2-0.3), unlike the
+    near-flat random ones, so 1,000-2,000 samples tell a right sampler from a wrong one."""
+    root = tmp_path_factory.mktemp("peaked")
+    target = build_model(root / "target", seed=3, tokenizer=build_tokenizer(), head_scale=HEAD_SCALE)
+    return PeakedModels(target, build_noisy_copy(target, root / "draft", noise=DRAFT_NOISE),
+                        build_feature_head(target, root / "head", vocab_stride=2))
+
+
+# Known-wrong rules, each with the distribution of the first token it emits (draft x ~ q at the
+# first position, target p there): what the power is computed against.
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    r = np.maximum(p - q, 0.0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def flatter(q: np.ndarray) -> np.ndarray:
+    """q under another warp: the square root, renormalised (like a temperature twice as high)."""
+    root = np.sqrt(q)
+    return root / root.sum()
+
+
+def correction_from_p(drafts, q, p, rng) -> RoundOutcome:
+    for i, token in enumerate(drafts):
+        if not (q[i][token] > 0 and rng.random() * q[i][token] < p[i][token]):
+            return RoundOutcome(i, int(rng.choice(p.shape[1], p=p[i] / p[i].sum())), bonus=False)
+    return RoundOutcome(len(drafts), int(rng.choice(p.shape[1], p=p[-1] / p[-1].sum())), bonus=True)
+
+
+def accept_all(drafts, q, p, rng) -> RoundOutcome:
+    return RoundOutcome(len(drafts), int(rng.choice(p.shape[1], p=p[-1] / p[-1].sum())), bonus=True)
+
+
+def reject_all(drafts, q, p, rng) -> RoundOutcome:
+    if not drafts:  # a round without drafts (the last token of a request) has only the bonus token
+        return accept_all(drafts, q, p, rng)
+    return RoundOutcome(0, recovered_token(p[0], q[0], rng), bonus=False)
+
+
+def q_of_another_warp(drafts, q, p, rng) -> RoundOutcome:
+    return rejection_sample(drafts, np.array([flatter(row) for row in q]).reshape(q.shape), p, rng)
+
+
+def accept_probabilities(p: np.ndarray, q_used: np.ndarray, q_drawn: np.ndarray) -> np.ndarray:
+    """P(draft x drawn from q_drawn and accepted by the rule min(1, p/q_used)), per x."""
+    ratio = np.divide(p, q_used, out=np.zeros_like(p), where=q_used > 0)
+    return q_drawn * np.minimum(1.0, ratio)
+
+
+WRONG_RULES: dict[str, tuple[Callable, Callable[[np.ndarray, np.ndarray], np.ndarray]]] = {
+    "correction from p": (correction_from_p, lambda p, q: np.minimum(p, q) + (1 - np.minimum(p, q).sum()) * p),
+    "accept every draft": (accept_all, lambda p, q: q),
+    "reject every draft": (reject_all, lambda p, q: residual(p, q)),
+    "q of another warp": (
+        q_of_another_warp,
+        lambda p, q: (a := accept_probabilities(p, flatter(q), q)) + (1 - a.sum()) * residual(p, flatter(q)),
+    ),
+}
+
+
+def pooled(probs: np.ndarray, expected: np.ndarray, min_expected: float = 5.0) -> np.ndarray:
+    """probs binned as chi_square_p_value bins the samples (pooling bins of small expected count)."""
+    big = expected >= min_expected
+    return np.append(probs[big], probs[~big].sum())
+
+
+def chi_square_power(wrong: np.ndarray, p: np.ndarray, n: int, alpha: float = SIGNIFICANCE) -> float:
+    """P(the test rejects at alpha) when samples follow `wrong` instead of p: noncentral chi-square
+    with the test's degrees of freedom and noncentrality n * sum((wrong - p)^2 / p) over its bins."""
+    p_bins, wrong_bins = pooled(p, p * n), pooled(wrong / wrong.sum(), p * n)
+    keep = p_bins > 0
+    df = int(keep.sum()) - 1
+    noncentrality = n * float((((wrong_bins - p_bins) ** 2)[keep] / p_bins[keep]).sum())
+    return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, noncentrality))
+
+
+@dataclass
+class SystemRun:
+    """What a case's requests produced, and the first round's p and q as the gateway saw them."""
+
+    firsts: np.ndarray
+    seconds: dict = field(default_factory=dict)  # first token → the second tokens that followed it
+    accepted: int = 0
+    rejected_rounds: int = 0
+    lookahead_rounds: int = 0
+    p: Optional[np.ndarray] = None  # [V] first position, target
+    q: Optional[np.ndarray] = None  # [V] first position, draft
+    prompt: list = field(default_factory=list)
+
+
+def run_system(models: PeakedModels, warp: Warp, overlap: bool, drafter: str, rule: Callable, monkeypatch) -> SystemRun:
+    """SAMPLES seeded requests (2 tokens, 2 drafts a round) through gateway, draft and verify over gRPC,
+    with `rule` as the gateway's sampling rule (the real one, or a wrong one for a control)."""
+    recorded: list = []
+
+    def recording(drafts, q, p, rng):
+        if not recorded and len(drafts):
+            recorded.append((q[0].copy(), p[0].copy()))
+        return rule(drafts, q, p, rng)
+
+    monkeypatch.setattr(gateway.engine, "rejection_sample", recording)
+    draft_model = models.feature_head if drafter == "feature" else models.draft
+    running = start_cluster(models.target, drafter, draft_model, num_draft_tokens=2, overlap=overlap)
     try:
         stub = running.stub()
         sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)
-        request = dict(
-            text="hello world", max_new_tokens=3, sampling=sampling,
-            draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED,  # always draft: exercise the rule
-        )
-        prompt = list(stub.Generate(generate_pb2.GenerateRequest(**request, seed=0), timeout=30).prompt_token_ids)
-        firsts, accepted = [], 0
-        for seed in range(1000):
+        request = dict(text="hello world", max_new_tokens=2, sampling=sampling,
+                       draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)  # always draft: exercise the rule
+        run = SystemRun(firsts=np.empty(SAMPLES[drafter], dtype=np.int64))
+        for seed in range(SAMPLES[drafter]):
             reply = stub.Generate(generate_pb2.GenerateRequest(**request, seed=seed), timeout=30)
-            firsts.append(reply.token_ids[0])
-            accepted += reply.stats.accepted_tokens
-        target = load_causal_lm(str(tiny.target))
-        with torch.inference_mode():
-            logits = target.model(torch.tensor([prompt])).logits[0, -1:]
-        p = decode_distribution(encode_distribution(warp_probs(logits, warp)[0].numpy()))
-        assert accepted > 0, "no draft was ever accepted: the test would not exercise rejection sampling"
-        assert chi_square_p_value(np.array(firsts), p) > SIGNIFICANCE
+            run.firsts[seed] = reply.token_ids[0]
+            if len(reply.token_ids) > 1:
+                run.seconds.setdefault(reply.token_ids[0], []).append(reply.token_ids[1])
+            run.accepted += reply.stats.accepted_tokens
+            run.rejected_rounds += reply.stats.rejected_rounds
+            run.lookahead_rounds += reply.stats.lookahead_rounds
+            run.prompt = list(reply.prompt_token_ids)
+        (run.q, run.p), = recorded[:1]
+        return run
     finally:
         running.stop()
+
+
+def target_distribution(models: PeakedModels, ids: list, warp: Warp) -> np.ndarray:
+    """The target's warped next-token distribution after ids, as it crosses the wire."""
+    from specd_common.models import load_causal_lm
+
+    target = load_causal_lm(str(models.target))
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([ids])).logits[0, -1:]
+    return decode_distribution(encode_distribution(warp_probs(logits, warp)[0].numpy()))
+
+
+CASES = [
+    (Warp(temperature=1.0), False, "model"),
+    (Warp(temperature=0.8, top_k=8), False, "model"),
+    (Warp(temperature=1.0, top_p=0.8), True, "model"),
+    (Warp(temperature=1.0), False, "feature"),  # q is zero outside the head's vocabulary
+]
+
+
+@pytest.mark.parametrize("warp,overlap,drafter", CASES, ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head"])
+def test_system_samples_follow_the_target(peaked, warp, overlap, drafter, monkeypatch):
+    """Through gateway, draft and verify: the first token's frequencies match the target's p, and the
+    second token's, after the most frequent first token, match p given that token; the test has power
+    >= 0.99 against every wrong rule, computed from the p and q the gateway used."""
+    run = run_system(peaked, warp, overlap, drafter, rejection_sample, monkeypatch)
+    p = target_distribution(peaked, run.prompt, warp)
+    np.testing.assert_allclose(run.p, p, atol=2e-3)  # the gateway judged with the target's p
+    powers = {name: chi_square_power(emitted(p, run.q), p, run.firsts.size) for name, (_, emitted) in WRONG_RULES.items()}
+    print(f"{drafter} {warp}: overlap of p and q {np.minimum(p, run.q).sum():.2f}; power at alpha {SIGNIFICANCE}: "
+          + ", ".join(f"{name} {power:.4f}" for name, power in powers.items()))
+    assert min(powers.values()) >= REQUIRED_POWER, powers
+    assert run.accepted > 0 and run.rejected_rounds > 0, "drafts must be both accepted and rejected"
+    if overlap:
+        assert run.lookahead_rounds > 0, "overlap is on but no look-ahead round ran"
+    assert chi_square_p_value(run.firsts, p) > SIGNIFICANCE
+    first = int(np.bincount(run.firsts).argmax())
+    seconds = np.array(run.seconds[first])
+    assert seconds.size >= 100
+    assert chi_square_p_value(seconds, target_distribution(peaked, run.prompt + [first], warp)) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("name", list(WRONG_RULES))
+def test_a_wrong_rule_in_the_gateway_fails_the_test(peaked, name, monkeypatch):
+    """Controls: each known-wrong rule swapped into the running gateway makes the first-token test fail."""
+    rule, _ = WRONG_RULES[name]
+    warp = Warp(temperature=1.0)
+    run = run_system(peaked, warp, False, "model", rule, monkeypatch)
+    assert chi_square_p_value(run.firsts, target_distribution(peaked, run.prompt, warp)) < SIGNIFICANCE

@@ -40,8 +40,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, tokenizer=None) -> Path:
-    """Save a random Llama (and the tiny tokenizer) to path; the same seed gives the same weights."""
+def build_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, tokenizer=None, head_scale: float = 3.0) -> Path:
+    """Save a random Llama (and the tiny tokenizer) to path; the same seed gives the same weights.
+    head_scale multiplies the output head: larger makes the next-token distributions more peaked."""
     tokenizer = tokenizer or build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -59,7 +60,7 @@ def build_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, tokeni
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharpen the random logits so greedy and sampled outputs vary meaningfully
-        model.lm_head.weight.mul_(3.0)
+        model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

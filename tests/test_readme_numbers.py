@@ -1,0 +1,88 @@
+"""Every benchmark number in the README comes from the saved result file it cites (issue 18).
+
+The README's Benchmarks section cites its JSON reports (docs/benchmarks/*.json) before each table;
+every number in a table's measured columns, and in the per-task-kind line, must be a value of a
+cited report (rounded as the README writes it), and every cited report must hold the command, the
+machine and the date it was made with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+CITATION = re.compile(r"docs/benchmarks/[\w.-]+\.json(?!l)")
+
+
+def benchmarks_section() -> str:
+    return (REPO / "README.md").read_text().split("\n## Benchmarks", 1)[1].split("\n## ", 1)[0]
+
+
+def tables_with_citations(section: str) -> list[tuple[list[str], list[list[str]]]]:
+    """(files cited since the previous table, rows of cells) for each markdown table, header and rule excluded."""
+    found, cited, rows = [], [], []
+    for line in section.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+            continue
+        if rows:
+            found.append((cited, rows[2:]))
+            cited, rows = [], []
+        cited = cited + CITATION.findall(line)
+    return found
+
+
+def reported_values(path: str) -> list[float]:
+    """Every number a report gives per mode (overall and per task kind), and its k."""
+    report = json.loads((REPO / path).read_text())
+    values = [float(report["k"])]
+    for mode in report["modes"].values():
+        for block in [mode.get("overall", {}), *mode.get("by_category", {}).values()]:
+            values += [float(v) for v in block.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return values
+
+
+def unexplained(text: str, values: list[float]) -> list[str]:
+    """Numbers in text that no value explains at the precision written."""
+    missing = []
+    for number in NUMBER.findall(text.replace(",", "")):
+        decimals = len(number.split(".")[1]) if "." in number else 0
+        half_unit = 0.5 * 10.0**-decimals + 1e-9  # 1.585 may be written 1.58 or 1.59
+        if not any(abs(value - float(number)) <= half_unit for value in values):
+            missing.append(number)
+    return missing
+
+
+def test_each_table_cites_reports_with_command_machine_and_date():
+    tables = tables_with_citations(benchmarks_section())
+    assert len(tables) >= 2
+    for cited, rows in tables:
+        assert cited, f"a benchmark table cites no results file: {rows[0]}"
+        for path in cited:
+            report = json.loads((REPO / path).read_text())
+            assert report.get("command") and report.get("machine", {}).get("cpu"), path
+            assert re.match(r"\d{4}-\d\d-\d\d", report["machine"].get("date", "")), f"{path} has no date"
+
+
+def test_every_table_number_is_in_the_report_it_cites():
+    for cited, rows in tables_with_citations(benchmarks_section()):
+        values = [value for path in cited for value in reported_values(path)]
+        for row in rows:
+            measured = " ".join(cell for cell in row[1:] if cell != "-")  # the first column names the row
+            assert not unexplained(measured, values), (row, cited)
+
+
+def test_the_per_task_kind_line_is_in_the_main_report():
+    section = benchmarks_section()
+    line = section.split("Per task kind", 1)[1].split("\n\n", 1)[0]
+    assert "translation" in line
+    assert not unexplained(line, reported_values("docs/benchmarks/bench.json"))
+
+
+def test_the_check_catches_a_number_no_report_holds():
+    values = reported_values("docs/benchmarks/bench.json")
+    assert unexplained("19.35 | 1.049", values) == []
+    assert unexplained("19.36 | 1.049", values) == ["19.36"]

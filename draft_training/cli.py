@@ -1,4 +1,4 @@
-"""Flags of `specd train-draft`, torch-free so that building the `specd` parser stays cheap everywhere.
+"""Flags of `specd train-draft` and `specd draft-corpus`, torch-free so that building the `specd` parser stays cheap everywhere.
 
 The work itself lives in draft_training/feature_training.py and is imported only when the command runs.
 """
@@ -6,10 +6,12 @@ The work itself lives in draft_training/feature_training.py and is imported only
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from specd_common.config import DEFAULT_TARGET
 
+log = logging.getLogger(__name__)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
 RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-full")
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
@@ -43,3 +45,30 @@ def add_train_draft_parser(commands) -> None:
     parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out answers (0 = all)")
     parser.add_argument("--skip-eval", action="store_true", help="save without the held-out evaluation")
     parser.set_defaults(func=run)
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    from draft_training.corpus import CorpusRecipe, corpus_dir, extend_corpus
+    from draft_training.distill_data import Budget
+    from specd_common.models import load_causal_lm
+
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target = load_causal_lm(args.target, device="cpu", dtype="float32")
+    directory = Path(args.output_dir) if args.output_dir else corpus_dir(target.name)
+    corpus = extend_corpus(target, directory, Path(args.data_dir), CorpusRecipe(), Budget(args.minutes))
+    log.info("corpus %s: %d records, %d answer tokens", directory, len(corpus.records), corpus.answer_tokens())
+    return 0
+
+
+def add_corpus_parser(commands) -> None:
+    """Register `specd draft-corpus`: extend the committed corpus of the target's own answers."""
+    parser = commands.add_parser("draft-corpus", help="add the target's answers to the draft-training corpus (resumable)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
+    parser.add_argument("--minutes", type=float, required=True, help="stop after this long (a batch in flight finishes)")
+    parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with the shared prompt sets")
+    parser.add_argument("--output-dir", default="", help="corpus folder (default: draft_training/corpus/<target>)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.set_defaults(func=run_corpus)

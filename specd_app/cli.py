@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
 
-    from draft_training.cli import add_train_draft_parser
+    from draft_training.cli import add_corpus_parser, add_train_draft_parser
 
     add_train_draft_parser(commands)
+    add_corpus_parser(commands)
 
     generate = commands.add_parser("generate", help="send one request to a gateway")
     add_flag(generate, "gateway", f"127.0.0.1:{DEFAULT_PORTS['gateway']}", "gateway HOST:PORT")

@@ -27,7 +27,8 @@ MAX_NEW = 400
 @contextlib.contextmanager
 def serve(service: str, port: int, log_dir: Path, *flags: str) -> Iterator[subprocess.Popen]:
     """`specd serve <service>` on port, stopped (or already killed) at the end."""
-    command = [sys.executable, "-m", "specd_app.cli", "serve", service, "--port", str(port), *flags]
+    off = ["--http-port", "0"] if service == "gateway" else []  # the HTTP API's fixed default port stays free
+    command = [sys.executable, "-m", "specd_app.cli", "serve", service, "--port", str(port), *off, *flags]
     with open(log_dir / f"{service}-{port}.log", "w") as log:
         process = subprocess.Popen(command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -90,12 +90,14 @@ def test_soak_above_the_admission_limit(tiny, tmp_path):
             with futures.ThreadPoolExecutor(CONCURRENCY) as pool:
                 clients = [pool.submit(client_loop, f"127.0.0.1:{gateway_port}", stop, outcomes, lock, s * 1000) for s in range(CONCURRENCY)]
                 started = time.monotonic()
-                while time.monotonic() - started < SOAK_SECONDS:
-                    time.sleep(min(10.0, SOAK_SECONDS / 10))
-                    for name, process in processes.items():
-                        assert process.poll() is None, f"{name} died during the soak"
-                    samples.append((time.monotonic() - started, {n: rss_mb(p.pid) for n, p in processes.items()}))
-                stop.set()
+                try:
+                    while time.monotonic() - started < SOAK_SECONDS:
+                        time.sleep(min(10.0, SOAK_SECONDS / 10))
+                        for name, process in processes.items():
+                            assert process.poll() is None, f"{name} died during the soak"
+                        samples.append((time.monotonic() - started, {n: rss_mb(p.pid) for n, p in processes.items()}))
+                finally:
+                    stop.set()  # whatever happened, the clients stop (else the pool's exit waits for ever)
                 for client in clients:
                     client.result(timeout=60)
             time.sleep(1.0)

@@ -1,0 +1,68 @@
+"""The committed draft-training corpus: compact shards, resumable extension, one recipe per corpus."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from draft_training.corpus import Corpus, CorpusRecipe, Record, corpus_prompts, extend_corpus, read_shard, write_shard
+from draft_training.distill_data import Budget
+
+RECIPE = CorpusRecipe(max_new_tokens=5, batch_size=4, sampled_share=0.5)
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """The shared sets' shape, a few rows each (the synthetic kinds are built from them)."""
+    directory = tmp_path / "data"
+    directory.mkdir()
+    rows = {
+        "gsm8k_train.jsonl": [{"id": f"gsm8k:{i}", "category": "math", "prompt": f"What is {i} plus {i}? It is simple."} for i in range(200)],
+        "humaneval.jsonl": [{"id": f"he:{i}", "category": "code", "prompt": f"def f{i}(x):"} for i in range(5)],
+        "seed_tasks.jsonl": [{"id": f"seed:{i}", "category": "chat", "prompt": f"Say hi {i}."} for i in range(5)],
+        "gpteacher_roleplay.jsonl": [{"id": f"rp:{i}", "category": "roleplay", "prompt": f"You are a pirate {i}."} for i in range(5)],
+    }
+    for name, content in rows.items():
+        (directory / name).write_text("".join(json.dumps(row) + "\n" for row in content))
+    return directory
+
+
+def test_shards_round_trip_token_ids_compactly(tmp_path):
+    records = [Record([1, 2, 65535, 4], 2, "a", "math", "greedy"), Record([7, 8, 9], 1, "b", "roleplay", "sampled")]
+    path = write_shard(tmp_path, records)
+    assert read_shard(path) == records
+    assert np.load(path)["tokens"].dtype == np.uint16
+    with pytest.raises(ValueError, match="uint16"):
+        write_shard(tmp_path, [Record([70000], 0, "c", "qa", "greedy")])
+
+
+def test_prompts_cover_every_kind_early_and_skip_held_out_ones(data_dir):
+    rows = corpus_prompts(data_dir, RECIPE)
+    kinds = {row["category"] for row in rows}
+    assert {"math", "code", "chat", "roleplay", "writing", "translation", "summarization", "qa"} <= kinds
+    assert {row["category"] for row in rows[: len(kinds)]} == kinds  # round robin over kinds
+    held_out = CorpusRecipe().held_out_fraction
+    from draft_training.train_prompts import is_held_out
+
+    assert not any(is_held_out(row["id"], held_out) for row in rows)
+
+
+def test_the_corpus_grows_across_runs_without_repeating_and_keeps_its_recipe(tiny, data_dir, tmp_path):
+    from specd_common.models import load_causal_lm
+
+    target = load_causal_lm(str(tiny.target))
+    directory = tmp_path / "corpus"
+    first = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8)
+    second = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8)
+    reread = Corpus.open(directory)
+    assert len(first.records) >= 8 and len(reread.records) == len(second.records) >= 16
+    pairs = [(record.id, record.mode) for record in reread.records]
+    assert len(pairs) == len(set(pairs))  # nothing answered twice
+    assert {record.mode for record in reread.records} == {"greedy", "sampled"}
+    for record in reread.records:
+        assert 1 <= len(record.tokens) - record.start <= RECIPE.max_new_tokens
+    with pytest.raises(ValueError, match="same recipe"):
+        extend_corpus(target, directory, data_dir, replace(RECIPE, temperature=0.3), Budget(0), limit=1)

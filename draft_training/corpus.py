@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from draft_training.distill_data import Budget, chat_prompt_ids
+from draft_training.distill_data import Budget, chat_prompt_ids, left_padded
 from draft_training.train_prompts import is_held_out, load_all_prompts, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -143,12 +143,8 @@ def wants_sampled(row_id: str, share: float) -> bool:
 def answer_batch(model, prompts: Sequence[list[int]], recipe: CorpusRecipe, sampled: bool, eos_ids: Sequence[int],
                  pad_id: int, seed: int) -> list[list[int]]:
     """The target's answers to left-padded prompts (greedy, or sampled with the recipe's warp)."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width]
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, width]
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention[row, width - len(prompt) :] = 1
+    input_ids, attention = left_padded(prompts, pad_id)  # [B, width] each
+    width = input_ids.shape[1]
     torch.manual_seed(seed)
     warp = dict(do_sample=True, temperature=recipe.temperature, top_p=recipe.top_p, top_k=0) if sampled else dict(do_sample=False)
     output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=recipe.max_new_tokens,

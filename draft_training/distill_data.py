@@ -85,16 +85,23 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(torch.int32), values.to(torch.float16)
 
 
-@torch.inference_mode()
-def generate_batch(model, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, top_k: int) -> list[dict]:
-    """Greedy answers for a batch of prompts (left-padded), with the top-k of every step's logits."""
-    device = next(model.parameters()).device
+def left_padded(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned for batched generation: input ids and attention mask, both [B, longest]."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width]
     attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, width]
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention[row, width - len(prompt) :] = 1
+    return input_ids, attention
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, top_k: int) -> list[dict]:
+    """Greedy answers for a batch of prompts (left-padded), with the top-k of every step's logits."""
+    device = next(model.parameters()).device
+    input_ids, attention = left_padded(prompts, pad_id)
+    width = input_ids.shape[1]
     output = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),

@@ -88,8 +88,7 @@ def start_server(
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = bind(server, host, port, tls)
     for address in private_addresses:  # e.g. unix:PATH for an in-process client (plaintext, not on the network)
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"could not bind {address}")
+        bind_address(server, address)
     server.start()
     running = RunningServer(server, bound, health_servicer, service_names)
     if health_port >= 0:
@@ -102,7 +101,11 @@ def start_server(
 
 def bind(server: grpc.Server, host: str, port: int, tls: ServerTLS = ServerTLS()) -> int:
     """Add the listening port, TLS or plaintext; the bound port number (port 0 picks one)."""
-    address = f"{host}:{port}"
+    return bind_address(server, f"{host}:{port}", tls)
+
+
+def bind_address(server: grpc.Server, address: str, tls: ServerTLS = ServerTLS()) -> int:
+    """Add a listening address (host:port or unix:PATH), TLS or plaintext; OSError if it cannot be bound."""
     bound = server.add_secure_port(address, tls.credentials()) if tls.enabled else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {address}")

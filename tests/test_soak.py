@@ -74,6 +74,7 @@ def client_loop(address: str, stop: threading.Event, outcomes: Counter, lock: th
             outcomes[code] += 1
 
 
+@pytest.mark.timeout(SOAK_SECONDS + 300)  # the soak itself plus start-up and drain: past the suite's 600 s default
 def test_soak_above_the_admission_limit(tiny, tmp_path):
     verify_port, draft_port, gateway_port, vm, dm, gm = free_ports(6)
     with serve("verify", verify_port, tmp_path, "--model", str(tiny.target), "--threads", "1", "--metrics-port", str(vm)) as verify, serve(

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from draft_training.distill_data import Budget, chat_prompt_ids, left_padded
+from draft_training.distill_data import Budget, chat_prompt_ids, cut_at_eos, left_padded
 from draft_training.train_prompts import is_held_out, load_all_prompts, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -149,11 +149,7 @@ def answer_batch(model, prompts: Sequence[list[int]], recipe: CorpusRecipe, samp
     warp = dict(do_sample=True, temperature=recipe.temperature, top_p=recipe.top_p, top_k=0) if sampled else dict(do_sample=False)
     output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=recipe.max_new_tokens,
                             pad_token_id=pad_id, eos_token_id=list(eos_ids), **warp)
-    answers = []
-    for answer in output[:, width:].tolist():
-        length = next((i + 1 for i, token in enumerate(answer) if token in eos_ids), len(answer))
-        answers.append(answer[:length])
-    return answers
+    return [cut_at_eos(answer, eos_ids) for answer in output[:, width:].tolist()]
 
 
 def extend_corpus(target, directory: Path, data_dir: Path, recipe: CorpusRecipe, budget: Budget, limit: int = 0) -> Corpus:

@@ -96,6 +96,12 @@ def left_padded(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor
     return input_ids, attention
 
 
+def cut_at_eos(answer: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """The answer up to and including its first end-of-sequence token (all of it when there is none)."""
+    length = next((i + 1 for i, token in enumerate(answer) if token in eos_ids), len(answer))
+    return list(answer[:length])
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int, top_k: int) -> list[dict]:
     """Greedy answers for a batch of prompts (left-padded), with the top-k of every step's logits."""
@@ -117,7 +123,7 @@ def generate_batch(model, prompts: Sequence[list[int]], max_new_tokens: int, eos
     records = []
     for row, prompt in enumerate(prompts):
         answer = answers[row].tolist()
-        length = next((i + 1 for i, t in enumerate(answer) if t in eos_ids), len(answer))
+        length = len(cut_at_eos(answer, eos_ids))
         records.append(
             {
                 "tokens": torch.tensor(prompt + answer[:length], dtype=torch.int32),

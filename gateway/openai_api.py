@@ -231,6 +231,11 @@ class ReplyIds:
     created: int
     model: str
 
+    def envelope(self, kind: Kind, streamed: bool, choices: list) -> dict:
+        """The fields every reply and chunk of the request shares, around its choices."""
+        name = ("chat.completion.chunk" if streamed else "chat.completion") if kind == "chat" else "text_completion"
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
+
     @classmethod
     def new(cls, kind: Kind, model: str) -> "ReplyIds":
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -266,12 +271,8 @@ def reply(kind: Kind, ids: ReplyIds, answer: generate_pb2.GenerateResponse) -> d
                   "finish_reason": finish}
     else:
         choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": ids.id, "object": "chat.completion" if kind == "chat" else "text_completion", "created": ids.created,
-        "model": ids.model, "choices": [choice],
-        "usage": usage(answer.usage.prompt_tokens, answer.usage.completion_tokens),
-        "specd": speculation(answer.stats),
-    }
+    return {**ids.envelope(kind, False, [choice]), "usage": usage(answer.usage.prompt_tokens, answer.usage.completion_tokens),
+            "specd": speculation(answer.stats)}
 
 
 def chunk(kind: Kind, ids: ReplyIds, text: str, finish: Optional[str] = None, first: bool = False,
@@ -283,8 +284,7 @@ def chunk(kind: Kind, ids: ReplyIds, text: str, finish: Optional[str] = None, fi
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    message = {"id": ids.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-               "created": ids.created, "model": ids.model, "choices": [choice]}
+    message = ids.envelope(kind, True, [choice])
     if stats is not None:
         message["specd"] = speculation(stats)
     return message
@@ -292,8 +292,7 @@ def chunk(kind: Kind, ids: ReplyIds, text: str, finish: Optional[str] = None, fi
 
 def usage_chunk(kind: Kind, ids: ReplyIds, prompt_tokens: int, completion_tokens: int) -> dict:
     """The extra last chunk of `stream_options.include_usage`: no choices, the request's usage."""
-    return {"id": ids.id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": ids.created, "model": ids.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    return {**ids.envelope(kind, True, []), "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def models_list(model: str) -> dict:

@@ -101,6 +101,13 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def gateway_health(address: str) -> str:
+    """The health status name (SERVING, NOT_SERVING) a service reports for the whole server."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 @contextlib.contextmanager
 def specd_up(model_dir: Path, log_path: Path, timeout_s: float = 120.0, drafter: tuple = ("--drafter", "ngram")) -> Iterator[Stack]:
     """`specd up` with a tiny target and (by default) the n-gram drafter on free ports; stopped with SIGTERM after.

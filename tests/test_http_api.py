@@ -20,6 +20,7 @@ import pytest
 from specd.v1 import common_pb2, generate_pb2
 from gateway.app import http_server
 from tests.conftest import Cluster, TinyModels, start_cluster
+from tests.specd_stack import gateway_health
 
 TOKEN = "s3cret-http-token"
 
@@ -307,22 +308,14 @@ def test_verify_down_is_a_quick_503_and_health_follows_the_verify(tiny: TinyMode
         assert refused.value.status_code == 503 and "verify" in refused.value.body["message"]
         assert time.monotonic() - started < 2.0
         assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 503, timeout_s=5)
-        assert gateway_health(cluster) == "NOT_SERVING"
+        assert gateway_health(cluster.address) == "NOT_SERVING"
         cluster.verify = start_verify_server(load_causal_lm(str(tiny.target)), ServerConfig(port=port))
         assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 200, timeout_s=10)
-        assert gateway_health(cluster) == "SERVING"
+        assert gateway_health(cluster.address) == "SERVING"
         reply = client_for(cluster).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
         assert reply.usage.completion_tokens >= 1
     finally:
         cluster.stop()
-
-
-def gateway_health(cluster: Cluster) -> str:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(cluster.address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def test_http_port_stops_with_the_gateway(tiny: TinyModels):

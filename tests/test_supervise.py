@@ -10,11 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_app.supervise import FIRST_BACKOFF_S, HEALTHY_AFTER_S, MAX_BACKOFF_S, Child, Supervisor
-from tests.specd_stack import specd_up
+from tests.specd_stack import gateway_health, specd_up
 
 
 class FakeProcess:
@@ -84,12 +82,6 @@ def generate(address: str, **fields) -> generate_pb2.GenerateResponse:
     with grpc.insecure_channel(address) as channel:
         request = generate_pb2.GenerateRequest(text="hello world", max_new_tokens=24, num_draft_tokens=3, **fields)
         return generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=60)
-
-
-def gateway_health(address: str) -> str:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def until_drafts_are_accepted(address: str, timeout_s: float = 90.0) -> generate_pb2.GenerateResponse:

@@ -56,9 +56,10 @@ def run_corpus(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target, device="cpu", dtype="float32")
+    target = load_causal_lm(args.target, device=args.device, dtype="float32")
     directory = Path(args.output_dir) if args.output_dir else corpus_dir(target.name)
-    corpus = extend_corpus(target, directory, Path(args.data_dir), CorpusRecipe(), Budget(args.minutes))
+    corpus = extend_corpus(target, directory, Path(args.data_dir), CorpusRecipe(), Budget(args.minutes),
+                           batch_size=args.batch_size)
     log.info("corpus %s: %d records, %d answer tokens", directory, len(corpus.records), corpus.answer_tokens())
     return 0
 
@@ -71,4 +72,6 @@ def add_corpus_parser(commands) -> None:
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with the shared prompt sets")
     parser.add_argument("--output-dir", default="", help="corpus folder (default: draft_training/corpus/<target>)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--batch-size", type=int, default=48, help="prompts answered together (speed only, not the answers)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:N")
     parser.set_defaults(func=run_corpus)

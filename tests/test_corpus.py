@@ -11,7 +11,7 @@ import pytest
 from draft_training.corpus import Corpus, CorpusRecipe, Record, corpus_prompts, extend_corpus, read_shard, write_shard
 from draft_training.distill_data import Budget
 
-RECIPE = CorpusRecipe(max_new_tokens=5, batch_size=4, sampled_share=0.5)
+RECIPE = CorpusRecipe(max_new_tokens=5, sampled_share=0.5)
 
 
 @pytest.fixture
@@ -55,8 +55,8 @@ def test_the_corpus_grows_across_runs_without_repeating_and_keeps_its_recipe(tin
 
     target = load_causal_lm(str(tiny.target))
     directory = tmp_path / "corpus"
-    first = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8)
-    second = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8)
+    first = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8, batch_size=4)
+    second = extend_corpus(target, directory, data_dir, RECIPE, Budget(0), limit=8, batch_size=4)
     reread = Corpus.open(directory)
     assert len(first.records) >= 8 and len(reread.records) == len(second.records) >= 16
     pairs = [(record.id, record.mode) for record in reread.records]
@@ -65,4 +65,4 @@ def test_the_corpus_grows_across_runs_without_repeating_and_keeps_its_recipe(tin
     for record in reread.records:
         assert 1 <= len(record.tokens) - record.start <= RECIPE.max_new_tokens
     with pytest.raises(ValueError, match="same recipe"):
-        extend_corpus(target, directory, data_dir, replace(RECIPE, temperature=0.3), Budget(0), limit=1)
+        extend_corpus(target, directory, data_dir, replace(RECIPE, temperature=0.3), Budget(0), limit=1, batch_size=4)

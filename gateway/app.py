@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -9,9 +10,9 @@ from typing import Optional, Sequence
 
 from gateway.admission import Admission
 from gateway.backends import Backends
-from gateway.health_watch import VerifyWatch
 from gateway.http_api import HttpApi, HttpServer, HttpSettings
 from gateway.options import GatewayOptions
+from gateway.pool import PoolMetrics
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
@@ -32,15 +33,21 @@ def start_gateway_server(
 ) -> RunningServer:
     """Connect to the model services (waiting up to options.connect_timeout_s for them), then serve.
 
-    Addresses may be lists (or comma-separated): each request pins one replica of each service.
+    Addresses may be lists (or comma-separated) of HOST:PORT and dns:///NAME:PORT (every record a
+    replica, re-resolved every options.resolve_period_s; gateway/discovery.py): each request pins the
+    least-loaded replica of each service (gateway/pool.py). The gateway reports NOT_SERVING while no
+    verify replica serves.
     backend_tls is how the gateway dials them (TLS / mutual TLS); config.tls is its own public port;
     options.auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
     http_port: also serve the OpenAI-compatible HTTP API (gateway/http_api.py) on config.host and this
     port (0 = a free one, None = no HTTP), with the same TLS files as the gRPC port.
     """
-    verify = {address: channel(address, backend_tls) for address in split_addresses(verify_addresses)}
-    draft = {address: channel(address, backend_tls) for address in split_addresses(draft_addresses)}
-    backends = Backends.connect(verify, draft, options.connect_timeout_s)
+    metrics = GatewayMetrics()
+    pool_metrics = PoolMetrics(metrics.report_replicas, metrics.report_sessions, metrics.count_discovery)
+    backends = Backends.connect(
+        split_addresses(verify_addresses), split_addresses(draft_addresses), lambda address, name: channel(address, tls_for(backend_tls, name)),
+        options.connect_timeout_s, options.resolve_period_s, pool_metrics,
+    )
     admission = Admission(max_active=config.max_sessions, max_waiting=options.max_waiting)
     servicer = GenerateServicer(backends, options, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
@@ -49,12 +56,16 @@ def start_gateway_server(
     warn_plaintext_token(config, options.auth_token)
     bridge_dir = tempfile.mkdtemp(prefix="specd-gateway-") if http_port is not None else None  # mode 0700
     bridge = [f"unix:{bridge_dir}/generate.sock"] if bridge_dir else []
-    running = start_observed_server(
-        "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
-        interceptors=interceptors, metrics=GatewayMetrics(), max_workers=workers, private_addresses=bridge,
-    )
-    watch = VerifyWatch(backends.verify.health, backends.verify.addresses, running.set_serving)
-    running.companions.append(watch.start())
+    try:
+        running = start_observed_server(
+            "gateway", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, None, config,
+            interceptors=interceptors, metrics=metrics, max_workers=workers, private_addresses=bridge,
+        )
+    except BaseException:
+        backends.stop()
+        raise
+    running.companions.append(backends)  # its pools stop with the server
+    backends.follow_verify_health(running.set_serving)
     if bridge_dir is not None:
         running.cleanups.append(lambda: shutil.rmtree(bridge_dir, ignore_errors=True))
         try:
@@ -85,6 +96,14 @@ def warn_plaintext_token(config: ServerConfig, auth_token: str) -> None:
     if auth_token and not config.tls.enabled and config.host not in LOOPBACK_HOSTS:
         log.warning("--auth-token without --tls-cert on %s: tokens cross the network in clear text "
                     "unless a proxy in front terminates TLS", config.host)
+
+
+def tls_for(tls: Optional[ClientTLS], name: str) -> Optional[ClientTLS]:
+    """How to dial a replica found under DNS name `name`: its certificate is checked against the name
+    (not the pod IP the channel dials), unless an explicit server name was configured."""
+    if tls is None or not tls.enabled or not name or tls.server_name:
+        return tls
+    return dataclasses.replace(tls, server_name=name)
 
 
 def split_addresses(addresses: Optional[str | Sequence[str]]) -> list[str]:

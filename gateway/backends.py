@@ -1,73 +1,24 @@
 """The model services as the gateway sees them: replica pools, what they reported, the tokenizer.
 
-A request pins one draft and one verify replica (its KV caches live there). Replicas are picked
-round-robin; a verify replica that fails mid-request is swapped for another by replaying the
-sequence on it (gateway.engine), a failed draft only costs speed.
+A request pins one draft and one verify replica (its KV caches live there), chosen least-loaded from
+each role's pool (gateway/pool.py, which also discovers and health-watches the replicas). A verify
+replica that fails mid-request is swapped for another by replaying the sequence on it
+(gateway.engine); a failed draft only costs speed.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 from dataclasses import dataclass, field
-from typing import Generic, Optional, Sequence, TypeVar
-
-import grpc
-
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing import Any, Callable, Optional, Sequence
 
 from gateway.adaptive import StepCosts
+from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
 from specd_common.errors import FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
-
-Stub = TypeVar("Stub")
-
-
-@dataclass
-class Pool(Generic[Stub]):
-    """Replicas of one service, addressed by index."""
-
-    addresses: list[str]
-    stubs: list[Stub]
-    health: list = field(default_factory=list)  # grpc.health.v1 stubs, one per replica (empty: not probed)
-    failed: set = field(default_factory=set)  # replicas that failed a call and have not answered a health check since
-    _turn: itertools.count = field(default_factory=itertools.count)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __len__(self) -> int:
-        return len(self.stubs)
-
-    def pick(self, exclude: Sequence[int] = ()) -> Optional[int]:
-        """The next replica in round-robin order that is not excluded; None when none is left."""
-        with self._lock:
-            start = next(self._turn)
-        for offset in range(len(self.stubs)):
-            index = (start + offset) % len(self.stubs)
-            if index not in exclude:
-                return index
-        return None
-
-    def usable(self, index: int, probe_timeout_s: float) -> bool:
-        """May replica `index` be called? Yes unless it failed a call before (mark_failed) and does not
-        now answer its health check as SERVING within probe_timeout_s: a frozen or overloaded process
-        is then skipped at the cost of a short probe, not of another full call timeout."""
-        if index not in self.failed or index >= len(self.health):
-            return True
-        try:
-            serving = self.health[index].Check(health_pb2.HealthCheckRequest(), timeout=probe_timeout_s).status
-        except grpc.RpcError:
-            return False
-        if serving != health_pb2.HealthCheckResponse.SERVING:
-            return False
-        self.failed.discard(index)
-        return True
-
-    def mark_failed(self, index: int) -> None:
-        self.failed.add(index)
 
 
 @dataclass
@@ -84,69 +35,85 @@ class Backends:
     @classmethod
     def connect(
         cls,
-        verify_channels: dict[str, grpc.Channel],
-        draft_channels: dict[str, grpc.Channel],
+        verify_addresses: Sequence[str],
+        draft_addresses: Sequence[str],
+        dial: Callable[[str, str], Any],
         timeout_s: float,
+        resolve_period_s: float = RESOLVE_PERIOD_S,
+        metrics: PoolMetrics = PoolMetrics(),
     ) -> "Backends":
-        """Ask every replica who it is (waiting up to timeout_s); refuse mismatched vocabularies."""
-        verify = Pool(
-            list(verify_channels),
-            [verify_pb2_grpc.VerifyServiceStub(c) for c in verify_channels.values()],
-            [health_pb2_grpc.HealthStub(c) for c in verify_channels.values()],
-        )
-        draft = Pool(
-            list(draft_channels),
-            [draft_pb2_grpc.DraftServiceStub(c) for c in draft_channels.values()],
-            [health_pb2_grpc.HealthStub(c) for c in draft_channels.values()],
-        )
-        if not len(verify):
+        """Find the replicas and ask each who it is (waiting up to timeout_s for every one found to
+        answer); refuse mismatched vocabularies: at start as an error, later by leaving the replica out."""
+        if not verify_addresses:
             raise FailedPrecondition("the gateway needs at least one verify service address")
-        target_infos = _model_infos(verify, timeout_s)
-        if not target_infos:
-            raise Unavailable(f"no verify replica answered within {timeout_s} s: {', '.join(verify.addresses)}")
-        target_info = target_infos[0]
-        for other in target_infos[1:]:
-            check_same_vocabulary(target_info, other, "verify replica")
-        draft_infos = _model_infos(draft, timeout_s) if len(draft) else []
-        for info in draft_infos:
-            check_same_vocabulary(target_info, info, "draft")
-            check_features_available(target_info, info)
-        if len(draft) and not draft_infos:
-            log.warning("no draft replica answered; serving target-only until one does")
-        return cls(verify, draft, target_info, draft_infos[0] if draft_infos else None, GatewayTokenizer(target_info))
+        first: dict[str, common_pb2.GetModelInfoResponse] = {}  # the first verify and draft to answer set the rules
 
+        def admit_verify(info: common_pb2.GetModelInfoResponse) -> str:
+            reference = first.setdefault("verify", info)
+            return vocabulary_mismatch(reference, info, "verify replica")
 
-def _model_infos(pool: Pool, timeout_s: float) -> list[common_pb2.GetModelInfoResponse]:
-    """GetModelInfo from every replica at once; the ones that do not answer are logged and left out."""
-    calls = [
-        stub.GetModelInfo.future(common_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-        for stub in pool.stubs
-    ]
-    infos = []
-    for address, call in zip(pool.addresses, calls):
+        def admit_draft(info: common_pb2.GetModelInfoResponse) -> str:
+            reference = first.setdefault("draft", info)
+            if info.wants_target_features != reference.wants_target_features:
+                return f"draft {info.model_name!r} and draft {reference.model_name!r} are different kinds of drafter; run one kind per pool"
+            return vocabulary_mismatch(first["verify"], info, "draft") or features_unavailable(first["verify"], info)
+
+        pools = dict(resolve_period_s=resolve_period_s, metrics=metrics)
+        verify = Pool("verify", verify_addresses, dial, verify_pb2_grpc.VerifyServiceStub, admit_verify, **pools).start()
+        draft = Pool("draft", draft_addresses, dial, draft_pb2_grpc.DraftServiceStub, admit_draft, **pools)
         try:
-            infos.append(call.result())
-        except grpc.RpcError as error:
-            log.warning("replica %s did not answer GetModelInfo: %s", address, error.code())
-    return infos
+            if not verify.wait_settled(timeout_s) and "verify" not in first:
+                raise Unavailable(f"no verify replica answered within {timeout_s} s: {', '.join(verify_addresses)}")
+            refuse_at_start(verify)
+            if draft.configured:
+                draft.start()
+                if not draft.wait_settled(timeout_s, need=0):
+                    log.warning("not every draft replica answered; serving target-only where none does")
+                refuse_at_start(draft)
+        except BaseException:
+            verify.stop()
+            draft.stop()
+            raise
+        target_info = first["verify"]
+        return cls(verify, draft, target_info, first.get("draft"), GatewayTokenizer(target_info))
+
+    def follow_verify_health(self, set_serving: Callable[[bool], None]) -> None:
+        """Report the gateway SERVING while a verify replica serves: without a target it can answer
+        nothing, so load balancers and readiness probes should send clients elsewhere meanwhile.
+        (Drafts are not followed: without one, requests are still served exactly, target-only.)"""
+        self.verify.on_serving_change = set_serving
+        set_serving(self.verify.any_serving())
+
+    def begin_stop(self) -> None:
+        """The server is stopping: its own shutdown decides its health from here."""
+        self.verify.on_serving_change = lambda serving: None
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.begin_stop()
+        self.verify.stop()
+        self.draft.stop()
 
 
-def check_features_available(target: common_pb2.GetModelInfoResponse, draft: common_pb2.GetModelInfoResponse) -> None:
-    """A feature drafter needs a verify service that can return the target's features."""
-    if draft.wants_target_features and not target.hidden_size:
-        raise FailedPrecondition(
-            f"draft {draft.model_name!r} reads the target's features but verify {target.model_name!r} does not "
-            "report a hidden size (an older verify service?); upgrade the verify service or use another drafter"
-        )
+def refuse_at_start(pool: Pool) -> None:
+    """A replica refused while the gateway starts is a configuration error: say it instead of serving around it."""
+    refused = [replica.refused for replica in pool.replicas() if replica.refused]
+    if refused:
+        raise FailedPrecondition(refused[0])
 
 
-def check_same_vocabulary(
-    target: common_pb2.GetModelInfoResponse, other: common_pb2.GetModelInfoResponse, role: str = "draft"
-) -> None:
-    """A model drafter must speak the target's token ids; a model-free drafter (no vocabulary) always does."""
+def vocabulary_mismatch(target: common_pb2.GetModelInfoResponse, other: common_pb2.GetModelInfoResponse, role: str = "draft") -> str:
+    """Why `other` cannot serve beside `target` ('' if it can): a model drafter must speak the target's
+    token ids; a model-free drafter (no vocabulary) always does."""
     if other.vocab_digest and other.vocab_digest != target.vocab_digest:
-        raise FailedPrecondition(
-            f"{role} {other.model_name!r} and target {target.model_name!r} have different vocabularies "
-            f"(digests {other.vocab_digest[:12]} vs {target.vocab_digest[:12]}); pick a {role} that shares "
-            "the target's tokenizer"
-        )
+        return (f"{role} {other.model_name!r} and target {target.model_name!r} have different vocabularies "
+                f"(digests {other.vocab_digest[:12]} vs {target.vocab_digest[:12]}); pick a {role} that shares "
+                "the target's tokenizer")
+    return ""
+
+
+def features_unavailable(target: common_pb2.GetModelInfoResponse, draft: common_pb2.GetModelInfoResponse) -> str:
+    """A feature drafter needs a verify service that can return the target's features ('' when it can)."""
+    if draft.wants_target_features and not target.hidden_size:
+        return (f"draft {draft.model_name!r} reads the target's features but verify {target.model_name!r} does not "
+                "report a hidden size (an older verify service?); upgrade the verify service or use another drafter")
+    return ""

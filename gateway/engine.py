@@ -24,7 +24,8 @@ from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_draft_length
-from gateway.backends import Backends, Pool
+from gateway.backends import Backends
+from gateway.pool import Pool, Replica
 from gateway.features import FeatureLog
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
@@ -124,14 +125,14 @@ class Link:
     """This request's session on one replica of a service."""
 
     session_id: str = ""
-    index: Optional[int] = None  # replica in use; None while closed
+    replica: Optional[Replica] = None  # the pinned replica; None while closed
     features_sent: int = 0  # feature drafters: rows of target features the session has been sent
     sync: ServiceSync = field(default_factory=lambda: ServiceSync(agreed=0))
-    failed: list[int] = field(default_factory=list)  # replicas that failed during this request
+    failed: list[Replica] = field(default_factory=list)  # replicas that failed during this request
 
     @property
     def open(self) -> bool:
-        return self.index is not None
+        return self.replica is not None
 
 
 class Generation:
@@ -155,7 +156,7 @@ class Generation:
     ):
         self.backends = backends
         self.spec = spec
-        self.speculate = spec.speculate and len(backends.draft) > 0
+        self.speculate = spec.speculate and backends.draft.configured and backends.draft_info is not None
         wants_features = self.speculate and backends.draft_info is not None and backends.draft_info.wants_target_features
         self._features = FeatureLog() if wants_features else None  # target features for a feature drafter
         self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
@@ -177,7 +178,7 @@ class Generation:
         self._acceptance = AcceptanceEstimate()
         self._rounds_since_draft = 0
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
-        self._opened: list[tuple[Any, str]] = []  # (stub, session id) to release at the end
+        self._opened: list[tuple[Pool, Replica, str]] = []  # sessions to release at the end
         self._sessions_opened = 0
 
     @property
@@ -243,17 +244,17 @@ class Generation:
         remaining = self._time_remaining()  # None when the client set no deadline
         return DEFAULT_RPC_TIMEOUT_S if remaining is None else max(min(remaining, DEFAULT_RPC_TIMEOUT_S), 0.001)
 
-    def _prefill(self, link: Link, pool: Pool, request_type: type, index: int, timeout_s: float, **extra: Any) -> Any:
-        """Open a session holding the whole committed sequence on replica `index` of `pool`; returns the reply."""
+    def _prefill(self, link: Link, pool: Pool, request_type: type, replica: Replica, timeout_s: float, **extra: Any) -> Any:
+        """Open a session holding the whole committed sequence on `replica` (reserved by pool.pick) and pin
+        it to `link`; returns the reply. The reservation ends in _release, with the request's other sessions."""
         self._sessions_opened += 1
         session_id = f"{self.request_id}-{self._sessions_opened}"
-        stub = pool.stubs[index]
-        self._opened.append((stub, session_id))
+        self._opened.append((pool, replica, session_id))
         sampling = self.spec.warp.to_proto(common_pb2.SamplingParams)
-        reply = stub.Prefill(
+        reply = replica.stub.Prefill(
             request_type(session_id=session_id, prompt_token_ids=self.sequence, sampling=sampling, **extra), timeout=timeout_s
         )
-        link.session_id, link.index, link.sync = session_id, index, ServiceSync(agreed=len(self.sequence))
+        link.session_id, link.replica, link.sync = session_id, replica, ServiceSync(agreed=len(self.sequence))
         link.features_sent = len(self.sequence) - 1
         return reply
 
@@ -261,10 +262,10 @@ class Generation:
         """Prime a verify replica with the sequence so far, trying each healthy replica once."""
         pool = self.backends.verify
         codes = []
-        while (index := pool.pick(exclude=self._verify.failed)) is not None:
+        while (replica := pool.pick(exclude=self._verify.failed)) is not None:
             try:
                 reply = self._prefill(
-                    self._verify, pool, verify_pb2.VerifyPrefillRequest, index, self._timeout(), return_features=self._features is not None
+                    self._verify, pool, verify_pb2.VerifyPrefillRequest, replica, self._timeout(), return_features=self._features is not None
                 )
                 if self._features is not None:
                     self._features.put(reply.features)
@@ -272,8 +273,10 @@ class Generation:
             except grpc.RpcError as error:
                 if not self._replica_fault(error):
                     raise
-                log.warning("verify replica %s failed (%s); trying another", pool.addresses[index], error.code())
-                self._verify.failed.append(index)
+                log.warning("verify replica %s failed (%s); trying another", replica.address, error.code())
+                self._verify.failed.append(replica)
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    pool.mark_failed(replica)
                 codes.append(error.code())
         if codes and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code in codes):
             raise ResourceExhausted("every verify replica is at its session limit; retry later")
@@ -285,23 +288,27 @@ class Generation:
         at most): one that is frozen or still overloaded stays skipped without stalling the stream for
         another draft timeout."""
         pool = self.backends.draft
-        index = pool.pick()
-        if not pool.usable(index, min(DRAFT_PROBE_S, self._draft_timeout())):
-            self._draft_down(index, "failed before and gives no SERVING answer to a health check", mark=False)
+        replica = pool.pick()
+        if replica is None:
+            self._draft_down(None, "no draft replica serves", mark=False)
+            return
+        if not pool.usable(replica, min(DRAFT_PROBE_S, self._draft_timeout())):
+            pool.release(replica)
+            self._draft_down(replica, "failed before and gives no SERVING answer to a health check", mark=False)
             return
         try:
             extra = {"target_features": self._unsent_features(0)} if self._features is not None else {}
-            self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, index, self._draft_timeout(), **extra)
+            self._prefill(self._draft, pool, draft_pb2.DraftPrefillRequest, replica, self._draft_timeout(), **extra)
             self._draft_backoff_s = DRAFT_BACKOFF_S
         except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer
-            self._draft_down(index, str(error.code()))
+            self._draft_down(replica, str(error.code()))
 
-    def _draft_down(self, index: int, reason: str, mark: bool = True) -> None:
-        log.warning("draft %s failed (%s); target-only rounds for %.1f s", self.backends.draft.addresses[index], reason,
+    def _draft_down(self, replica: Optional[Replica], reason: str, mark: bool = True) -> None:
+        log.warning("draft %s failed (%s); target-only rounds for %.1f s", replica.address if replica else "pool", reason,
                     self._draft_backoff_s)
-        if mark:
-            self.backends.draft.mark_failed(index)
-        self._draft.index = None
+        if mark and replica is not None:
+            self.backends.draft.mark_failed(replica)
+        self._draft.replica = None
         self._lookahead = ([], [])
         self._draft_retry_at = time.monotonic() + self._draft_backoff_s
         self._draft_backoff_s = min(self._draft_backoff_s * 2, DRAFT_MAX_BACKOFF_S)
@@ -312,14 +319,15 @@ class Generation:
     def _release(self) -> None:
         """Free every session this request opened; failures are logged, never raised."""
         calls = [
-            stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
-            for stub, session_id in self._opened
+            replica.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
+            for _, replica, session_id in self._opened
         ]
-        for call in calls:
+        for (pool, replica, _), call in zip(self._opened, calls):
             try:
                 call.result()
             except grpc.RpcError as error:
                 log.info("release failed (the replica may be gone): %s", error.code())
+            pool.release(replica)
         self._opened.clear()
 
     # --- one round -----------------------------------------------------------------------------
@@ -345,7 +353,7 @@ class Generation:
         return k
 
     def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution]]:
-        stub = self.backends.draft.stubs[self._draft.index]
+        stub = self._draft.replica.stub
         request = draft_pb2.ProposeRequest(
             session_id=self._draft.session_id,
             commit=self._draft.sync.commit(self.sequence),
@@ -357,7 +365,7 @@ class Generation:
         try:
             proposal = stub.Propose(request, timeout=self._draft_timeout())
         except grpc.RpcError as error:
-            self._draft_down(self._draft.index, str(error.code()))
+            self._draft_down(self._draft.replica, str(error.code()))
             return [], []
         self._draft.sync.agreed = len(self.sequence)
         self._draft.features_sent = len(self.sequence) - 1
@@ -379,8 +387,7 @@ class Generation:
             num_draft_tokens=k + 1,
             seed=int(self.rng.integers(2**63)),
         )
-        stub = self.backends.draft.stubs[self._draft.index]
-        return request, stub.Propose.future(request, timeout=self._draft_timeout())
+        return request, self._draft.replica.stub.Propose.future(request, timeout=self._draft_timeout())
 
     def _finish_lookahead(self, lookahead, outcome: RoundOutcome) -> None:
         """Keep the look-ahead's drafts when it guessed this round's bonus token; drop them otherwise.
@@ -389,7 +396,7 @@ class Generation:
         try:
             reply = call.result()
         except grpc.RpcError as error:
-            self._draft_down(self._draft.index, str(error.code()))
+            self._draft_down(self._draft.replica, str(error.code()))
             return
         self._account(request, reply, draft=True)
         self.stats.lookahead_rounds += 1
@@ -413,12 +420,13 @@ class Generation:
                 return_features=self._features is not None,
             )
             try:
-                scores = self.backends.verify.stubs[self._verify.index].Verify(request, timeout=self._timeout())
+                scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())
             except grpc.RpcError as error:
                 if not self._replica_fault(error):
                     raise
-                log.warning("verify replica %s failed (%s) mid-request; replaying on another", self.backends.verify.addresses[self._verify.index], error.code())
-                self._verify.failed.append(self._verify.index)
+                log.warning("verify replica %s failed (%s) mid-request; replaying on another", self._verify.replica.address, error.code())
+                self._verify.failed.append(self._verify.replica)
+                self.backends.verify.mark_failed(self._verify.replica)
                 self._open_verify()
                 continue
             self._verify.sync.agreed = len(self.sequence)

@@ -18,6 +18,7 @@ class GatewayOptions:
     max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
     overlap: bool = False  # draft the next round while the target verifies
     connect_timeout_s: float = 300.0
+    resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set
 
     def __post_init__(self) -> None:

@@ -142,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT, or several comma-separated replicas")
-    add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService HOST:PORT, comma-separated replicas ('' = none)")
+    add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT, dns:///NAME:PORT (every A/AAAA record a replica) or dns://DNS_SERVER:PORT/NAME:PORT; comma-separated for several")
+    add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService addresses, as --verify-address ('' = none)")
+    add_flag(parser, "resolve-period", 5.0, "seconds between DNS lookups of dns:/// addresses (also looked up after a replica fails)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
     add_flag(parser, "max-speculative-requests", 2, "above this many running requests, rounds are target-only (0 = no limit; 2 measured best on the 2-core CPU, see README)")
@@ -206,6 +207,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         max_speculative_requests=args.max_speculative_requests,
         overlap=args.overlap,
         connect_timeout_s=args.connect_timeout,
+        resolve_period_s=args.resolve_period,
         auth_token=load_token(args.auth_token, args.auth_token_file),
     )
     running = start_gateway_server(

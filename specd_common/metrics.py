@@ -144,6 +144,36 @@ class GatewayMetrics(ServiceMetrics):
             f"{PREFIX}_request_finish", "Finished generations by finish reason (eos, length, stop, cancelled, error).",
             ["finish_reason"], registry=r,
         )
+        self.pool_replicas = Gauge(
+            f"{PREFIX}_gateway_replicas", "Model-service replicas this gateway knows, by role and state "
+            "(serving, not_serving, unanswered, refused, draining).", ["role", "state"], registry=r,
+        )
+        self.pool_sessions = Gauge(
+            f"{PREFIX}_gateway_replica_sessions", "Sessions this gateway has open on each replica.",
+            ["role", "replica"], registry=r,
+        )
+        self.pool_changes = Counter(
+            f"{PREFIX}_gateway_discovery_changes", "Replicas added to or removed from a pool by discovery.",
+            ["role", "change"], registry=r,
+        )
+
+    def report_replicas(self, role: str, counts: dict) -> None:
+        """A pool's replicas by state (gateway.pool)."""
+        for state, count in counts.items():
+            self.pool_replicas.labels(role, state).set(count)
+
+    def report_sessions(self, role: str, replica: str, count: Optional[int]) -> None:
+        """Sessions open on one replica; None: the replica is gone, drop its series."""
+        if count is not None:
+            self.pool_sessions.labels(role, replica).set(count)
+            return
+        try:
+            self.pool_sessions.remove(role, replica)
+        except KeyError:
+            pass  # never reported
+
+    def count_discovery(self, role: str, change: str) -> None:
+        self.pool_changes.labels(role, change).inc()
 
     def count_http(self, path: str, status: int, seconds: float) -> None:
         """One request to the OpenAI-compatible HTTP API (its generation is also counted as a gRPC RPC)."""

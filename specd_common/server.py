@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -44,6 +45,22 @@ class RunningServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             self.health.set(name, status)
+
+    def drain(self, grace_s: float, poll_s: float = 0.1) -> float:
+        """Report NOT_SERVING, then wait up to grace_s until the service holds no session (a model
+        service: gateways watching its health stop sending it new sessions at once, and the sessions
+        in flight finish here instead of failing over). Returns the grace left for stop(); a service
+        without sessions (the gateway: one RPC per request) returns at once."""
+        for companion in self.companions:
+            companion.begin_stop()
+        self.set_serving(False)
+        deadline = time.monotonic() + grace_s
+        sessions = getattr(self.servicer, "sessions", None)
+        while sessions is not None and len(sessions) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        if sessions is not None:
+            log.info("drained: %d session(s) still open", len(sessions))
+        return max(0.0, deadline - time.monotonic())
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
@@ -161,7 +178,7 @@ def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callab
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down: draining in-flight requests for up to %.0f s", grace_s)
-    running.stop(grace_s)
+    running.stop(running.drain(grace_s))
     on_stop()
 
 

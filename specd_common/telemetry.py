@@ -435,8 +435,8 @@ class TracedChannel(grpc.Channel):
 
     def __init__(self, channel: grpc.Channel, address: str):
         self._channel = channel
-        host, _, port = address.rpartition(":")
-        self._peer = {"server.address": host or address}
+        host, _, port = address.removeprefix("ipv4:").removeprefix("ipv6:").rpartition(":")
+        self._peer = {"server.address": host.strip("[]") or address}
         if port.isdigit():
             self._peer["server.port"] = int(port)
 

@@ -101,6 +101,34 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@contextlib.contextmanager
+def serve(service: str, port: int, log_dir: Path, *flags: str, host: str = "127.0.0.1") -> Iterator[subprocess.Popen]:
+    """`specd serve <service>` on host:port, stopped (SIGTERM, then kill) at the end unless already gone."""
+    off = ["--http-port", "0"] if service == "gateway" else []  # the HTTP API's fixed default port stays free
+    command = [sys.executable, "-m", "specd_app.cli", "serve", service, "--host", host, "--port", str(port), *off, *flags]
+    with open(log_dir / f"{service}-{host}-{port}.log", "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def wait_serving(*addresses: int | str, timeout_s: float = 120) -> None:
+    """Wait until every address (a port on 127.0.0.1, or HOST:PORT) answers its health check SERVING."""
+    targets = [a if isinstance(a, str) else f"127.0.0.1:{a}" for a in addresses]
+    deadline = time.monotonic() + timeout_s
+    while not all(serving(target) for target in targets):
+        assert time.monotonic() < deadline, f"services {targets} did not become SERVING"
+        time.sleep(0.3)
+
+
 def gateway_health(address: str) -> str:
     """The health status name (SERVING, NOT_SERVING) a service reports for the whole server."""
     with grpc.insecure_channel(address) as channel:

@@ -5,49 +5,19 @@ Each service runs as its own `specd serve` process with a tiny model and one tor
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 
 from specd.v1 import generate_pb2, generate_pb2_grpc
-from tests.specd_stack import REPO, free_ports, repo_env, serving
+from tests.specd_stack import free_ports, serve, wait_serving
 
 PROMPT = "hello world"
 MAX_NEW = 400
-
-
-@contextlib.contextmanager
-def serve(service: str, port: int, log_dir: Path, *flags: str) -> Iterator[subprocess.Popen]:
-    """`specd serve <service>` on port, stopped (or already killed) at the end."""
-    off = ["--http-port", "0"] if service == "gateway" else []  # the HTTP API's fixed default port stays free
-    command = [sys.executable, "-m", "specd_app.cli", "serve", service, "--port", str(port), *off, *flags]
-    with open(log_dir / f"{service}-{port}.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def wait_serving(*ports: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(serving(f"127.0.0.1:{port}") for port in ports):
-        assert time.monotonic() < deadline, f"services on {ports} did not become SERVING"
-        time.sleep(0.3)
 
 
 def kill9(process: subprocess.Popen) -> None:

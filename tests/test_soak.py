@@ -22,8 +22,7 @@ import pytest
 
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from specd_app.bench import machine_facts
-from tests.specd_stack import free_ports
-from tests.test_faults import serve, wait_serving
+from tests.specd_stack import free_ports, serve, wait_serving
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)

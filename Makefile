@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
-.PHONY: setup run demo test test-slow protos check-protos bench deploy-check clients lint-protos clean
+.PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -30,8 +30,14 @@ demo: setup  ## like run, but exit after the demo answer
 test: setup  ## the whole suite that CI runs (unit, in-process gRPC, multi-process e2e, statistical)
 	$(PY) -m pytest -q
 
-test-slow: setup  ## long tests (soak) and everything else
-	$(PY) -m pytest -q -m "slow or not slow"
+test-slow: setup  ## long tests (soak) and everything else but the GPU and image tests
+	$(PY) -m pytest -q -m "not gpu and not images"
+
+images:  ## build the gateway, draft and verify images here (CPU variants; starts Docker, makes a local base)
+	deploy/docker/images.sh
+
+test-images: setup  ## run the built images as the dev overlay wires them (after `make images`; not in `make test`)
+	$(PY) -m pytest -q -m images tests/test_images.py
 
 protos:  ## regenerate the Python stubs next to the .proto files
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)

@@ -88,7 +88,9 @@ def test_dockerfile_lint_catches_torch_in_the_gateway_image(tmp_path):
     shutil.copytree(REPO / "deploy" / "docker", docker)
     dockerfile = docker / "gateway.Dockerfile"
     text = dockerfile.read_text()
-    dockerfile.write_text(text.replace("RUN pip install -r /tmp/requirements-gateway.txt", "RUN pip install -r /tmp/requirements-gateway.txt torch"))
+    install = "pip install -r /tmp/requirements-gateway.txt"
+    assert install in text
+    dockerfile.write_text(text.replace(install, install + " torch"))
     result = subprocess.run(
         [sys.executable, str(REPO / "deploy" / "lint_dockerfiles.py"), str(docker)], capture_output=True, text=True, timeout=60
     )

@@ -12,8 +12,10 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Dependencies first (cached layer): only what the gateway imports.
+# Build extras, if any (the glob matches nothing in a plain build; pip-env.sh says what they are).
+COPY deploy/docker/pip-env.sh .image-buil[d] /tmp/extra/
 COPY deploy/docker/requirements-gateway.txt /tmp/requirements-gateway.txt
-RUN pip install -r /tmp/requirements-gateway.txt
+RUN . /tmp/extra/pip-env.sh && pip install -r /tmp/requirements-gateway.txt
 # specd itself without its dependency resolution, so nothing (torch) sneaks in.
 COPY pyproject.toml README.m[d] ./
 COPY protos ./protos
@@ -22,7 +24,7 @@ COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
 COPY specd_app ./specd_app
-RUN pip install --no-deps . \
+RUN . /tmp/extra/pip-env.sh && pip install --no-deps . \
     && cd / && python -c "import gateway.app, sys; assert 'torch' not in sys.modules, 'gateway imports torch'" \
     && ! pip show torch >/dev/null 2>&1
 

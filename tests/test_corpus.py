@@ -10,6 +10,7 @@ import pytest
 
 from draft_training.corpus import Corpus, CorpusRecipe, Record, corpus_prompts, extend_corpus, read_shard, write_shard
 from draft_training.distill_data import Budget
+from draft_training.train_prompts import is_held_out
 
 RECIPE = CorpusRecipe(max_new_tokens=5, sampled_share=0.5)
 
@@ -45,7 +46,6 @@ def test_prompts_cover_every_kind_early_and_skip_held_out_ones(data_dir):
     assert {"math", "code", "chat", "roleplay", "writing", "translation", "summarization", "qa"} <= kinds
     assert {row["category"] for row in rows[: len(kinds)]} == kinds  # round robin over kinds
     held_out = CorpusRecipe().held_out_fraction
-    from draft_training.train_prompts import is_held_out
 
     assert not any(is_held_out(row["id"], held_out) for row in rows)
 
@@ -66,3 +66,15 @@ def test_the_corpus_grows_across_runs_without_repeating_and_keeps_its_recipe(tin
         assert 1 <= len(record.tokens) - record.start <= RECIPE.max_new_tokens
     with pytest.raises(ValueError, match="same recipe"):
         extend_corpus(target, directory, data_dir, replace(RECIPE, temperature=0.3), Budget(0), limit=1, batch_size=4)
+
+
+def test_feature_training_reads_the_committed_corpus_without_held_out_prompts():
+    from draft_training.feature_training import FEATURE_RECIPES, corpus_sources
+    from specd_common.config import DEFAULT_TARGET
+
+    recipe = FEATURE_RECIPES["feature-corpus"]
+    sources = corpus_sources(DEFAULT_TARGET, recipe.held_out_fraction)
+    assert len(sources) >= 252  # what was committed when this test was written; the corpus only grows
+    assert all(s["id"].startswith(("corpus:greedy:", "corpus:sampled:")) for s in sources)
+    assert not any(is_held_out(s["id"].split(":", 2)[2], recipe.held_out_fraction) for s in sources)
+    assert all(0 < s["start"] < len(s["tokens"]) for s in sources)

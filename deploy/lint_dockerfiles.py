@@ -115,6 +115,14 @@ def read_requirements(path: Path) -> dict:
     return pins
 
 
+def project_packages() -> list:
+    """The top-level source folders pyproject's packages.find includes from the repository root."""
+    text = (REPO / "pyproject.toml").read_text()
+    include = re.search(r"include\s*=\s*\[([^\]]*)\]", text.split("[tool.setuptools.packages.find]", 1)[1]).group(1)
+    names = [name.strip().strip('"').rstrip("*") for name in include.split(",") if name.strip()]
+    return sorted(name for name in names if (REPO / name).is_dir())
+
+
 def lint(service: str, path: Path, repo_pins: dict) -> list:
     problems = []
 
@@ -190,6 +198,12 @@ def lint(service: str, path: Path, repo_pins: dict) -> list:
                 problem(f"{where}: {name}=={version} but requirements.txt pins {repo_pins[name]}")
             if service == "gateway" and FORBIDDEN_IN_GATEWAY.search(name):
                 problem(f"{where}: the gateway image must not install {name}")
+    # Every package specd installs (pyproject's packages.find) is copied in before `pip install .`:
+    # a missing one installs fine and fails only when the CLI imports it.
+    copied = {source.strip("./") for stage in dockerfile.stages for i in stage if i.keyword == "COPY" for source in i.args.split()[:-1]}
+    for package in project_packages():
+        if package not in copied:
+            problem(f"the package {package}/ is never copied in (pip install . would install specd without it)")
     project_installs = [i for i in installs if re.search(r"pip install[^&|;]*\s(\.|-e \.)(\s|$)", i.args)]
     if not project_installs:
         problem("specd itself is never installed (pip install --no-deps .)")

@@ -129,3 +129,18 @@ def test_gateway_needs_only_what_its_image_installs():
         if module not in ours and not module.startswith("_") and not {d.lower().replace("_", "-") for d in dists} & allowed
     }
     assert not foreign, f"the gateway imports modules its image does not install: {foreign}"
+
+
+def test_dockerfile_lint_catches_a_package_left_out_of_the_image(tmp_path):
+    """`pip install .` succeeds without a package folder; the CLI then fails at its first import."""
+    docker = tmp_path / "docker"
+    shutil.copytree(REPO / "deploy" / "docker", docker)
+    dockerfile = docker / "verify.Dockerfile"
+    line = "COPY draft_training ./draft_training\n"
+    assert line in dockerfile.read_text()
+    dockerfile.write_text(dockerfile.read_text().replace(line, ""))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "lint_dockerfiles.py"), str(docker)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "draft_training/ is never copied in" in result.stdout

@@ -83,7 +83,7 @@ def test_killing_a_verify_replica_mid_stream_replays_on_the_other(models, tmp_pa
             assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert received == expected  # nothing duplicated, nothing missing
             assert rest[-1].stats.draft_tokens > 0
-        gateway_log = (tmp_path / f"gateway-{gateway_port}.log").read_text()
+        gateway_log = (tmp_path / f"gateway-127.0.0.1-{gateway_port}.log").read_text()
         assert "replaying on another" in gateway_log, "the stream ended before the kill: failover not exercised"
         assert "target-only rounds" not in gateway_log, "the draft failed after the failover (e.g. missing features)"
 

@@ -119,9 +119,15 @@ def containers(wiring, tmp_path_factory):
     finally:
         logs = tmp_path_factory.mktemp("container-logs")
         for role, name in names.items():
-            (logs / f"{role}.log").write_text(docker("logs", name, check=False, timeout_s=30))
+            (logs / f"{role}.log").write_text(container_logs(name))
             docker("rm", "-f", name, check=False, timeout_s=60)
         docker("network", "rm", network, check=False)
+
+
+def container_logs(container: str, tail: str = "all") -> str:
+    """What the container's process wrote (specd logs to stderr)."""
+    result = subprocess.run(["docker", "logs", "--tail", tail, container], capture_output=True, text=True, timeout=30)
+    return result.stdout + result.stderr
 
 
 def host_port(container: str, port: int) -> int:
@@ -131,8 +137,8 @@ def host_port(container: str, port: int) -> int:
 def wait_healthy(container: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while (status := docker("inspect", "-f", "{{.State.Health.Status}}", container)) != "healthy":
-        assert docker("inspect", "-f", "{{.State.Running}}", container) == "true", f"{container} exited:\n" + docker("logs", "--tail", "40", container, check=False)
-        assert time.monotonic() < deadline, f"{container} is {status} after {timeout_s:.0f} s:\n" + docker("logs", "--tail", "40", container, check=False)
+        assert docker("inspect", "-f", "{{.State.Running}}", container) == "true", f"{container} exited:\n" + container_logs(container, "40")
+        assert time.monotonic() < deadline, f"{container} is {status} after {timeout_s:.0f} s:\n" + container_logs(container, "40")
         time.sleep(2)
 
 

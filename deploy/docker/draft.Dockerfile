@@ -38,6 +38,7 @@ COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
 COPY specd_app ./specd_app
+COPY draft_training ./draft_training
 RUN . /tmp/extra/pip-env.sh && pip install --no-deps .
 
 FROM ${BASE_IMAGE}

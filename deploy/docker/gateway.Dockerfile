@@ -24,6 +24,7 @@ COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service
 COPY specd_app ./specd_app
+COPY draft_training ./draft_training
 RUN . /tmp/extra/pip-env.sh && pip install --no-deps . \
     && cd / && python -c "import gateway.app, sys; assert 'torch' not in sys.modules, 'gateway imports torch'" \
     && ! pip show torch >/dev/null 2>&1

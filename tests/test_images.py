@@ -142,10 +142,10 @@ def wait_healthy(container: str, timeout_s: float) -> None:
         time.sleep(2)
 
 
-def generate(address: str, speculate: bool = True) -> list[int]:
+def generate(address: str) -> generate_pb2.GenerateResponse:
     with grpc.insecure_channel(address) as channel:
-        request = generate_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW, disable_speculation=not speculate)
-        return list(generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=300).token_ids)
+        request = generate_pb2.GenerateRequest(text=PROMPT, max_new_tokens=MAX_NEW)  # text: chat-templated as one user turn
+        return generate_pb2_grpc.GenerateServiceStub(channel).Generate(request, timeout=300)
 
 
 def test_images_run_as_the_manifests_wire_them(wiring, containers, tmp_path):
@@ -163,14 +163,18 @@ def test_images_run_as_the_manifests_wire_them(wiring, containers, tmp_path):
 
     # greedy output through the containers equals the host stack's
     gateway = f"127.0.0.1:{host_port(containers['gateway'], 50051)}"
-    in_images = generate(gateway)
+    answer = generate(gateway)
+    in_images = list(answer.token_ids)
     with specd_up(DEFAULT_TARGET, tmp_path / "host.log", timeout_s=600, drafter=("--drafter", "feature", "--draft-model", str(REPO / FEATURE_HEAD))) as host:
-        on_host = generate(host.address("gateway"))
+        on_host = list(generate(host.address("gateway")).token_ids)
     assert in_images == on_host and len(in_images) > 0
-    body = json.dumps({"model": "specd", "prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_NEW, "temperature": 0})
+    request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/chat/completions", body.encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         reply = json.loads(response.read())
+    assert reply["choices"][0]["message"]["content"] == answer.text
     assert reply["usage"]["completion_tokens"] == len(in_images)
 
     # the draft container killed mid-stream: the stream goes on target-only, exactly

@@ -28,9 +28,15 @@ class Backends:
     verify: Pool[verify_pb2_grpc.VerifyServiceStub]
     draft: Pool[draft_pb2_grpc.DraftServiceStub]
     target_info: common_pb2.GetModelInfoResponse
-    draft_info: Optional[common_pb2.GetModelInfoResponse]
     tokenizer: GatewayTokenizer
+    first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
+
+    @property
+    def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
+        """What the drafts are (None until one has answered: a draft pool found empty at start, e.g. a
+        DNS name whose pods are not ready yet, gets its rules from the first draft that joins)."""
+        return self.first.get("draft")
 
     @classmethod
     def connect(
@@ -75,7 +81,7 @@ class Backends:
             draft.stop()
             raise
         target_info = first["verify"]
-        return cls(verify, draft, target_info, first.get("draft"), GatewayTokenizer(target_info))
+        return cls(verify, draft, target_info, GatewayTokenizer(target_info), first)
 
     def follow_verify_health(self, set_serving: Callable[[bool], None]) -> None:
         """Report the gateway SERVING while a verify replica serves: without a target it can answer

@@ -157,7 +157,7 @@ class Generation:
         self.backends = backends
         self.spec = spec
         self.speculate = spec.speculate and backends.draft.configured and backends.draft_info is not None
-        wants_features = self.speculate and backends.draft_info is not None and backends.draft_info.wants_target_features
+        wants_features = self.speculate and backends.draft_info.wants_target_features
         self._features = FeatureLog() if wants_features else None  # target features for a feature drafter
         self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
         self.draft_timeout_s = options.draft_timeout_s

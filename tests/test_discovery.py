@@ -81,6 +81,39 @@ def test_least_loaded_choice_takes_turns_among_equals():
     assert least_loaded([a, b, c, fresh], 5).name == "fresh"  # a replica added by scaling fills up first
 
 
+def test_a_draft_pool_found_empty_at_start_speculates_once_a_draft_joins(tiny):
+    """A gateway started before any draft pod is ready (its DNS name has no record yet) serves
+    target-only, then speculates when a draft appears in DNS: the drafts' rules come from the first
+    one to join, not from start-up."""
+    from draft_service.app import make_drafter, start_draft_server
+    from gateway.app import start_gateway_server
+    from gateway.options import GatewayOptions
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
+    config = ServerConfig(port=0)
+    with DnsServer() as names, contextlib.ExitStack() as stack:
+        names.set("draft.specd.test", [])
+        verify = start_verify_server(load_causal_lm(str(tiny.target)), config)
+        stack.callback(verify.stop, 0)
+        draft = start_draft_server(make_drafter("model", str(tiny.draft_same)), config)
+        stack.callback(draft.stop, 0)
+        gateway = start_gateway_server(
+            f"127.0.0.1:{verify.port}", f"dns://127.0.0.1:{names.port}/draft.specd.test:{draft.port}", config,
+            GatewayOptions(connect_timeout_s=30, resolve_period_s=0.3, draft_length_policy="fixed", max_speculative_requests=0),
+        )
+        stack.callback(gateway.stop, 0)
+        stub = generate_pb2_grpc.GenerateServiceStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{gateway.port}")))
+        request = generate_pb2.GenerateRequest(text=PROMPTS[0], max_new_tokens=24)
+        before = stub.Generate(request, timeout=60)
+        assert before.stats.draft_tokens == 0  # no draft yet: target-only, still served
+        names.set("draft.specd.test", ["127.0.0.1"])
+        wait_until(lambda: gateway.servicer.backends.draft_info is not None, 10, "the draft joining")
+        after = stub.Generate(request, timeout=60)
+        assert after.stats.draft_tokens > 0 and list(after.token_ids) == list(before.token_ids)
+
+
 # --- end to end --------------------------------------------------------------------------------------
 VERIFY_IPS = ["127.0.0.2", "127.0.0.3"]
 THIRD_VERIFY = "127.0.0.6"

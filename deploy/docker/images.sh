@@ -38,8 +38,8 @@ ensure_engine() {
 
 apt_mirror() {
     # The first Debian URI apt is configured with (deb822 or one-line sources).
-    { grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}'
-      grep -h '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}'; } | grep -v security | head -1
+    { grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' || true
+      grep -h '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}' || true; } | { grep -v security || true; } | head -1
 }
 
 ensure_base() {

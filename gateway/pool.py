@@ -130,6 +130,7 @@ class Pool(Generic[Stub]):
     def stop(self) -> None:
         with self._lock:
             self._stopping.set()
+            self._refresh_now.set()  # wakes the resolving thread
             replicas = list(self._replicas.values()) + self._draining
             self._changed.notify_all()
         for replica in replicas:

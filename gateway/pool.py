@@ -157,9 +157,6 @@ class Pool(Generic[Stub]):
         with self._lock:
             return list(self._replicas.values())
 
-    def __len__(self) -> int:
-        return len(self._replicas)
-
     def pick(self, exclude: Sequence[Replica] = ()) -> Optional[Replica[Stub]]:
         """Reserve a session slot on the eligible replica with the fewest sessions (ties in turn);
         None when none is eligible. The caller must release() it when the session ends or fails to open."""

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -127,6 +128,16 @@ def wait_serving(*addresses: int | str, timeout_s: float = 120) -> None:
     while not all(serving(target) for target in targets):
         assert time.monotonic() < deadline, f"services {targets} did not become SERVING"
         time.sleep(0.3)
+
+
+def scrape_metrics(host: str, port: int) -> dict:
+    """{(sample name, frozenset(labels)): value} from a service's Prometheus endpoint http://host:port/metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def gateway_health(address: str) -> str:

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-import urllib.request
 from concurrent import futures
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.discovery import Target, channel_address, parse_target, resolve
 from gateway.pool import least_loaded
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc, verify_pb2, verify_pb2_grpc
 from tests.dns_server import DnsServer
-from tests.specd_stack import free_ports, serve, wait_serving
+from tests.specd_stack import free_ports, scrape_metrics, serve, wait_serving
 
 RESOLVE_PERIOD_S = 1.0
 PROMPTS = ["hello world", "the quick brown fox", "def add(a, b):"]
@@ -121,21 +119,14 @@ DRAFT_IPS = ["127.0.0.4", "127.0.0.5"]
 WRONG_DRAFT = "127.0.0.7"  # serves a draft with another vocabulary
 
 
-def scrape(host: str, port: int) -> dict:
-    """{(sample name, frozenset(labels)): value} from http://host:port/metrics."""
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def prefills(host: str, metrics_port: int) -> float:
     """Prefill RPCs a replica has answered OK (each is a session a gateway opened on it)."""
-    return sum(value for (name, labels), value in scrape(host, metrics_port).items()
+    return sum(value for (name, labels), value in scrape_metrics(host, metrics_port).items()
                if name == "specd_requests_total" and ("method", "Prefill") in labels and ("code", "OK") in labels)
 
 
 def pool_state(gateway_metrics_port: int, role: str, state: str) -> float:
-    return scrape("127.0.0.1", gateway_metrics_port).get(
+    return scrape_metrics("127.0.0.1", gateway_metrics_port).get(
         ("specd_gateway_replicas", frozenset({("role", role), ("state", state)})), 0.0)
 
 
@@ -229,6 +220,6 @@ def test_dns_pools_spread_sessions_follow_records_and_health(tiny, tmp_path):
         run_all(4)
         after = verify_prefills()
         assert after[VERIFY_IPS[1]] == before[VERIFY_IPS[1]] and after[THIRD_VERIFY] == before[THIRD_VERIFY] + 4
-        changes = scrape("127.0.0.1", gateway_metrics)
+        changes = scrape_metrics("127.0.0.1", gateway_metrics)
         assert changes[("specd_gateway_discovery_changes_total", frozenset({("role", "verify"), ("change", "removed")}))] >= 2
 

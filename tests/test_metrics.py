@@ -10,12 +10,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.app import start_draft_server
 from draft_service.drafters import ModelDrafter
@@ -25,7 +23,7 @@ from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_app.cli import build_parser
 from specd_common.config import ServerConfig
 from specd_common.models import load_causal_lm
-from tests.specd_stack import free_ports
+from tests.specd_stack import free_ports, scrape_metrics
 from tests.tiny_models import build_model, build_tokenizer
 from verify_service.app import start_verify_server
 
@@ -63,14 +61,7 @@ def scrape(running) -> dict:
     """{(sample name, frozenset(labels)): value} from the service's /metrics over HTTP."""
     port = running.observability.metrics_port
     assert port, "the metrics endpoint did not start"
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples
+    return scrape_metrics("127.0.0.1", port)
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -210,13 +201,7 @@ def test_specd_serve_exposes_metrics_on_the_flagged_port(tmp_path):
                 common_pb2.GetModelInfoRequest(), timeout=60, wait_for_ready=True
             )
         assert info.drafter == "ngram"
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        samples = {
-            (s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        samples = scrape_metrics("127.0.0.1", metrics_port)
         assert value(samples, "specd_requests_total", service="draft", method="GetModelInfo", code="OK") == 1
         assert value(samples, "specd_active_sessions", service="draft") == 0
     finally:

@@ -13,7 +13,7 @@ from specd_common.config import DEFAULT_TARGET
 
 log = logging.getLogger(__name__)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
-RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-full")
+RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-corpus", "feature-full")  # feature_training.FEATURE_RECIPES
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
 # so scripts written for them keep working.
 RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
@@ -31,7 +31,7 @@ def add_train_draft_parser(commands) -> None:
     parser = commands.add_parser("train-draft", help="distil a small draft model from the target (resumable)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
     parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + tuple(RECIPE_ALIASES),
-                        help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, "
+                        help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, feature-corpus trains on the committed corpus, "
                         "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same)")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
@@ -42,6 +42,8 @@ def add_train_draft_parser(commands) -> None:
     parser.add_argument("--tf-minutes", type=float, default=None, help="override the feature-extraction budget")
     parser.add_argument("--train-minutes", type=float, default=None, help="override the training budget")
     parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
+    parser.add_argument("--init-head", default=None, help="train further from this saved head (weights and vocabulary) "
+                        "instead of from the target's last layer, e.g. draft_service/heads/<target>")
     parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out answers (0 = all)")
     parser.add_argument("--skip-eval", action="store_true", help="save without the held-out evaluation")
     parser.set_defaults(func=run)

@@ -47,6 +47,7 @@ class FeatureRecipe:
     feature_loss_weight: float = 1.0
     token_loss_weight: float = 0.1
     use_corpus: bool = False  # also train on the committed corpus of the target's answers (draft_training/corpus.py)
+    init_head: str = ""  # start from this saved head (its weights and vocabulary) instead of the target's last layer
     gen_minutes: float = 0.0  # budgets; 0 = unlimited
     feature_minutes: float = 0.0
     train_minutes: float = 0.0
@@ -188,6 +189,21 @@ def build_head(target, vocab_ids: torch.Tensor, target_spec: str):
     return head
 
 
+def starting_head(target, folder: Path):
+    """A saved head to train further (fine-tuning is far cheaper on a CPU than starting over): its weights
+    and its vocabulary map, after checking it was trained for this target's vocabulary."""
+    from draft_service.feature_head import CONFIG_FILE, load_head
+    from specd_common.models import vocab_digest
+
+    saved = json.loads((folder / CONFIG_FILE).read_text())
+    digest = vocab_digest(target.tokenizer)
+    if saved.get("vocab_digest") and saved["vocab_digest"] != digest:
+        raise ValueError(f"the head in {folder} was trained for another vocabulary (digest {saved['vocab_digest']}, "
+                         f"this target's is {digest}); start without --init-head")
+    log.info("train: starting from the head in %s (%d-token vocabulary)", folder, saved["draft_vocab_size"])
+    return load_head(folder, target.model).train()
+
+
 def eval_records(target, work: Path, limit: int) -> list[dict]:
     """Held-out answers with the target's features (one teacher-forced pass each batch)."""
     records = distill_data.load_records(work / "data", "gen-eval")[: limit or None]
@@ -254,16 +270,20 @@ def run_feature_recipe(args) -> int:
     from draft_training.loop import start_run, train_draft, write_json
     from specd_common.models import eos_token_ids
 
-    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs}
+    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
+                 "epochs": args.epochs, "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
     run_feature_data(target, recipe, Path(args.data_dir), work)
     records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
-    vocab_path = work / "train" / "vocab.pt"
-    if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
-        vocab_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
-    head = build_head(target, torch.load(vocab_path), args.target)
+    if recipe.init_head:
+        head = starting_head(target, Path(recipe.init_head))
+    else:
+        vocab_path = work / "train" / "vocab.pt"
+        if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
+        head = build_head(target, torch.load(vocab_path), args.target)
     loss = partial(feature_loss, feature_weight=recipe.feature_loss_weight, token_weight=recipe.token_loss_weight)
     state = train_draft(head, records, recipe, work, device, loss_fn=loss)
     head = head.cpu().eval()

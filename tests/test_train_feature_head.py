@@ -97,3 +97,43 @@ def test_trained_head_drafts_better_than_an_untrained_one(trained: dict) -> None
 
 def test_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
     assert_a_finished_run_resumes_without_redoing_work(trained)
+
+
+def test_training_goes_on_from_a_saved_head_of_the_same_vocabulary(trained: dict, tmp_path: Path) -> None:
+    """`--init-head`: a run starts from a saved head's weights and vocabulary map (fine-tuning, not a fresh
+    head), records it in recipe.json, and refuses a head made for another vocabulary."""
+    import shutil
+
+    from draft_service.feature_head import CONFIG_FILE, load_head
+    from draft_training.feature_training import starting_head
+    from specd_app.cli import main
+    from specd_common.models import load_causal_lm
+
+    target = load_causal_lm(str(trained["target"]))
+    saved = load_head(trained["head"], target.model)
+    start = starting_head(target, trained["head"])
+    assert start.training and torch.equal(start.vocab_ids, saved.vocab_ids)
+    assert torch.equal(start.fc.weight, saved.fc.weight)
+
+    work = tmp_path / "work"
+    shutil.copytree(trained["root"] / "work" / "data", work / "data")  # the same data, not generated again
+    argv = [arg if arg != str(trained["root"] / "work") else str(work) for arg in trained["argv"]]
+    assert main(argv + ["--init-head", str(trained["head"]), "--epochs", "1", "--skip-eval"]) == 0
+    assert json.loads((work / "recipe.json").read_text())["init_head"] == str(trained["head"].resolve())
+    further = load_head(work / "draft", target.model)
+    assert torch.equal(further.vocab_ids, saved.vocab_ids)
+    assert not torch.equal(further.fc.weight, saved.fc.weight)  # it trained
+
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(trained["head"], other)
+    config = json.loads((other / CONFIG_FILE).read_text())
+    (other / CONFIG_FILE).write_text(json.dumps({**config, "vocab_digest": "0" * 16}))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        starting_head(target, other)
+
+
+def test_every_recipe_can_be_named_on_the_command_line() -> None:
+    from draft_training.cli import RECIPE_NAMES
+    from draft_training.feature_training import FEATURE_RECIPES
+
+    assert set(RECIPE_NAMES) == set(FEATURE_RECIPES)

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(verify, "verify")
     add_model_flags(verify, DEFAULT_TARGET)
     add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), "
-             "mkl (MKL-packed one-row GEMM), off (plain)", choices=["auto", "on", "mkl", "off"])
+             "mkl (MKL-packed one-row GEMM), tall (W·xᵀ for the LM head and MLP gate/up), off (plain)",
+             choices=["auto", "on", "mkl", "tall", "off"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     verify.set_defaults(func=serve_verify)

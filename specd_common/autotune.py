@@ -7,7 +7,10 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     processes of the stack (gateway, draft, gRPC) instead of fighting them.
   * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
     every call), the weight prepacked once in oneDNN's layout, or MKL's packed one-row GEMM
-    (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step).
+    (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
+    or "tall": a linear whose weight has more rows than columns (the LM head, the MLP's gate and up)
+    computed as W·xᵀ, one stream over the weight for all rows, which on that EPYC scores 4 rows of
+    the 49,152-row LM head ~2.5x faster than PyTorch's x·Wᵀ; narrower layers stay plain.
     Which is faster depends on the CPU and on how many positions a pass scores: on one 2-core AMD
     EPYC prepacking made a 4-position verify pass 1.4x cheaper, on a 2-core Intel Xeon it was a
     40–80% slowdown (shared/notes/cpu-costs-intel.md). Only the layouts that win at some position
@@ -25,8 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
-PLAIN, PREPACKED, MKL = "plain", "prepacked", "mkl"
-LAYOUTS = (PLAIN, PREPACKED, MKL)
+PLAIN, PREPACKED, MKL, TALL = "plain", "prepacked", "mkl", "tall"
+LAYOUTS = (PLAIN, PREPACKED, MKL, TALL)
+DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL})  # those that read the ordinary weight
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts a round uses, and how much each matters: target-only and the one-token probe
 # (n = 1) dominate; speculative rounds score k + 1 = 2..5 positions.

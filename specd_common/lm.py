@@ -43,9 +43,9 @@ class LayoutSwitch:
 
 
 def available_layouts() -> set[str]:
-    """The CPU weight layouts this torch build can run (plain always; prepacked with oneDNN; mkl
-    with MKL's packed GEMM)."""
-    layouts = {autotune.PLAIN}
+    """The CPU weight layouts this torch build can run (plain and tall always; prepacked with oneDNN;
+    mkl with MKL's packed GEMM)."""
+    layouts = {autotune.PLAIN, autotune.TALL}
     if torch.backends.mkldnn.is_available():
         layouts.add(autotune.PREPACKED)
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
@@ -59,7 +59,10 @@ class SwitchableLinear(torch.nn.Module):
       prepacked  oneDNN's blocked layout, reordered once at load (what torch.utils.mkldnn.MkldnnLinear
                  does, without its deprecated TorchScript base);
       mkl        MKL's packed GEMM for one row (a decoding step), packed once at load; other row counts
-                 run the plain path.
+                 run the plain path;
+      tall       for a weight with more rows than columns (out > in: an LM head, an MLP's gate/up) and
+                 several input rows, (W xᵀ)ᵀ: the BLAS call then streams the tall weight once for all
+                 rows instead of repacking it; other layers, and one row, run the plain path.
     Input and output are ordinary dense tensors [..., in] → [..., out]. Same math; the layouts' float32
     results differ only by summation order (~1e-4 in the logits)."""
 
@@ -67,7 +70,8 @@ class SwitchableLinear(torch.nn.Module):
         super().__init__()
         self.out_features = linear.out_features
         self.switch = switch
-        dense = bool(keep & {autotune.PLAIN, autotune.MKL})  # MKL's op falls back to (and takes) the plain weight
+        dense = bool(keep & autotune.DENSE_LAYOUTS)  # MKL's op falls back to (and takes) the plain weight
+        self.tall = linear.out_features > linear.in_features
         self.weight = linear.weight if dense else None  # [out, in], shared (tied embeddings stay tied)
         self.bias = linear.bias if dense else None
         packed = autotune.PREPACKED in keep
@@ -80,6 +84,12 @@ class SwitchableLinear(torch.nn.Module):
         layout = self.switch.layout
         if layout == autotune.MKL and self.mkl_weight is not None and x.numel() == x.shape[-1]:  # one row
             y = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.mkl_weight, self.weight, self.bias, 1)  # [1, out]
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if layout == autotune.TALL and self.tall and self.weight is not None and x.numel() > x.shape[-1]:
+            rows = x.reshape(-1, x.shape[-1])  # [N, in]
+            y = torch.mm(self.weight, rows.t()).t()  # [N, out] (a transposed view of W xᵀ [out, N])
+            if self.bias is not None:
+                y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.packed_weight is not None and (layout == autotune.PREPACKED or self.weight is None):
             rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [N, in]
@@ -160,7 +170,7 @@ class CausalLM:
         """Drop the weights of layouts no forward will use (frees their memory)."""
         for module in self.loaded.model.modules():
             if isinstance(module, SwitchableLinear):
-                if not layouts & {autotune.PLAIN, autotune.MKL}:
+                if not layouts & autotune.DENSE_LAYOUTS:
                     module.weight = module.bias = None
                 if autotune.PREPACKED not in layouts:
                     module.packed_weight = module.packed_bias = None

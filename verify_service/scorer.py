@@ -10,7 +10,7 @@ import torch
 
 from specd.v1 import common_pb2
 from specd_common import autotune
-from specd_common.autotune import MKL, PLAIN, PREPACKED
+from specd_common.autotune import MKL, PLAIN, PREPACKED, TALL
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
 from specd_common.features import encode_features
@@ -39,7 +39,7 @@ class Scores:
     features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when the session keeps them
 
 
-PREPACK_CHOICES = {"auto": {PLAIN, PREPACKED, MKL}, "on": {PREPACKED}, "mkl": {MKL}, "off": {PLAIN}}
+PREPACK_CHOICES = {"auto": {PLAIN, PREPACKED, MKL, TALL}, "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "off": {PLAIN}}
 
 
 class Scorer:
@@ -47,8 +47,8 @@ class Scorer:
 
     On a CPU it first measures its own forward passes (CausalLM.tune): torch threads (unless
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
-    (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; off:
-    PyTorch's plain layout), then its KV-token budget."""
+    (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
+    for tall weights, else plain; off: PyTorch's plain layout), then its KV-token budget."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
                  max_threads: int = 0, kv_token_budget: int = 0):

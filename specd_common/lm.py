@@ -8,12 +8,13 @@ whose cache is a transformers DynamicCache; `forward` feeds the pending tokens p
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch
+from specd_common import autotune, kv_batch, tree
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -22,16 +23,34 @@ from specd_common.telemetry import model_forward
 PREFILL_CHUNK = 512  # prompt positions per prefill pass (CausalLM._prefill)
 
 
+@dataclass
+class PendingTree:
+    """A scored draft tree whose keys/values sit in the cache after the committed tokens, until
+    CausalLM.settle_tree keeps one path of it: cache rows base + i hold node i."""
+
+    base: int  # committed tokens (and cache rows) before the nodes
+    tokens: list[int]
+    parents: list[int]
+
+
 class KVSession(TokenSequence):
     """A TokenSequence whose cached positions live in a DynamicCache.
 
     With keep_features, every forward also leaves the final hidden state of the positions it read
-    in fed_features [n, H] (from position fed_start): what feature drafters are sent."""
+    in fed_features [n, H] (from position fed_start): what feature drafters are sent. After a tree
+    pass (CausalLM.forward_tree) `tree` says which cache rows hold its nodes."""
 
     cache: DynamicCache
     keep_features: bool = False
     fed_start: int = 0
     fed_features: Optional[torch.Tensor] = None
+    tree: Optional[PendingTree] = None
+
+    def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
+        """TokenSequence.apply_commit, once no tree's nodes sit in the cache past the committed rows."""
+        if self.tree is not None:
+            raise RuntimeError("a scored draft tree is pending: CausalLM.settle_tree must keep its path before a commit")
+        super().apply_commit(prefix_length, append)
 
 
 class LayoutSwitch:
@@ -208,11 +227,50 @@ class CausalLM:
         """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
         the last committed token and after each extra token. `extra` joins the sequence (speculatively)."""
         self.check_room(session, extra)
+        self.settle_tree(session, [])
         fed = session.pending() + list(extra)
         logits = self._run(session, fed)  # [len(fed), V]
         session.tokens.extend(extra)
         session.cached = len(session.tokens)
         return logits[-(len(extra) + 1) :]
+
+    def forward_tree(self, session: KVSession, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Feed pending tokens + a draft tree (specd_common/tree.py) in one pass; return logits
+        [len(tokens) + 1, V]: after the last committed token (row 0), then after each node (row 1 + i).
+
+        Each node sees the committed context, its ancestors and itself, at position root + depth, so
+        its logits equal those of a chain forward over its path. The nodes' keys/values stay in the
+        cache, outside the session's tokens, until settle_tree keeps one path."""
+        tree.validate_tree(tokens, parents)
+        self.settle_tree(session, [])  # an earlier tree nobody settled keeps nothing
+        depth = tree.depths(parents)
+        self.check_room(session, [0] * max(depth, default=0))
+        pending, past = session.pending(), session.cached
+        fed, nodes = len(pending), len(tokens)
+        positions = list(range(past, past + fed)) + [past + fed - 1 + d for d in depth]
+        mask = torch.zeros((fed + nodes, past + fed + nodes), dtype=torch.bool)  # [q, kv]: True = may attend
+        mask[:, :past] = True
+        mask[:fed, past : past + fed] = torch.ones((fed, fed), dtype=torch.bool).tril()
+        mask[fed:, past : past + fed] = True
+        mask[fed:, past + fed :] = torch.tensor(tree.ancestry(parents), dtype=torch.bool).reshape(nodes, nodes)
+        logits = self._run(session, pending + list(tokens), positions=positions, mask=mask)  # [fed + nodes, V]
+        session.cached = len(session.tokens)
+        session.tree = PendingTree(len(session.tokens), list(tokens), list(parents)) if nodes else None
+        return logits[fed - 1 :]
+
+    def settle_tree(self, session: KVSession, path: Sequence[int]) -> None:
+        """Keep the cache rows of `path` (node indices from the root, tree.path_of) after the committed
+        tokens, in order, and append their tokens; drop the other nodes. No pending tree: nothing."""
+        pending = session.tree
+        if pending is None:
+            return
+        keep = torch.tensor(list(range(pending.base)) + [pending.base + node for node in path], device=self.loaded.device)
+        for layer in session.cache.layers:
+            layer.keys = layer.keys.index_select(2, keep)  # [1, H, base + len(path), D]
+            layer.values = layer.values.index_select(2, keep)
+        session.tokens = session.tokens[: pending.base] + [pending.tokens[node] for node in path]
+        session.cached = len(session.tokens)
+        session.tree = None
 
     def check_room(self, session: KVSession, extra: Sequence[int]) -> None:
         """INVALID_ARGUMENT when the session plus `extra` would pass the model's context limit."""
@@ -231,6 +289,7 @@ class CausalLM:
             raise ValueError("a batch must not hold the same session twice")
         for session, extra in requests:
             self.check_room(session, extra)
+            self.settle_tree(session, [])
         if len(requests) == 1 or not all(kv_batch.is_packable(session.cache) for session in sessions):
             return [self.forward(session, extra) for session, extra in requests]
         fed = [session.pending() + list(extra) for session, extra in requests]
@@ -243,17 +302,25 @@ class CausalLM:
         return results
 
     @torch.inference_mode()
-    def _run(self, session: KVSession, token_ids: Sequence[int], all_logits: bool = True) -> torch.Tensor:
+    def _run(self, session: KVSession, token_ids: Sequence[int], all_logits: bool = True,
+             positions: Optional[Sequence[int]] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One forward; logits [n, V] (all_logits) or [1, V] for the last position only: a prompt's
         prefill needs none of them, and scoring its n × V logits would cost the LM head's weights n
-        times over (a fifth of this target's compute) and n × V × 4 bytes (0.8 GB at 4,000 tokens)."""
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.loaded.device)  # [1, n]
+        times over (a fifth of this target's compute) and n × V × 4 bytes (0.8 GB at 4,000 tokens).
+        positions [n] and mask [n, cached + n] (bool, True = may attend) replace the causal defaults
+        (a tree pass)."""
+        device = self.loaded.device
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
         start = session.cache.get_seq_length()
+        custom = {} if positions is None else {
+            "position_ids": torch.tensor([list(positions)], dtype=torch.long, device=device),  # [1, n]
+            "attention_mask": mask[None, None].to(device),  # [1, 1, n, cached + n]
+        }
         with self._forward_lock, model_forward(len(token_ids)):
             self.switch.layout = self.runtime.layout_for(len(token_ids))
             output = self.loaded.model(
                 input_ids=input_ids, past_key_values=session.cache, use_cache=True, output_hidden_states=session.keep_features,
-                logits_to_keep=0 if all_logits else 1,
+                logits_to_keep=0 if all_logits else 1, **custom,
             )
         if session.keep_features:
             session.fed_start, session.fed_features = start, output.hidden_states[-1][0]  # [n, H], after the final norm

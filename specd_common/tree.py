@@ -1,0 +1,67 @@
+"""Draft trees, torch-free: the shape rules and the walk that finds the kept path.
+
+A tree of n drafted nodes is two lists: tokens[i] and parents[i], where parents[i] is the index
+of an earlier node (parents precede children) or ROOT (the node follows the last committed token
+directly). A chain of k drafts is the tree with parents [ROOT, 0, 1, ..., k-2]. Siblings carry
+different tokens, so a sequence of tokens names at most one path from the root.
+
+The target scores every node in one pass with a mask that lets a node see the committed context,
+its ancestors and itself (CausalLM.forward_tree); its position is the root's plus its depth.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specd_common.errors import InvalidArgument
+
+ROOT = -1
+
+
+def chain_parents(k: int) -> list[int]:
+    """The parents of a chain of k drafts: [ROOT, 0, 1, ..., k-2]."""
+    return [ROOT] + list(range(k - 1)) if k else []
+
+
+def validate_tree(tokens: Sequence[int], parents: Sequence[int]) -> None:
+    """INVALID_ARGUMENT unless parents has one entry per token, each parent precedes its child, and
+    siblings differ (a path is then named by its tokens)."""
+    if len(parents) != len(tokens):
+        raise InvalidArgument(f"draft_parents has {len(parents)} entries for {len(tokens)} draft tokens; give one per token")
+    seen: set[tuple[int, int]] = set()
+    for index, (token, parent) in enumerate(zip(tokens, parents)):
+        if not ROOT <= parent < index:
+            raise InvalidArgument(f"draft_parents[{index}] = {parent}; a parent must be -1 (the root) or an earlier node (< {index})")
+        if (parent, token) in seen:
+            raise InvalidArgument(f"draft node {index} repeats token {token} under parent {parent}; siblings must differ")
+        seen.add((parent, token))
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node: 1 for a child of the root, its parent's + 1 otherwise."""
+    result: list[int] = []
+    for parent in parents:
+        result.append(1 if parent == ROOT else result[parent] + 1)
+    return result
+
+
+def ancestry(parents: Sequence[int]) -> list[list[bool]]:
+    """visible[i][j]: node j is node i or one of its ancestors (the tree part of the attention mask) [n][n]."""
+    visible: list[list[bool]] = []
+    for index, parent in enumerate(parents):
+        row = list(visible[parent]) if parent != ROOT else [False] * len(parents)
+        row[index] = True
+        visible.append(row)
+    return visible
+
+
+def path_of(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]) -> list[int]:
+    """Node indices of the longest path from the root whose tokens are a prefix of `walk`."""
+    path, at = [], ROOT
+    for token in walk:
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == at and t == token), None)
+        if child is None:
+            break
+        path.append(child)
+        at = child
+    return path

@@ -1,10 +1,12 @@
 """Hardware decides: a model service measures its own forward passes at start-up and picks its runtime.
 
 What is chosen (each overridable by a flag, each logged in one line, each reported by GetModelInfo):
-  * threads: the fewest torch threads within `THREAD_TOLERANCE` of the fastest measured count. On a
-    memory-bound CPU a second thread often buys nothing (a 2-core AMD EPYC VM: one decoding step of
-    the default target 63–72 ms on 1 thread, 78–83 ms on 2), and a thread left idle serves the other
-    processes of the stack (gateway, draft, gRPC) instead of fighting them.
+  * threads, per forward size: the fewest torch threads within `THREAD_TOLERANCE` of the fastest
+    measured count at that size. On a memory-bound CPU a second thread often buys nothing for a
+    decoding step (a 2-core AMD EPYC VM: one step of the default target 63–72 ms on 1 thread, 78–83
+    ms on 2) while a verify pass over 4 positions, which has arithmetic to share, gets 1.4x faster
+    (110 → 79 ms, tall layout); a thread left idle serves the other processes of the stack (gateway,
+    draft, gRPC) instead of fighting them.
   * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
     every call), the weight prepacked once in oneDNN's layout, or MKL's packed one-row GEMM
     (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
@@ -32,9 +34,8 @@ PLAIN, PREPACKED, MKL, TALL = "plain", "prepacked", "mkl", "tall"
 LAYOUTS = (PLAIN, PREPACKED, MKL, TALL)
 DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL})  # those that read the ordinary weight
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
-# Position counts a round uses, and how much each matters: target-only and the one-token probe
-# (n = 1) dominate; speculative rounds score k + 1 = 2..5 positions.
-POSITION_WEIGHTS = {1: 3.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 0.5}
+# Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
+ROUND_POSITIONS = (1, 2, 3, 4, 5)
 # Fewer threads win unless more are at least 10% faster: a spare core serves the gateway, the draft and
 # gRPC, and on a shared VM two medians of five passes differ by ~5-10% from noise alone.
 THREAD_TOLERANCE = 0.10
@@ -49,18 +50,20 @@ class RuntimeChoice:
     """What a model service runs with, and the measurements that chose it."""
 
     device: str
-    threads: int  # 0 = left as torch's default (not a CPU, or not chosen)
+    threads: int  # for one position (a decoding step); 0 = left as torch's default (not a CPU, or not chosen)
     layouts: dict[int, str] = field(default_factory=dict)  # positions → layout (beyond the last key: the last one)
+    threads_by_size: dict[int, int] = field(default_factory=dict)  # positions → threads, when it varies by size
     costs_ms: dict = field(default_factory=dict)  # the measured table, ms, for the record
     source: str = "measured"  # measured | flags | default
     kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
-        if not self.layouts:
-            return PLAIN
-        fitting = [n for n in self.layouts if n <= positions]
-        return self.layouts[max(fitting) if fitting else min(self.layouts)]
+        return by_size(self.layouts, positions, PLAIN)
+
+    def threads_for(self, positions: int) -> int:
+        """Torch threads for a forward over `positions` rows (0 = leave them as they are)."""
+        return by_size(self.threads_by_size, positions, self.threads)
 
     @property
     def needs(self) -> set[str]:
@@ -70,6 +73,14 @@ class RuntimeChoice:
     def summary(self) -> str:
         """One log line: the choice and what it was chosen from."""
         return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def by_size(table: dict, positions: int, default):
+    """table[the largest key ≤ positions] (the smallest key below them; `default` for an empty table)."""
+    if not table:
+        return default
+    fitting = [n for n in table if n <= positions]
+    return table[max(fitting) if fitting else min(table)]
 
 
 def interpolate(costs: dict[int, float], positions: int) -> float:
@@ -95,24 +106,22 @@ def best_layouts(by_layout: dict[str, dict[int, float]], positions: Iterable[int
     }
 
 
-def expected_cost(by_layout: dict[str, dict[int, float]], layouts: dict[int, str], weights: dict[int, float]) -> float:
-    """Weighted cost of a round mix when each position count uses its chosen layout."""
-    return sum(weight * interpolate(by_layout[layouts[n]], n) for n, weight in weights.items())
+def choose_runtime(costs: Costs, device: str = "cpu") -> RuntimeChoice:
+    """Per forward size, the thread count and layout with the lowest cost.
 
-
-def choose_runtime(costs: Costs, device: str = "cpu", weights: dict[int, float] = POSITION_WEIGHTS) -> RuntimeChoice:
-    """The thread count and per-size layouts that minimise the weighted forward cost.
-
-    Fewer threads win unless more are `THREAD_TOLERANCE` faster (they are then free for the rest of
-    the stack). A layout that wins at no position count is dropped, so its weights need not be kept."""
-    candidates = {}
-    for threads, by_layout in costs.items():
-        layouts = best_layouts(by_layout, sorted(set(weights) | set(MEASURED_POSITIONS)))
-        candidates[threads] = (expected_cost(by_layout, layouts, weights), layouts)
-    threads = fewest_threads({t: cost for t, (cost, _) in candidates.items()})
-    layouts = compress(candidates[threads][1])
-    table = {t: {layout: {n: round(s * 1000, 2) for n, s in sizes.items()} for layout, sizes in by_layout.items()} for t, by_layout in costs.items()}
-    return RuntimeChoice(device=device, threads=threads, layouts=layouts, costs_ms=table)
+    At each size fewer threads win unless more are `THREAD_TOLERANCE` faster there (they are then free
+    for the rest of the stack). A layout that wins at no position count is dropped, so its weights
+    need not be kept."""
+    sizes = sorted(set(ROUND_POSITIONS) | set(MEASURED_POSITIONS))
+    best = {t: best_layouts(by_layout, sizes) for t, by_layout in costs.items()}  # threads → {n: layout}
+    threads_at = {
+        n: fewest_threads({t: interpolate(costs[t][best[t][n]], n) for t in costs}) for n in sizes
+    }
+    layouts = compress({n: best[threads_at[n]][n] for n in sizes})
+    per_size = compress(threads_at)
+    table = {t: {layout: {n: round(s * 1000, 2) for n, s in timings.items()} for layout, timings in by_layout.items()} for t, by_layout in costs.items()}
+    return RuntimeChoice(device=device, threads=threads_at[sizes[0]], layouts=layouts,
+                         threads_by_size=per_size if len(set(per_size.values())) > 1 else {}, costs_ms=table)
 
 
 def compress(layouts: dict[int, str]) -> dict[int, str]:

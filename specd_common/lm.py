@@ -301,6 +301,14 @@ class CausalLM:
             results.append(logits[row, len(fed[row]) - len(extra) - 1 : len(fed[row])])  # [len(extra) + 1, V]
         return results
 
+    def _configure(self, rows: int) -> None:
+        """The measured runtime for a forward over `rows` positions: its weight layout, and its thread
+        count where that varies by size (set only when it changes: the call resizes OpenMP's team)."""
+        self.switch.layout = self.runtime.layout_for(rows)
+        threads = self.runtime.threads_for(rows)
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
     @torch.inference_mode()
     def _run(self, session: KVSession, token_ids: Sequence[int], all_logits: bool = True,
              positions: Optional[Sequence[int]] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -317,7 +325,7 @@ class CausalLM:
             "attention_mask": mask[None, None].to(device),  # [1, 1, n, cached + n]
         }
         with self._forward_lock, model_forward(len(token_ids)):
-            self.switch.layout = self.runtime.layout_for(len(token_ids))
+            self._configure(len(token_ids))
             output = self.loaded.model(
                 input_ids=input_ids, past_key_values=session.cache, use_cache=True, output_hidden_states=session.keep_features,
                 logits_to_keep=0 if all_logits else 1, **custom,
@@ -334,7 +342,7 @@ class CausalLM:
         keep = any(session.keep_features for session in sessions)
         with self._forward_lock:
             batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
-            self.switch.layout = self.runtime.layout_for(batch.input_ids.numel())
+            self._configure(batch.input_ids.numel())
             output = self.loaded.model(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,

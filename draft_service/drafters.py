@@ -41,6 +41,7 @@ class Proposal:
 
     token_ids: list[int]
     draft_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [len(token_ids)] or []
+    parents: list[int] = field(default_factory=list)  # a tree (specd_common/tree.py); [] for a chain
 
 
 class Drafter(Protocol):
@@ -48,7 +49,10 @@ class Drafter(Protocol):
 
     def open(self, prompt: Sequence[int], warp: Warp) -> DraftSession: ...
 
-    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal: ...
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
+        """Up to k tokens in a chain; with branches > 1 a drafter that can branch (greedy) may return a
+        tree of the chain plus branches - 1 alternatives at each position (Proposal.parents)."""
+        ...
 
     def info(self) -> common_pb2.GetModelInfoResponse: ...
 
@@ -75,7 +79,8 @@ class ModelDrafter:
         model = self.lm.loaded.model
         return kv_bytes_per_token(model.config, next(model.parameters()).element_size())
 
-    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
+        """A chain (branches is not used: a tree would need a tree mask in the draft model's cache too)."""
         sequence = session.sequence
         proposal = Proposal(token_ids=[])
         for _ in range(min(k, self.lm.max_length - len(sequence.tokens))):
@@ -106,7 +111,8 @@ class NgramDrafter:
     def bytes_per_token(self) -> int:
         return 0  # token ids only: the target's context and the verify's budget bound them
 
-    def propose(self, session: DraftSession, k: int, rng: np.random.Generator) -> Proposal:
+    def propose(self, session: DraftSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
+        """A chain: the copy that followed the longest earlier match (branches is not used)."""
         tokens = prompt_lookup(session.sequence.tokens, k, max_ngram=self.max_ngram)
         session.sequence.tokens.extend(tokens)
         probs = [] if session.warp.greedy else [one_hot(t) for t in tokens]

@@ -29,6 +29,7 @@ from specd_common.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
+from specd_common.tree import ROOT
 from specd_common.warping import warp_probs
 
 
@@ -103,7 +104,10 @@ class FeatureDrafter:
             )
         session.store(message.start_position, rows)
 
-    def propose(self, session: FeatureSession, k: int, rng: np.random.Generator) -> Proposal:
+    def propose(self, session: FeatureSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
+        """k drafted tokens; greedy with branches > 1: a tree of the chain plus, at each position, the
+        next branches - 1 most likely tokens as leaves (free: the head scores them anyway). A
+        prompt-lookup copy is always a chain."""
         sequence = session.sequence
         length = len(sequence.tokens)
         k = min(k, self.max_length - length)
@@ -115,7 +119,7 @@ class FeatureDrafter:
             if looked_up:
                 sequence.tokens.extend(looked_up)
                 return Proposal(token_ids=looked_up, draft_probs=[] if session.warp.greedy else [one_hot(t) for t in looked_up])
-            return self._draft(session, k, rng)
+            return self._draft(session, k, rng, branches if session.warp.greedy else 1)
 
     def _read_pending(self, session: FeatureSession) -> None:
         """Give the head true entries for x_c..x_{L-1} (c = sequence.cached), from features f_{c-1}..f_{L-2}."""
@@ -136,20 +140,30 @@ class FeatureDrafter:
         session.last = estimates[0, -1]  # [H]
         sequence.cached = length
 
-    def _draft(self, session: FeatureSession, k: int, rng: np.random.Generator) -> Proposal:
-        """k tokens, each scored from the previous estimate; the drafted entries are dropped afterwards."""
+    def _draft(self, session: FeatureSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
+        """k tokens, each scored from the previous estimate; the drafted entries are dropped afterwards.
+        With branches > 1 (greedy) each step's runners-up join as leaves: nodes are ordered chain
+        token, its alternatives, next chain token..., each step's under the previous chain token."""
         sequence, head = session.sequence, self.head
         kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
-        proposal = Proposal(token_ids=[])
+        proposal, chain, parent = Proposal(token_ids=[]), [], ROOT
         for step in range(k):
-            token = self._choose(head.logits(estimate), session.warp, rng, proposal)
-            proposal.token_ids.append(token)
+            scores = head.logits(estimate)  # [V']
+            token = self._choose(scores, session.warp, rng, proposal)
+            chain.append(token)
+            if branches > 1:
+                alternatives = self.head.vocab_ids[torch.topk(scores, branches).indices[1:]].tolist()
+                proposal.parents += [parent] * branches
+                parent = len(proposal.token_ids)
+                proposal.token_ids += [token] + alternatives
+            else:
+                proposal.token_ids.append(token)
             if step + 1 < k:
                 with model_forward(1):
                     estimate = head(torch.tensor([[token]]), estimate[None, None], torch.tensor([position]), session.cache)[0, -1]
                 position += 1
         session.cache.crop(kept)
-        sequence.tokens.extend(proposal.token_ids)  # pending: re-read with true features once accepted
+        sequence.tokens.extend(chain)  # pending: re-read with true features once accepted
         return proposal
 
     def _choose(self, scores: torch.Tensor, warp: Warp, rng: np.random.Generator, proposal: Proposal) -> int:

@@ -16,6 +16,7 @@ from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 
 MAX_DRAFT_TOKENS = 32
+MAX_BRANCHES = 4  # candidates per drafted position in a tree (ProposeRequest.branches)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
@@ -53,8 +54,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
-        k = request.num_draft_tokens
+        k, branches = request.num_draft_tokens, max(1, request.branches)
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+        require(0 <= request.branches <= MAX_BRANCHES and k * branches <= MAX_DRAFT_TOKENS,
+                f"branches must be in [0, {MAX_BRANCHES}] with num_draft_tokens × branches ≤ {MAX_DRAFT_TOKENS}, "
+                f"got {request.branches} × {k}")
         self._check_ids(request.commit.append_token_ids, "commit.append_token_ids")
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
@@ -64,11 +68,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if self.reads_features:
                 self.drafter.add_features(session, request.target_features)
             started = time.perf_counter()
-            proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed))
+            proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
             model_seconds = time.perf_counter() - started
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             draft_probs=proposal.draft_probs,
+            parents=proposal.parents,
             sequence_length=length,
             model_seconds=model_seconds,
         )

@@ -79,9 +79,10 @@ class StepCosts:
             nearest = min(self._draft, key=lambda j: abs(j - k))
             return self._draft[nearest] * k / nearest
 
-    def round_cost_s(self, k: int) -> float:
-        """Seconds a round with k drafts is expected to take (1.0 while nothing is measured)."""
-        verify = self.verify_s(k + 1)
+    def round_cost_s(self, k: int, branches: int = 1) -> float:
+        """Seconds a round with k drafts is expected to take (1.0 while nothing is measured); a tree of
+        `branches` candidates per position verifies k × branches + 1 positions."""
+        verify = self.verify_s(k * branches + 1)
         return (1.0 if verify is None else verify) + self.draft_s(k)
 
 

@@ -21,17 +21,19 @@ import grpc
 import numpy as np
 
 from gateway.observe import GenerationObserver
-from gateway.rejection import RoundOutcome, greedy_verify, rejection_sample
+from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample
 from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_draft_length
 from gateway.backends import Backends
 from gateway.pool import Pool, Replica
-from gateway.features import FeatureLog
+from gateway.features import FeatureLog, tree_path_rows
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
+from specd_common import tree
 from specd_common.distributions import decode_distribution
 from specd_common.errors import ResourceExhausted, Unavailable
 from specd_common.params import Warp
+from specd_common.sequence import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class GenerationSpec:
     speculate: bool = True
     num_draft_tokens: int = 3
     adaptive: bool = True  # choose k each round (gateway.adaptive); num_draft_tokens is then the cap
+    branches: int = 1  # greedy: candidates per drafted position; > 1 drafts a tree (specd_common/tree.py)
 
 
 @dataclass
@@ -160,6 +163,8 @@ class Generation:
         wants_features = self.speculate and backends.draft_info.wants_target_features
         self._features = FeatureLog() if wants_features else None  # target features for a feature drafter
         self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
+        # trees: greedy only (the multi-candidate sampling rule is not built), never with a look-ahead (it assumes a chain)
+        self.branches = spec.branches if spec.warp.greedy and not self.overlap else 1
         self.draft_timeout_s = options.draft_timeout_s
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
@@ -205,26 +210,33 @@ class Generation:
         k = self._draft_length()
         started = time.perf_counter()
         drafts, draft_probs = self._take_lookahead(k)
+        parents: list[int] = []  # a tree's shape; [] for a chain
         if k > 0 and not drafts:
-            drafts, draft_probs = self._propose(k)
+            drafts, draft_probs, parents = self._propose(k)
         proposed = time.perf_counter()
         # 2. Verify, on another replica if this one fails; with overlap the draft meanwhile drafts
         #    the next round, assuming every draft of this one is accepted
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
-        scores = self._verify_drafts(drafts)
+        scores = self._verify_drafts(drafts, parents)
         self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
         if k > 0 and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
-        outcome = self._judge(drafts, draft_probs, scores)
-        self._acceptance.update(len(drafts), outcome.accepted)
-        # 4. Commit (both services learn it on their next request) and emit
-        self._verify.sync.agreed += outcome.accepted
-        if drafts:
-            self._draft.sync.agreed += outcome.accepted
+        outcome = self._judge(drafts, draft_probs, scores, parents)
+        depth = len(tree.main_chain(parents)) if parents else len(drafts)  # drafts along one path: what k counts
+        self._acceptance.update(depth, outcome.accepted)
+        # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
+        #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
+        if not parents:
+            self._verify.sync.agreed += outcome.accepted
+        if drafts:  # the draft holds its main chain: what of it the round kept agrees
+            chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts
+            self._draft.sync.agreed += common_prefix(chain, outcome.emitted(drafts)[: outcome.accepted])
+        if parents and self._features is not None:
+            self._features.put(tree_path_rows(scores.features, len(drafts), outcome.path))
         if lookahead is not None:
             self._finish_lookahead(lookahead, outcome)
-        self.stats.count_round(len(drafts), outcome.accepted)
+        self.stats.count_round(depth, outcome.accepted)
         chunk = self._emit(outcome.emitted(drafts))
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
@@ -345,20 +357,22 @@ class Generation:
         cap = max(0, min(self.spec.num_draft_tokens, left - 1))
         if not self.spec.adaptive:
             return cap
-        k = best_draft_length(self._acceptance.chain(cap), cap, self.backends.costs.round_cost_s)
+        k = best_draft_length(self._acceptance.chain(cap), cap, lambda k: self.backends.costs.round_cost_s(k, self.branches))
         self._rounds_since_draft = 0 if k else self._rounds_since_draft + 1
         if self._rounds_since_draft > PROBE_EVERY_ROUNDS:  # a one-token probe keeps the estimate current
             self._rounds_since_draft = 0
             return min(1, cap)
         return k
 
-    def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution]]:
+    def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution], list[int]]:
+        """Drafts, their q (sampling) and a tree's parents ([] for a chain); nothing when the draft fails."""
         stub = self._draft.replica.stub
         request = draft_pb2.ProposeRequest(
             session_id=self._draft.session_id,
             commit=self._draft.sync.commit(self.sequence),
             num_draft_tokens=k,
             seed=int(self.rng.integers(2**63)),
+            branches=self.branches,
         )
         if self._features is not None:
             request.target_features.CopyFrom(self._unsent_features(self._draft.features_sent))
@@ -366,11 +380,11 @@ class Generation:
             proposal = stub.Propose(request, timeout=self._draft_timeout())
         except grpc.RpcError as error:
             self._draft_down(self._draft.replica, str(error.code()))
-            return [], []
+            return [], [], []
         self._draft.sync.agreed = len(self.sequence)
         self._draft.features_sent = len(self.sequence) - 1
         self._account(request, proposal, draft=True)
-        return list(proposal.token_ids), list(proposal.draft_probs)
+        return list(proposal.token_ids), list(proposal.draft_probs), list(proposal.parents)
 
     def _unsent_features(self, start: int) -> common_pb2.TargetFeatures:
         """Target features from row `start` up to the committed sequence's last position but one."""
@@ -411,12 +425,14 @@ class Generation:
         self._lookahead = ([], [])
         return drafts[:k], probs[:k]
 
-    def _verify_drafts(self, drafts: list[int]) -> verify_pb2.VerifyResponse:
+    def _verify_drafts(self, drafts: list[int], parents: list[int]) -> verify_pb2.VerifyResponse:
+        """Score the drafts (a tree when `parents` is given); a tree's features are kept after judging."""
         while True:
             request = verify_pb2.VerifyRequest(
                 session_id=self._verify.session_id,
                 commit=self._verify.sync.commit(self.sequence),
                 draft_token_ids=drafts,
+                draft_parents=parents,
                 return_features=self._features is not None,
             )
             try:
@@ -431,7 +447,7 @@ class Generation:
                 continue
             self._verify.sync.agreed = len(self.sequence)
             self._account(request, scores)
-            if self._features is not None:
+            if self._features is not None and not parents:
                 self._features.put(scores.features)
             return scores
 
@@ -442,7 +458,9 @@ class Generation:
         if draft:
             self.stats.draft_model_seconds += response.model_seconds
 
-    def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
+    def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse, parents: list[int]) -> RoundOutcome:
+        if parents:  # trees are greedy-only (self.branches)
+            return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
         if self.spec.warp.greedy:
             return greedy_verify(drafts, list(scores.argmax_token_ids))
         vocab_size = self.backends.target_info.vocab_size

@@ -44,3 +44,14 @@ class FeatureLog:
         """Rows [start, stop) as a message (empty when there are none)."""
         row = 2 * self.hidden_size
         return common_pb2.TargetFeatures(start_position=start, hidden_size=self.hidden_size, data=bytes(self._data[start * row : stop * row]))
+
+
+def tree_path_rows(message: common_pb2.TargetFeatures, nodes: int, path: tuple[int, ...]) -> common_pb2.TargetFeatures:
+    """A tree pass's features (the committed-but-unread rows, then one row per node in node order) cut
+    to what was committed: those first rows, then the kept path's nodes, at consecutive positions."""
+    if not message.data:
+        return message
+    row = 2 * message.hidden_size
+    first = len(message.data) // row - nodes  # rows before the nodes
+    data = message.data[: first * row] + b"".join(message.data[(first + node) * row : (first + node + 1) * row] for node in path)
+    return common_pb2.TargetFeatures(start_position=message.start_position, hidden_size=message.hidden_size, data=data)

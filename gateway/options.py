@@ -17,6 +17,7 @@ class GatewayOptions:
     max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
     max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
     overlap: bool = False  # draft the next round while the target verifies
+    draft_branches: int = 1  # greedy: candidates per drafted position (> 1: a tree round; gateway/engine.py)
     connect_timeout_s: float = 300.0
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from specd_common.distributions import sample_from
+from specd_common.tree import ROOT
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,12 @@ class RoundOutcome:
     accepted: int  # drafts kept, 0..k
     next_token: int  # the recovered token (accepted < k) or the bonus token (accepted == k)
     bonus: bool  # True when every draft was accepted and next_token came from p_{k+1}
+    path: tuple[int, ...] = ()  # a tree round: the kept nodes' indices (len == accepted); () for a chain
 
     def emitted(self, draft_tokens: Sequence[int]) -> list[int]:
         """Tokens this round adds to the output: the accepted drafts, then the recovered/bonus token."""
-        return list(draft_tokens[: self.accepted]) + [self.next_token]
+        kept = [draft_tokens[node] for node in self.path] if self.path else list(draft_tokens[: self.accepted])
+        return kept + [self.next_token]
 
 
 def greedy_verify(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> RoundOutcome:
@@ -36,6 +39,22 @@ def greedy_verify(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> 
     while accepted < len(draft_tokens) and draft_tokens[accepted] == target_argmax[accepted]:
         accepted += 1
     return RoundOutcome(accepted, int(target_argmax[accepted]), bonus=accepted == len(draft_tokens))
+
+
+def greedy_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], target_argmax: Sequence[int]) -> RoundOutcome:
+    """A tree round (specd_common/tree.py), greedy: target_argmax [1 + n] holds the target's choice after
+    the last committed token (row 0) and after each node (row 1 + i). From the root, step to the child
+    whose token is the target's choice while there is one; the choice after the last kept node is the
+    correction (or the bonus, at a leaf). What it emits is what target-only decoding would."""
+    path, at, row = [], ROOT, 0
+    while True:
+        choice = int(target_argmax[row])
+        child = next((i for i, (t, p) in enumerate(zip(node_tokens, parents)) if p == at and t == choice), None)
+        if child is None:
+            is_leaf = at != ROOT and at not in parents
+            return RoundOutcome(len(path), choice, bonus=is_leaf, path=tuple(path))
+        path.append(child)
+        at, row = child, child + 1
 
 
 def rejection_sample(

@@ -21,6 +21,8 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_NEW_TOKENS = 8192
 MAX_DRAFT_TOKENS = 16
+MAX_BRANCHES = 4  # candidates per drafted position of a tree (GenerateRequest.draft_branches)
+MAX_TREE_NODES = 32  # drafts a Verify may score (verify_service.service.MAX_DRAFT_TOKENS)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
@@ -92,6 +94,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         require(1 <= max_new <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new}")
         k = request.num_draft_tokens or self.options.num_draft_tokens
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
+        branches = request.draft_branches or min(self.options.draft_branches, max(1, MAX_TREE_NODES // k))
+        require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
+                f"draft_branches must be in [1, {MAX_BRANCHES}] with num_draft_tokens × draft_branches ≤ {MAX_TREE_NODES}, "
+                f"got {request.draft_branches} with {k} drafts")
         require(len(request.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         for stop in request.stop:
             require(1 <= len(stop) <= MAX_STOP_LENGTH, f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
@@ -110,6 +116,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             speculate=not request.disable_speculation,
             num_draft_tokens=k,
             adaptive=self._adaptive(request),
+            branches=branches,
         )
 
     def _adaptive(self, request: generate_pb2.GenerateRequest) -> bool:

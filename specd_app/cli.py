@@ -148,6 +148,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "resolve-period", 5.0, "seconds between DNS lookups of dns:/// addresses (also looked up after a replica fails)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
+    add_flag(parser, "draft-branches", 1, "greedy: candidates per drafted position, 1..4; above 1 a round drafts and verifies a tree "
+             "(the draft's chain plus its runners-up; feature drafters)")
     add_flag(parser, "max-speculative-requests", 2, "above this many running requests, rounds are target-only (0 = no limit; 2 measured best on the 2-core CPU, see README)")
     add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
@@ -207,6 +209,7 @@ def serve_gateway(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         max_speculative_requests=args.max_speculative_requests,
         overlap=args.overlap,
+        draft_branches=args.draft_branches,
         connect_timeout_s=args.connect_timeout,
         resolve_period_s=args.resolve_period,
         auth_token=load_token(args.auth_token, args.auth_token_file),

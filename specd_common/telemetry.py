@@ -174,7 +174,7 @@ def kv_rollback(sequence: Any) -> Iterator[None]:
     cached, length = sequence.cached, len(sequence.tokens)
     with span("specd.kv_rollback") as current_span:
         yield
-        dropped = cached - sequence.cached
+        dropped = max(0, cached - sequence.cached)  # a kept tree path adds cached positions
         if dropped and scope.obs.metrics.kv_rollback_tokens is not None:
             scope.obs.metrics.kv_rollback_tokens.inc(dropped)
         if current_span.is_recording():

@@ -55,6 +55,15 @@ def ancestry(parents: Sequence[int]) -> list[list[bool]]:
     return visible
 
 
+def main_chain(parents: Sequence[int]) -> list[int]:
+    """The drafter's own chain: from the root, each node's first child in node order, as indices."""
+    chain, at = [], ROOT
+    while (child := next((i for i, p in enumerate(parents) if p == at), None)) is not None:
+        chain.append(child)
+        at = child
+    return chain
+
+
 def path_of(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]) -> list[int]:
     """Node indices of the longest path from the root whose tokens are a prefix of `walk`."""
     path, at = [], ROOT

@@ -153,3 +153,65 @@ def test_a_bfloat16_head_drafts_too(tiny, target):
     drafter.add_features(session, encode_features(feature_data.target_features(target.model, [prompt])[0][:-1], 0))
     proposal = drafter.propose(session, 3, np.random.default_rng(0))
     assert len(proposal.token_ids) == 3 and len(proposal.draft_probs) == 3
+
+
+# --- trees (specd_common/tree.py) through the services ---------------------------------------------------
+def test_verify_scores_a_tree_and_keeps_the_committed_path(feature_cluster, target):
+    """Over real gRPC: every node's argmax equals a chain verify of its path, and after a commit that
+    appends one path + correction the session answers what a fresh session would."""
+    stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.verify.port}"))
+    prompt, nodes, parents = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [-1, 0, -1, 2]  # two branches of two
+
+    def open_session(name: str, tokens: list[int]) -> None:
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id=name, prompt_token_ids=tokens), timeout=30)
+
+    def verify(name: str, prefix: int, append=(), drafts=(), tree=()) -> list[int]:
+        request = verify_pb2.VerifyRequest(session_id=name, commit=common_pb2.Commit(prefix_length=prefix, append_token_ids=append),
+                                           draft_token_ids=drafts, draft_parents=tree)
+        return list(stub.Verify(request, timeout=30).argmax_token_ids)
+
+    try:
+        open_session("tree", prompt)
+        scored = verify("tree", len(prompt), drafts=nodes, tree=parents)
+        open_session("branch-a", prompt)
+        open_session("branch-b", prompt)
+        assert scored[:3] == verify("branch-a", len(prompt), drafts=[11, 12])
+        assert [scored[0], scored[3], scored[4]] == verify("branch-b", len(prompt), drafts=[13, 14])
+        # keep the second branch's first node, then a correction; the next pass must see exactly that
+        after = verify("tree", len(prompt), append=[13, 40], drafts=[41, 42])
+        open_session("fresh", prompt + [13, 40])
+        assert after == verify("fresh", len(prompt) + 2, drafts=[41, 42])
+        with pytest.raises(grpc.RpcError) as error:
+            verify("tree", len(prompt) + 4, drafts=[1, 1], tree=[-1, -1])
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "siblings must differ" in error.value.details()
+    finally:
+        for name in ("tree", "branch-a", "branch-b", "fresh"):
+            stub.Release(common_pb2.ReleaseRequest(session_id=name), timeout=10)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_tree_rounds_equal_target_only(feature_cluster, tiny, prompt):
+    stub = feature_cluster.stub()
+    tree_rounds = generate(stub, text=prompt, max_new_tokens=30, draft_length_policy=FIXED, draft_branches=3)
+    chains = generate(stub, text=prompt, max_new_tokens=30, draft_length_policy=FIXED)
+    target_only = generate(stub, text=prompt, max_new_tokens=30, disable_speculation=True)
+    assert list(tree_rounds.token_ids) == list(target_only.token_ids)
+    assert tree_rounds.stats.draft_tokens >= tree_rounds.stats.target_passes - 1  # it drafted every round
+    # trees went over the wire (3x the nodes, their parents and feature rows), not chains only
+    per_pass = [reply.stats.wire_bytes / reply.stats.target_passes for reply in (tree_rounds, chains)]
+    assert per_pass[0] > 1.5 * per_pass[1], per_pass
+    assert wait_for_no_sessions(feature_cluster) == {"verify": 0, "draft": 0}
+
+
+def test_sampling_requests_draft_chains_even_when_trees_are_asked_for(feature_cluster):
+    stub = feature_cluster.stub()
+    reply = generate(stub, text=PROMPTS[0], max_new_tokens=12, draft_length_policy=FIXED, draft_branches=3,
+                     sampling=common_pb2.SamplingParams(temperature=0.8), seed=7)
+    # the gateway drafts chains for sampling (a tree there would fail: the verify refuses it)
+    assert reply.token_ids and reply.stats.draft_tokens > 0
+
+
+def test_too_many_tree_nodes_are_refused_with_what_to_fix(feature_cluster):
+    with pytest.raises(grpc.RpcError) as error:
+        generate(feature_cluster.stub(), text=PROMPTS[0], max_new_tokens=4, num_draft_tokens=16, draft_branches=3)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_branches" in error.value.details()

@@ -77,8 +77,8 @@ class LinearCosts:
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
-    def round_cost_s(self, k: int) -> float:
-        return 1.0 + 0.1 * k
+    def round_cost_s(self, k: int, branches: int = 1) -> float:
+        return 1.0 + 0.1 * k * branches
 
 
 def test_adaptive_draft_length_follows_acceptance(tiny):

@@ -92,3 +92,81 @@ def test_an_unsettled_tree_is_dropped_by_the_next_pass(lm):
     got = lm.forward(session, [8])[-1]  # nothing kept: the nodes' rows leave the cache first
     assert session.cache.get_seq_length() == len(prompt) + 1
     assert torch.allclose(got, lm.forward(lm.new_session(prompt), [8])[-1], atol=1e-5)
+
+
+def test_the_drafters_chain_is_each_nodes_first_child():
+    from specd_common.tree import main_chain
+
+    assert main_chain(PARENTS) == [0, 1, 2]
+    assert main_chain([ROOT, ROOT, 0, 0, 2]) == [0, 2, 4]
+    assert main_chain([]) == []
+
+
+def test_greedy_tree_verify_emits_what_target_only_decoding_would():
+    from gateway.rejection import greedy_tree_verify
+
+    # rows: after the root, then after nodes 0..5 (the target's argmax at each)
+    argmax = [11, 14, 13, 50, 60, 22, 70]
+    out = greedy_tree_verify(TOKENS, PARENTS, argmax)  # root → 11 (node 0) → 14 (node 3, a leaf) → 60
+    assert (out.path, out.accepted, out.next_token, out.bonus) == ((0, 3), 2, 60, True)
+    assert out.emitted(TOKENS) == [11, 14, 60]
+    out = greedy_tree_verify(TOKENS, PARENTS, [21, 0, 0, 0, 0, 9, 70])  # the second branch, corrected after node 4
+    assert (out.path, out.next_token, out.bonus) == ((4,), 9, False) and out.emitted(TOKENS) == [21, 9]
+    out = greedy_tree_verify(TOKENS, PARENTS, [5, 0, 0, 0, 0, 0, 0])  # nothing matches: the correction alone
+    assert (out.path, out.accepted, out.next_token) == ((), 0, 5) and out.emitted(TOKENS) == [5]
+
+
+def test_a_tree_rounds_features_keep_the_committed_rows_and_the_kept_path():
+    from gateway.features import tree_path_rows
+    from specd_common.features import decode_features, encode_features
+
+    rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)  # 2 committed-but-unread rows, then 6 nodes
+    kept = tree_path_rows(encode_features(rows, 10), nodes=6, path=(0, 3))
+    assert kept.start_position == 10
+    assert torch.equal(decode_features(kept, 3), rows[[0, 1, 2, 5]])
+
+
+def test_a_commit_keeps_cached_tokens_it_repeats():
+    from specd_common.sequence import TokenSequence
+
+    dropped = []
+    sequence = TokenSequence(tokens=[1, 2, 3, 4, 5], max_length=64, cached=5, on_crop=dropped.append)
+    sequence.apply_commit(3, [4, 9])  # 4 repeats what was cached at position 3; 9 replaces 5
+    assert sequence.tokens == [1, 2, 3, 4, 9] and sequence.cached == 4 and dropped == [1]
+    sequence.apply_commit(5, [])  # idempotent
+    assert sequence.cached == 4 and dropped == [1]
+
+
+def test_a_feature_drafter_proposes_its_chain_plus_runners_up(tmp_path):
+    """branches = 3: every drafted position carries the head's top 3, the first of which continues the
+    chain; the chain is the one branches = 1 drafts."""
+    import numpy as np
+
+    from draft_service.feature_drafter import FeatureDrafter
+    from draft_training import feature_data
+    from draft_training.feature_training import build_head
+    from specd_common.features import encode_features
+    from specd_common.models import describe_model, load_causal_lm
+    from specd_common.params import Warp
+    from specd_common.tree import main_chain
+    from tests.tiny_models import build_model
+
+    target = load_causal_lm(str(build_model(tmp_path / "m", seed=0)))
+    head = build_head(target, torch.arange(target.model.config.vocab_size), "").eval()
+    prompt = list(range(5, 25))
+    features = feature_data.target_features(target.model, [prompt])[0].float()
+
+    def propose(branches: int):
+        drafter = FeatureDrafter(head, describe_model(target), 512)
+        session = drafter.open(prompt, Warp())
+        drafter.add_features(session, encode_features(features[:-1], 0))
+        return drafter.propose(session, 3, np.random.default_rng(0), branches), session
+
+    chain, _ = propose(1)
+    tree_proposal, session = propose(3)
+    assert chain.parents == [] and len(chain.token_ids) == 3
+    assert len(tree_proposal.token_ids) == 9
+    validate_tree(tree_proposal.token_ids, tree_proposal.parents)
+    assert [tree_proposal.token_ids[i] for i in main_chain(tree_proposal.parents)] == chain.token_ids
+    assert depths(tree_proposal.parents) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert session.sequence.tokens == prompt + chain.token_ids  # the session holds only its chain

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from specd.v1 import common_pb2
-from specd_common import autotune
+from specd_common import autotune, tree
 from specd_common.autotune import MKL, PLAIN, PREPACKED, TALL
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
@@ -87,10 +87,24 @@ class Scorer:
             return None
         return encode_features(sequence.fed_features, sequence.fed_start)
 
-    def score(self, session: VerifySession, draft_token_ids: Sequence[int]) -> Scores:
-        """One target forward over the pending token(s) and the drafts: k + 1 next-token positions.
-        Concurrent sessions' calls share one batched pass when batching is on."""
-        logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
+    def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
+        """Before a commit: keep the cache entries of the last tree's path that the commit's tokens
+        follow (specd_common/tree.py), drop the other nodes'. Nothing when no tree is pending."""
+        pending, tokens = session.sequence.tree, session.sequence.tokens
+        if pending is None:
+            return
+        committed = tokens[:prefix_length] + list(append)
+        walk = committed[pending.base :] if committed[: pending.base] == tokens[: pending.base] else []
+        self.lm.settle_tree(session.sequence, tree.path_of(pending.tokens, pending.parents, walk))
+
+    def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = ()) -> Scores:
+        """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
+        (a tree's nodes when `parents` is given, in node order). Concurrent sessions' chain calls
+        share one batched pass when batching is on; a tree runs alone (its mask is its own)."""
+        if parents:
+            logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
+        else:
+            logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
         features = self.last_features(session)
         if session.warp.greedy:
             return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), features=features)

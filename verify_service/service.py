@@ -11,6 +11,7 @@ from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
+from specd_common.tree import validate_tree
 from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
@@ -42,18 +43,22 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     @grpc_errors
     def Verify(self, request: verify_pb2.VerifyRequest, context: grpc.ServicerContext):
-        drafts = list(request.draft_token_ids)
+        drafts, parents = list(request.draft_token_ids), list(request.draft_parents)
         require(len(drafts) <= MAX_DRAFT_TOKENS, f"at most {MAX_DRAFT_TOKENS} draft tokens, got {len(drafts)}")
         validate_token_ids(drafts, self.vocab_size, "draft_token_ids")
         validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
+        if parents:
+            validate_tree(drafts, parents)
         with self.sessions.use(request.session_id) as session:
+            require(not parents or session.warp.greedy, "draft_parents (a tree) needs a greedy session; send a chain when sampling")
             session.sequence.keep_features = session.sequence.keep_features or request.return_features
             with kv_rollback(session.sequence):
+                self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
-            scores = self.scorer.score(session, drafts)
+            scores = self.scorer.score(session, drafts, parents)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,

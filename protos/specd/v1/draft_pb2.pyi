@@ -26,27 +26,31 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed", "target_features")
+    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed", "target_features", "branches")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     num_draft_tokens: int
     seed: int
     target_features: _common_pb2.TargetFeatures
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    branches: int
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds")
+    __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds", "parents")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
     model_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...

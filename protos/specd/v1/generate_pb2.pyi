@@ -49,7 +49,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens", "draft_length_policy")
+    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens", "draft_length_policy", "draft_branches")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -72,7 +73,8 @@ class GenerateRequest(_message.Message):
     disable_speculation: bool
     num_draft_tokens: int
     draft_length_policy: DraftLengthPolicy
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., draft_length_policy: _Optional[_Union[DraftLengthPolicy, str]] = ...) -> None: ...
+    draft_branches: int
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., draft_length_policy: _Optional[_Union[DraftLengthPolicy, str]] = ..., draft_branches: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

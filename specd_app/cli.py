@@ -5,7 +5,7 @@
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
-  specd bench --prompts FILE.jsonl... [--concurrency C] [--fixed-k K...] [--overlap]   measure
+  specd bench --prompts FILE.jsonl... [--concurrency C] [--fixed-k K...] [--branches B...] [--overlap]   measure
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
 --tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on the gateway.
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, default=1, help="streams at a time in the service modes")
     bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
+    bench.add_argument("--branches", type=int, nargs="*", default=[],
+                       help="also run specd (adaptive k) drafting trees of these many candidates per position (greedy)")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
     bench.add_argument("--drafter", default="auto", help="auto (as `specd up`), ngram, model or feature (local stack; hf_assisted uses the model, else prompt lookup)")
@@ -376,6 +378,7 @@ def run_bench(args: argparse.Namespace) -> int:
     service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
     service_modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in args.fixed_k]
+    service_modes += [(f"specd_tree{b}", {"num_draft_tokens": args.num_draft_tokens, "draft_branches": b}) for b in args.branches]
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
     children: dict = {}

@@ -237,6 +237,8 @@ def test_step_costs_are_measured_and_extrapolated_optimistically():
     assert costs.round_cost_s(4) == pytest.approx(0.06 + 0.008)
     costs.observe_verify(3, 0.08)
     assert costs.verify_s(3) == pytest.approx(0.07)
+    costs.observe_verify(7, 0.09)
+    assert costs.round_cost_s(2, branches=3) == pytest.approx(0.09 + 0.004)  # a tree verifies 2 × 3 + 1 positions
 
 
 def test_acceptance_estimate_ignores_drafts_after_the_first_rejection():

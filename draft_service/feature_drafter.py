@@ -105,9 +105,10 @@ class FeatureDrafter:
         session.store(message.start_position, rows)
 
     def propose(self, session: FeatureSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
-        """k drafted tokens; greedy with branches > 1: a tree of the chain plus, at each position, the
-        next branches - 1 most likely tokens as leaves (free: the head scores them anyway). A
-        prompt-lookup copy is always a chain."""
+        """k drafted tokens; with branches > 1 a tree of the chain plus, at each position, branches - 1
+        more candidates as leaves (free: the head scores them anyway): the next most likely tokens
+        when greedy, more draws from the same q without replacement when sampling (what the
+        gateway's multi-candidate rule expects). A prompt-lookup copy is always a chain."""
         sequence = session.sequence
         length = len(sequence.tokens)
         k = min(k, self.max_length - length)
@@ -119,7 +120,7 @@ class FeatureDrafter:
             if looked_up:
                 sequence.tokens.extend(looked_up)
                 return Proposal(token_ids=looked_up, draft_probs=[] if session.warp.greedy else [one_hot(t) for t in looked_up])
-            return self._draft(session, k, rng, branches if session.warp.greedy else 1)
+            return self._draft(session, k, rng, branches)
 
     def _read_pending(self, session: FeatureSession) -> None:
         """Give the head true entries for x_c..x_{L-1} (c = sequence.cached), from features f_{c-1}..f_{L-2}."""
@@ -142,8 +143,9 @@ class FeatureDrafter:
 
     def _draft(self, session: FeatureSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
         """k tokens, each scored from the previous estimate; the drafted entries are dropped afterwards.
-        With branches > 1 (greedy) each step's runners-up join as leaves: nodes are ordered chain
-        token, its alternatives, next chain token..., each step's under the previous chain token."""
+        With branches > 1 each step's other candidates join as leaves: nodes are ordered chain token,
+        its alternatives, next chain token..., each step's under the previous chain token. When
+        sampling, an alternative's draft_probs entry is empty: its q is its first sibling's."""
         sequence, head = session.sequence, self.head
         kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
         proposal, chain, parent = Proposal(token_ids=[]), [], ROOT
@@ -152,8 +154,8 @@ class FeatureDrafter:
             token = self._choose(scores, session.warp, rng, proposal)
             chain.append(token)
             if branches > 1:
-                alternatives = self.head.vocab_ids[torch.topk(scores, branches).indices[1:]].tolist()
-                proposal.parents += [parent] * branches
+                alternatives = self._alternatives(scores, token, branches - 1, session.warp, rng, proposal)
+                proposal.parents += [parent] * (1 + len(alternatives))
                 parent = len(proposal.token_ids)
                 proposal.token_ids += [token] + alternatives
             else:
@@ -165,6 +167,22 @@ class FeatureDrafter:
         session.cache.crop(kept)
         sequence.tokens.extend(chain)  # pending: re-read with true features once accepted
         return proposal
+
+    def _alternatives(self, scores: torch.Tensor, chosen: int, count: int, warp: Warp, rng: np.random.Generator,
+                      proposal: Proposal) -> list[int]:
+        """Up to `count` more candidates for the position `chosen` was drafted for: the next most likely
+        (greedy), or further draws without replacement from the q just recorded (sampling; fewer when
+        q has no more support)."""
+        if warp.greedy:
+            return self.head.vocab_ids[torch.topk(scores, count + 1).indices[1:]].tolist()
+        rest, drawn = decode_distribution(proposal.draft_probs[-1], self._info.vocab_size), []
+        for _ in range(count):
+            rest[drawn[-1] if drawn else chosen] = 0.0
+            if rest.sum() <= 0:
+                break
+            drawn.append(sample_from(rest / rest.sum(), rng))
+            proposal.draft_probs.append(common_pb2.Distribution())  # the same q as the first sibling
+        return drawn
 
     def _choose(self, scores: torch.Tensor, warp: Warp, rng: np.random.Generator, proposal: Proposal) -> int:
         """scores [V'] over the head's vocabulary → a token id; when sampling, records the q it came from

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from gateway.observe import GenerationObserver
-from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample
+from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_draft_length
 from gateway.backends import Backends
@@ -163,8 +163,7 @@ class Generation:
         wants_features = self.speculate and backends.draft_info.wants_target_features
         self._features = FeatureLog() if wants_features else None  # target features for a feature drafter
         self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
-        # trees: greedy only (the multi-candidate sampling rule is not built), never with a look-ahead (it assumes a chain)
-        self.branches = spec.branches if spec.warp.greedy and not self.overlap else 1
+        self.branches = 1 if self.overlap else spec.branches  # a look-ahead assumes a chain
         self.draft_timeout_s = options.draft_timeout_s
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
@@ -459,12 +458,15 @@ class Generation:
             self.stats.draft_model_seconds += response.model_seconds
 
     def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse, parents: list[int]) -> RoundOutcome:
-        if parents:  # trees are greedy-only (self.branches)
-            return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
         if self.spec.warp.greedy:
+            if parents:
+                return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
             return greedy_verify(drafts, list(scores.argmax_token_ids))
         vocab_size = self.backends.target_info.vocab_size
-        p = np.stack([decode_distribution(d) for d in scores.target_probs])  # [k + 1, V]
+        p = np.stack([decode_distribution(d) for d in scores.target_probs])  # [k + 1, V] (a tree: [n + 1, V])
+        if parents:  # a later sibling's q is its first sibling's (sent once)
+            q_rows = [decode_distribution(d, vocab_size) if d.probs else None for d in draft_probs]
+            return tree_rejection_sample(drafts, parents, q_rows, p, self.rng)
         q = np.stack([decode_distribution(d, vocab_size) for d in draft_probs]) if drafts else np.zeros((0, p.shape[1]))
         return rejection_sample(drafts, q, p, self.rng)
 

@@ -10,7 +10,7 @@ from p_{k+1}. Greedy decoding is the limit: accept while x_i == argmax p_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -72,12 +72,66 @@ def rejection_sample(
     return RoundOutcome(len(draft_tokens), sample_from(target_probs[-1], rng), bonus=True)
 
 
+def without(q: np.ndarray, token: int) -> np.ndarray:
+    """q with `token` removed and renormalized: the distribution of the next draw without replacement."""
+    rest = q.copy()
+    rest[token] = 0.0
+    total = rest.sum()
+    return rest / total if total > 0 else rest
+
+
+def residual_of(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """norm(max(0, p - q)), the part of p the proposal under-proposed (p itself when p == q)."""
+    residual = np.maximum(p - q, 0.0)  # [V]
+    return residual / residual.sum() if residual.sum() > 0 else p
+
+
+def multi_candidate_sample(candidates: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[Optional[int], int]:
+    """Several candidates for one position, drawn from q WITHOUT replacement in this order; the
+    output follows p exactly (recursive rejection sampling: SpecInfer's multi-step rule, with the
+    proposal of each later draw being q without the earlier ones, Jeon et al. 2024).
+
+    Candidate i is one ordinary speculative-sampling step, accepted with min(1, r_i(x)/q_i(x)),
+    where r_1 = p, q_1 = q; a rejection moves on with r_{i+1} = norm(max(0, r_i - q_i)) and q_{i+1}
+    = q_i without x. Each step emits exactly r_i (any proposal works, so the shrinking q_i is
+    allowed), hence the whole emits p. Returns (index of the accepted candidate or None, token): None
+    means every candidate was rejected and the token came from the last residual."""
+    target, proposal = p, q
+    for index, token in enumerate(candidates):
+        if proposal[token] > 0 and rng.random() * proposal[token] < target[token]:  # u < r/q without dividing
+            return index, int(token)
+        target, proposal = residual_of(target, proposal), without(proposal, token)
+    return None, sample_from(target, rng)
+
+
+def tree_rejection_sample(
+    node_tokens: Sequence[int],
+    parents: Sequence[int],
+    draft_probs: Sequence[Optional[np.ndarray]],  # [n]: q each node was drawn from; None for a later sibling (its first sibling's q)
+    target_probs: np.ndarray,  # p: [1 + n, V], after the last committed token (row 0) and after each node
+    rng: np.random.Generator,
+) -> RoundOutcome:
+    """A tree round when sampling: from the root, the children of the current node are candidates
+    drawn without replacement from one q (multi_candidate_sample against the p after that node); an
+    accepted child with children of its own goes on, one without is a leaf whose p gives the bonus
+    token; when all are rejected the residual gives the correction. A chain is the tree of one child
+    per node, where this is rejection_sample."""
+    path, at = [], ROOT
+    while True:
+        row = 0 if at == ROOT else at + 1
+        children = [node for node, parent in enumerate(parents) if parent == at]
+        if not children:
+            return RoundOutcome(len(path), sample_from(target_probs[row], rng), bonus=True, path=tuple(path))
+        index, token = multi_candidate_sample([node_tokens[c] for c in children], draft_probs[children[0]], target_probs[row], rng)
+        if index is None:
+            return RoundOutcome(len(path), token, bonus=False, path=tuple(path))
+        path.append(children[index])
+        at = children[index]
+
+
 def recovered_token(p: np.ndarray, q: np.ndarray, rng: np.random.Generator) -> int:
     """Draw from norm(max(0, p - q)), the part of p the draft under-proposed."""
-    residual = np.maximum(p - q, 0.0)  # [V]
-    if residual.sum() <= 0:  # p == q: a rejection has probability zero; p is the right answer anyway
-        residual = p
-    return sample_from(residual / residual.sum(), rng)
+    return sample_from(residual_of(p, q), rng)  # p == q: a rejection has probability zero; p is right anyway
 
 
 def expected_tokens_per_pass(acceptance_rate: float, k: int) -> float:

@@ -203,12 +203,17 @@ def test_greedy_tree_rounds_equal_target_only(feature_cluster, tiny, prompt):
     assert wait_for_no_sessions(feature_cluster) == {"verify": 0, "draft": 0}
 
 
-def test_sampling_requests_draft_chains_even_when_trees_are_asked_for(feature_cluster):
+def test_sampled_tree_rounds_run_and_are_reproducible_by_seed(feature_cluster):
+    """Sampling with trees (their distribution is tested in test_statistical / test_tree_sampling):
+    the rounds run, carry trees, and the same seed gives the same tokens."""
     stub = feature_cluster.stub()
-    reply = generate(stub, text=PROMPTS[0], max_new_tokens=12, draft_length_policy=FIXED, draft_branches=3,
-                     sampling=common_pb2.SamplingParams(temperature=0.8), seed=7)
-    # the gateway drafts chains for sampling (a tree there would fail: the verify refuses it)
-    assert reply.token_ids and reply.stats.draft_tokens > 0
+    request = dict(text=PROMPTS[0], max_new_tokens=12, draft_length_policy=FIXED,
+                   sampling=common_pb2.SamplingParams(temperature=0.8, top_k=20), seed=7)
+    trees, again = (generate(stub, **request, draft_branches=3) for _ in range(2))
+    chains = generate(stub, **request)
+    assert list(trees.token_ids) == list(again.token_ids) and trees.stats.draft_tokens > 0
+    per_pass = [reply.stats.wire_bytes / reply.stats.target_passes for reply in (trees, chains)]
+    assert per_pass[0] > 1.5 * per_pass[1], per_pass
 
 
 def test_too_many_tree_nodes_are_refused_with_what_to_fix(feature_cluster):

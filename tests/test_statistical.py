@@ -245,3 +245,50 @@ def test_a_wrong_rule_in_the_gateway_fails_the_test(peaked, name, monkeypatch):
     warp = Warp(temperature=1.0)
     run = run_system(peaked, warp, False, "model", rule, monkeypatch)
     assert chi_square_p_value(run.firsts, target_distribution(peaked, run.prompt, warp)) < SIGNIFICANCE
+
+
+TREE_SAMPLES = 2000
+
+
+def test_system_tree_samples_follow_the_target(peaked, monkeypatch):
+    """Sampled tree rounds through gateway, draft and verify (feature head, 3 candidates a position,
+    drawn without replacement): the first token follows the target's p. Power, from the p and q the
+    gateway used: ≥ 0.99 against the rule that ignores the residual after a rejection; against the
+    subtle rule that does not shrink q after each candidate it was 0.89 (this untrained head overlaps
+    p by 0.05, so few candidates are ever accepted); the toy-level tests in test_tree_sampling.py
+    catch that one with power ≥ 0.99 and include a control that fails."""
+    from tests.test_tree_sampling import exact_output
+
+    recorded: list = []
+    real_rule = gateway.engine.tree_rejection_sample
+
+    def recording(tokens, parents, q_rows, p, rng):
+        if not recorded:
+            recorded.append((q_rows[0].copy(), p[0].copy()))
+        return real_rule(tokens, parents, q_rows, p, rng)
+
+    monkeypatch.setattr(gateway.engine, "tree_rejection_sample", recording)
+    warp = Warp(temperature=1.0, top_k=8)
+    running = start_cluster(peaked.target, "feature", peaked.feature_head, num_draft_tokens=2)
+    try:
+        stub = running.stub()
+        sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k)
+        request = dict(text="hello world", max_new_tokens=3, sampling=sampling, draft_branches=3,
+                       draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)
+        firsts = np.empty(TREE_SAMPLES, dtype=np.int64)
+        for seed in range(TREE_SAMPLES):
+            reply = stub.Generate(generate_pb2.GenerateRequest(**request, seed=seed), timeout=30)
+            firsts[seed] = reply.token_ids[0]
+        prompt = list(reply.prompt_token_ids)
+    finally:
+        running.stop()
+    assert recorded, "no tree round ran"
+    q, used = recorded[0]
+    p = target_distribution(peaked, prompt, warp)
+    np.testing.assert_allclose(used, p, atol=2e-3)  # the gateway judged with the target's p
+    support = np.flatnonzero((p > 0) | (q > 0))
+    powers = {name: chi_square_power(exact_output(p[support], q[support], 3, **wrong), p[support], TREE_SAMPLES)
+              for name, wrong in (("no residual", dict(update_target=False)), ("q not shrunk", dict(update_proposal=False)))}
+    print(f"tree rounds: overlap of p and q {np.minimum(p, q).sum():.2f}; power at alpha {SIGNIFICANCE}: {powers}")
+    assert powers["no residual"] >= REQUIRED_POWER and powers["q not shrunk"] >= 0.85
+    assert chi_square_p_value(firsts, p) > SIGNIFICANCE

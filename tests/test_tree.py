@@ -170,3 +170,32 @@ def test_a_feature_drafter_proposes_its_chain_plus_runners_up(tmp_path):
     assert [tree_proposal.token_ids[i] for i in main_chain(tree_proposal.parents)] == chain.token_ids
     assert depths(tree_proposal.parents) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert session.sequence.tokens == prompt + chain.token_ids  # the session holds only its chain
+
+
+def test_sampled_alternatives_are_more_draws_without_replacement(tmp_path):
+    """When sampling, a position's other candidates are distinct draws from the q recorded for the
+    first (their own draft_probs entries are empty: the gateway reuses the first sibling's q)."""
+    import numpy as np
+
+    from draft_service.feature_drafter import FeatureDrafter
+    from draft_training import feature_data
+    from draft_training.feature_training import build_head
+    from specd_common.distributions import decode_distribution
+    from specd_common.features import encode_features
+    from specd_common.models import describe_model, load_causal_lm
+    from specd_common.params import Warp
+    from tests.tiny_models import build_model
+
+    target = load_causal_lm(str(build_model(tmp_path / "m", seed=0)))
+    head = build_head(target, torch.arange(target.model.config.vocab_size), "").eval()
+    prompt = list(range(5, 25))
+    drafter = FeatureDrafter(head, describe_model(target), 512)
+    session = drafter.open(prompt, Warp(temperature=1.0, top_k=5))
+    drafter.add_features(session, encode_features(feature_data.target_features(target.model, [prompt])[0].float()[:-1], 0))
+    proposal = drafter.propose(session, 2, np.random.default_rng(0), branches=3)
+    validate_tree(proposal.token_ids, proposal.parents)  # siblings differ
+    assert proposal.parents == [ROOT, ROOT, ROOT, 0, 0, 0]
+    assert [bool(d.probs) for d in proposal.draft_probs] == [True, False, False, True, False, False]
+    for first in (0, 3):
+        q = decode_distribution(proposal.draft_probs[first], target.model.config.vocab_size)
+        assert all(q[token] > 0 for token in proposal.token_ids[first : first + 3])  # all drawn from that q

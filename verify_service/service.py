@@ -50,7 +50,6 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         if parents:
             validate_tree(drafts, parents)
         with self.sessions.use(request.session_id) as session:
-            require(not parents or session.warp.greedy, "draft_parents (a tree) needs a greedy session; send a chain when sampling")
             session.sequence.keep_features = session.sequence.keep_features or request.return_features
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)

@@ -174,7 +174,8 @@ class FeatureDrafter:
         (greedy), or further draws without replacement from the q just recorded (sampling; fewer when
         q has no more support)."""
         if warp.greedy:
-            return self.head.vocab_ids[torch.topk(scores, count + 1).indices[1:]].tolist()
+            best = self.head.vocab_ids[torch.topk(scores, min(count + 1, scores.shape[-1])).indices].tolist()
+            return [token for token in best if token != chosen][:count]  # siblings must differ, ties included
         rest, drawn = decode_distribution(proposal.draft_probs[-1], self._info.vocab_size), []
         for _ in range(count):
             rest[drawn[-1] if drawn else chosen] = 0.0

@@ -222,20 +222,19 @@ class Generation:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores, parents)
-        depth = len(tree.main_chain(parents)) if parents else len(drafts)  # drafts along one path: what k counts
-        self._acceptance.update(depth, outcome.accepted)
+        chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts  # what the draft holds; k counts these
+        self._acceptance.update(len(chain), outcome.accepted)
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
             self._verify.sync.agreed += outcome.accepted
-        if drafts:  # the draft holds its main chain: what of it the round kept agrees
-            chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts
+        if drafts:  # what of the draft's chain the round kept agrees
             self._draft.sync.agreed += common_prefix(chain, outcome.emitted(drafts)[: outcome.accepted])
         if parents and self._features is not None:
             self._features.put(tree_path_rows(scores.features, len(drafts), outcome.path))
         if lookahead is not None:
             self._finish_lookahead(lookahead, outcome)
-        self.stats.count_round(depth, outcome.accepted)
+        self.stats.count_round(len(chain), outcome.accepted)
         chunk = self._emit(outcome.emitted(drafts))
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay

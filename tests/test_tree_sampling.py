@@ -14,13 +14,20 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 
-from gateway.rejection import multi_candidate_sample, residual_of, tree_rejection_sample, without
+from gateway.rejection import multi_candidate_sample, tree_rejection_sample
 from specd_common.distributions import sample_from
 from tests.test_rejection import SIGNIFICANCE, chi_square_p_value
-from tests.test_statistical import chi_square_power
+from tests.test_statistical import chi_square_power, residual
 
 SAMPLES = 6000
 REQUIRED_POWER = 0.99
+
+
+def without(q: np.ndarray, token: int) -> np.ndarray:
+    """The distribution of the next draw from q without replacement once `token` was drawn."""
+    rest = q.copy()
+    rest[token] = 0.0
+    return rest / rest.sum() if rest.sum() > 0 else rest
 
 
 def exact_output(p: np.ndarray, q: np.ndarray, candidates: int, update_target: bool = True, update_proposal: bool = True) -> np.ndarray:
@@ -36,7 +43,7 @@ def exact_output(p: np.ndarray, q: np.ndarray, candidates: int, update_target: b
             ratio = target[token] / proposal[token] if proposal[token] > 0 else 0.0
             accept = min(1.0, ratio)
             out[token] += drawing[token] * accept
-            next_target = residual_of(target, proposal) if update_target else target
+            next_target = residual(target, proposal) if update_target else target
             next_proposal = without(proposal, token) if update_proposal else proposal
             out += drawing[token] * (1 - accept) * emitted(next_target, next_proposal, without(drawing, token), left - 1)
         return out
@@ -64,7 +71,7 @@ def forgets_earlier_candidates(candidates, q, p, rng) -> tuple[Optional[int], in
     for index, token in enumerate(candidates):
         if rng.random() * q[token] < target[token]:
             return index, int(token)
-        target = residual_of(target, q)
+        target = residual(target, q)
     return None, sample_from(target, rng)
 
 

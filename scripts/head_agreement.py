@@ -1,0 +1,67 @@
+"""Teacher-forced agreement of feature heads with the target on held-out answers (docs/draft-training.md).
+
+For every answer position t of the held-out answers a `specd train-draft` work dir holds (gen-eval
+shards), the head reads (x_t, the target's true feature f_{t-1}), as at a draft's first position,
+and its top-n tokens are compared with the target's greedy next token x_{t+1}. Cheaper than the
+simulated speculation of `specd train-draft` (one batched pass per answer), and comparable across
+heads on the same answers.
+
+    .venv/bin/python scripts/head_agreement.py --work-dir WORK \\
+        --head previous=OLD_HEAD_DIR --head corpus=NEW_HEAD_DIR --output agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+TOP = (1, 2, 3)
+
+
+def agreement(head, records: list[dict]) -> dict:
+    """Share of answer positions whose next token is among the head's top-n, overall and top-1 per kind."""
+    hits, total, by_kind = {n: 0 for n in TOP}, 0, {}
+    with torch.inference_mode():
+        for record in records:
+            tokens, features, start = record["tokens"].long(), record["features"].float(), record["start"]
+            estimates = head(tokens[None, 1:], features[None, :-1], torch.arange(1, len(tokens)))[0]  # [T-1, H]: f̂ at 1..T-1
+            best = head.vocab_ids[torch.topk(head.logits(estimates), max(TOP), dim=-1).indices]  # [T-1, 3] token ids
+            for row in range(start - 1, len(tokens) - 2):  # row i reads x_{i+1}, predicts x_{i+2}
+                following, guesses = int(tokens[row + 2]), best[row].tolist()
+                total += 1
+                for n in TOP:
+                    hits[n] += following in guesses[:n]
+                kind = by_kind.setdefault(record["category"], [0, 0])
+                kind[0] += following == guesses[0]
+                kind[1] += 1
+    return {"positions": total, **{f"top{n}": round(hits[n] / total, 3) for n in TOP},
+            "top1_by_kind": {kind: round(right / seen, 3) for kind, (right, seen) in sorted(by_kind.items())}}
+
+
+def main() -> None:
+    from draft_service.feature_head import load_head
+    from draft_training.feature_training import eval_records
+    from specd_common.config import DEFAULT_TARGET
+    from specd_common.models import load_causal_lm
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work-dir", required=True, help="a train-draft work dir with held-out answers (data/gen-eval-*)")
+    parser.add_argument("--head", action="append", required=True, help="NAME=HEAD_DIR, repeatable")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--output", default="", help="write the results as JSON here")
+    args = parser.parse_args()
+    target = load_causal_lm(args.target, device="cpu", dtype="float32")
+    records = eval_records(target, Path(args.work_dir), 0)
+    results = {name: agreement(load_head(Path(folder), target.model), records)
+               for name, folder in (spec.split("=", 1) for spec in args.head)}
+    text = json.dumps({"work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,7 +59,8 @@ def main() -> None:
     records = eval_records(target, Path(args.work_dir), 0)
     results = {name: agreement(load_head(Path(folder), target.model), records)
                for name, folder in (spec.split("=", 1) for spec in args.head)}
-    text = json.dumps({"work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
+    text = json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                       "work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
     if args.output:
         Path(args.output).write_text(text + "\n")
     print(text)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specd_common.distributions import sample_from
-from specd_common.tree import ROOT
+from specd_common.tree import ROOT, child_with
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def greedy_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], targe
     path, at, row = [], ROOT, 0
     while True:
         choice = int(target_argmax[row])
-        child = next((i for i, (t, p) in enumerate(zip(node_tokens, parents)) if p == at and t == choice), None)
+        child = child_with(node_tokens, parents, at, choice)
         if child is None:
             is_leaf = at != ROOT and at not in parents
             return RoundOutcome(len(path), choice, bonus=is_leaf, path=tuple(path))

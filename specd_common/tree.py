@@ -11,7 +11,7 @@ its ancestors and itself (CausalLM.forward_tree); its position is the root's plu
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from specd_common.errors import InvalidArgument
 
@@ -64,11 +64,16 @@ def main_chain(parents: Sequence[int]) -> list[int]:
     return chain
 
 
+def child_with(tokens: Sequence[int], parents: Sequence[int], parent: int, token: int) -> Optional[int]:
+    """The child of `parent` (a node index or ROOT) that carries `token`, if any (siblings differ)."""
+    return next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == parent and t == token), None)
+
+
 def path_of(tokens: Sequence[int], parents: Sequence[int], walk: Sequence[int]) -> list[int]:
     """Node indices of the longest path from the root whose tokens are a prefix of `walk`."""
     path, at = [], ROOT
     for token in walk:
-        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == at and t == token), None)
+        child = child_with(tokens, parents, at, token)
         if child is None:
             break
         path.append(child)

@@ -132,12 +132,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[HeadCache] = None) -> torch.Tensor:
         """x [B, T, H] at positions [T] → [B, T, H]. With a cache (B = 1), attends to the cached
         positions too and appends this call's keys/values to it."""
-        c = self.config
-        batch, length, _ = x.shape
-        y = self.input_norm(x)
-        q = rope(self.q_proj(y).view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), positions, c.rope_theta)  # [B, nh, T, d]
-        k = rope(self.k_proj(y).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), positions, c.rope_theta)  # [B, nkv, T, d]
-        v = self.v_proj(y).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        length = x.shape[1]
+        q, k, v = self._project(x, positions)
         past = 0
         if cache is not None:
             past = cache.length
@@ -145,13 +141,38 @@ class DecoderLayer(nn.Module):
                 k = torch.cat((cache.keys[None], k), dim=2)  # [1, nkv, past + T, d]
                 v = torch.cat((cache.values[None], v), dim=2)
             cache.keys, cache.values = k[0], v[0]
+        # new position i sees every cached position and new positions ≤ i
+        mask = None if past == 0 else torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        return self._attend_and_mix(x, q, k, v, mask, causal=past == 0 and length > 1)
+
+    def forward_after(self, x: torch.Tensor, positions: torch.Tensor, earlier: list[tuple[torch.Tensor, torch.Tensor]],
+                      mask: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Training-time test: x [B, T, H] attends to the keys/values of earlier passes over the same
+        positions ([B, nkv, T, d] each) and its own, as `mask` [T, (len(earlier) + 1) T] allows.
+        Returns the output [B, T, H] and this pass's keys/values, for the passes after it."""
+        q, k, v = self._project(x, positions)
+        keys = torch.cat([kv[0] for kv in earlier] + [k], dim=2)  # [B, nkv, (passes) T, d]
+        values = torch.cat([kv[1] for kv in earlier] + [v], dim=2)
+        return self._attend_and_mix(x, q, keys, values, mask, causal=False), (k, v)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, nh, T, d], keys and values [B, nkv, T, d] of x [B, T, H] at positions [T]."""
+        c = self.config
+        batch, length, _ = x.shape
+        y = self.input_norm(x)
+        q = rope(self.q_proj(y).view(batch, length, c.num_heads, c.head_dim).transpose(1, 2), positions, c.rope_theta)
+        k = rope(self.k_proj(y).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2), positions, c.rope_theta)
+        v = self.v_proj(y).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def _attend_and_mix(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """The residual attention (q [B, nh, T, d] over k, v [B, nkv, S, d], mask [T, S] or causal) and MLP."""
+        c = self.config
+        batch, length, _ = x.shape
         groups = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nh, past + T, d]
-        if past == 0:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
-        else:  # new position i sees every cached position and new positions ≤ i
-            mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)  # [T, past + T]
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nh, S, d]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # [B, nh, T, d]
         x = x + self.o_proj(attended.transpose(1, 2).reshape(batch, length, c.num_heads * c.head_dim))
         y = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
@@ -179,6 +200,24 @@ class FeatureHead(nn.Module):
         h = self.fc(torch.cat((embedded, prev_features.to(embedded.dtype)), dim=-1))  # [B, T, H]
         return self.norm(self.layer(h, positions, cache))
 
+    def unrolled(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, passes: int) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): what drafting steps 1..passes would estimate at every position.
+
+        token_ids [B, T] (x_t), features [B, T, H] (f_{t-1}, the target's), positions [T]. Pass 1 is
+        forward(). Pass j reads (x_t, pass j-1's estimate of f_{t-1}) and attends like drafting step j
+        at position t: to pass 1's keys up to t - j + 1 (the committed context, real features), to pass
+        m's key at t - j + m for 1 < m < j (the earlier drafted positions) and to itself. Returns
+        [f̂ of pass 1, ..., f̂ of pass `passes`], each [B, T, H]; row t of pass j is valid for t ≥ j - 1."""
+        embedded = self.embedding[token_ids]  # [B, T, H]
+        earlier, estimates, previous = [], [], features
+        for step in range(passes):
+            h = self.fc(torch.cat((embedded, previous.to(embedded.dtype)), dim=-1))  # [B, T, H]
+            out, kv = self.layer.forward_after(h, positions, earlier, unrolled_mask(token_ids.shape[1], step, h.device))
+            earlier.append(kv)
+            estimates.append(self.norm(out))
+            previous = torch.cat((features[:, :1], estimates[-1][:, :-1]), dim=1)  # f̂_{t-1} at t; row 0 keeps the real one
+        return estimates
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., H] → scores over the head's vocabulary [..., V'] (index with vocab_ids for token ids)."""
         return (features.to(self.head_rows.dtype) @ self.head_rows.T).float()
@@ -205,6 +244,15 @@ class FeatureHead(nn.Module):
         h = self.config.hidden_size
         self.fc.weight.zero_()
         self.fc.weight[:, h:] = torch.eye(h)
+
+
+def unrolled_mask(length: int, step: int, device: torch.device) -> torch.Tensor:
+    """Which keys pass `step` (0 = the first) of FeatureHead.unrolled may read: [T, (step + 1) T], True = may
+    attend. Query t sees pass 0's keys at positions ≤ t - step and pass m's (1 ≤ m ≤ step) at t - step + m."""
+    query = torch.arange(length, device=device)[:, None]  # [T, 1]
+    key = torch.arange(length, device=device)[None, :]  # [1, T]
+    blocks = [key <= query - step] + [key == query - step + m for m in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
 
 
 def target_matrices(target_model) -> tuple[torch.Tensor, torch.Tensor]:

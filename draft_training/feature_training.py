@@ -46,6 +46,7 @@ class FeatureRecipe:
     warmup_steps: int = 20
     feature_loss_weight: float = 1.0
     token_loss_weight: float = 0.1
+    ttt_passes: int = 1  # drafting steps trained (EAGLE-3 training-time test; 1 = the first step only)
     use_corpus: bool = False  # also train on the committed corpus of the target's answers (draft_training/corpus.py)
     init_head: str = ""  # start from this saved head (its weights and vocabulary) instead of the target's last layer
     gen_minutes: float = 0.0  # budgets; 0 = unlimited
@@ -149,32 +150,40 @@ def padded(batch: list[dict], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def feature_loss(head, batch: list[dict], device: torch.device, noise: float = 0.1,
-                 feature_weight: float = 1.0, token_weight: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+                 feature_weight: float = 1.0, token_weight: float = 0.1, passes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE's objective at every answer position t (the head's output at t predicts x_{t+1}):
     smooth-L1 between f̂_t and the target's f_t, plus soft cross-entropy between the head's scores
     from f̂_t and the target's (from f_t) over the head's vocabulary. Input features get uniform
     noise so the head tolerates its own estimates when drafting several steps.
 
-    Returns (loss, agreement): agreement = argmax from f̂_t equals argmax from f_t."""
+    passes > 1 adds EAGLE-3's training-time test: the same objective for drafting steps 2..passes,
+    where the head reads its own earlier estimates (FeatureHead.unrolled); the passes count equally.
+
+    Returns (loss, agreement): agreement = argmax from f̂_t equals argmax from f_t, first pass."""
     tokens, features = padded(batch, head.config.hidden_size)
     tokens, features = tokens.to(device), features.to(device)  # [B, T], [B, T, H]
     width = tokens.shape[1]
     prev = features[:, :-1]  # [B, T-1, H]: f_{t-1} for inputs x_t, t = 1..T-1
     if noise:
         prev = prev + (torch.rand_like(prev) - 0.5) * 2 * noise
-    predicted = head(tokens[:, 1:], prev, torch.arange(1, width, device=device))  # [B, T-1, H]: f̂_t
+    estimates = head.unrolled(tokens[:, 1:], prev, torch.arange(1, width, device=device), passes)  # passes × [B, T-1, H]
     positions = torch.arange(1, width, device=device)[None, :]  # [1, T-1]
     starts = torch.tensor([r["start"] for r in batch], device=device)[:, None]
     lengths = torch.tensor([len(r["tokens"]) for r in batch], device=device)[:, None]
-    mask = (positions >= starts - 1) & (positions < lengths)  # [B, T-1]: answer positions
-    mine, theirs = predicted[mask], features[:, 1:][mask]  # [N, H]
-    feature_term = F.smooth_l1_loss(mine, theirs)
-    log_q = torch.log_softmax(head.logits(mine), dim=-1)  # [N, V']
-    with torch.no_grad():
-        p = torch.softmax(head.logits(theirs), dim=-1)  # [N, V']
-    token_term = -(p * log_q).sum(dim=-1).mean()
-    agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
-    return feature_weight * feature_term + token_weight * token_term, agreement
+    answer = (positions >= starts - 1) & (positions < lengths)  # [B, T-1]: answer positions
+    total, agreement = 0.0, None
+    for step, predicted in enumerate(estimates):
+        mask = answer & (positions > step)  # step j's row t drafts from position t - j, which must exist
+        mine, theirs = predicted[mask], features[:, 1:][mask]  # [N, H]
+        feature_term = F.smooth_l1_loss(mine, theirs)
+        log_q = torch.log_softmax(head.logits(mine), dim=-1)  # [N, V']
+        with torch.no_grad():
+            p = torch.softmax(head.logits(theirs), dim=-1)  # [N, V']
+        token_term = -(p * log_q).sum(dim=-1).mean()
+        total = total + (feature_weight * feature_term + token_weight * token_term) / passes
+        if agreement is None:
+            agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
+    return total, agreement
 
 
 def build_head(target, vocab_ids: torch.Tensor, target_spec: str):
@@ -271,7 +280,7 @@ def run_feature_recipe(args) -> int:
     from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "init_head": args.init_head and str(Path(args.init_head).resolve())}
+                 "epochs": args.epochs, "ttt_passes": args.ttt_passes, "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
     run_feature_data(target, recipe, Path(args.data_dir), work)
@@ -284,7 +293,8 @@ def run_feature_recipe(args) -> int:
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
         head = build_head(target, torch.load(vocab_path), args.target)
-    loss = partial(feature_loss, feature_weight=recipe.feature_loss_weight, token_weight=recipe.token_loss_weight)
+    loss = partial(feature_loss, feature_weight=recipe.feature_loss_weight, token_weight=recipe.token_loss_weight,
+                   passes=recipe.ttt_passes)
     state = train_draft(head, records, recipe, work, device, loss_fn=loss)
     head = head.cpu().eval()
     target.model.cpu()

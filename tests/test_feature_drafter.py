@@ -62,6 +62,27 @@ def test_head_cache_reads_in_pieces_what_a_full_pass_reads(tiny, target):
     assert cache.length == 19
 
 
+def test_unrolled_passes_are_what_drafting_steps_compute(tiny, target):
+    """The training-time test's pass j at position t (FeatureHead.unrolled) equals drafting step j from a
+    cache holding the real context up to t - j + 1: same inputs, same keys attended. A mask that let pass
+    j see pass 1's key at t itself (its real feature) would differ."""
+    head = load_head(tiny.feature_head, target.model)
+    tokens = list(range(5, 25))
+    features = feature_data.target_features(target.model, [tokens])[0].float()  # [20, H]
+    ids, positions = torch.tensor([tokens[1:]]), torch.arange(1, 20)  # row r: x_{r+1}, f_r, position r + 1
+    with torch.inference_mode():
+        passes = head.unrolled(ids, features[None, :-1], positions, 3)  # 3 × [1, 19, H]
+        assert torch.allclose(passes[0], head(ids, features[None, :-1], positions), atol=1e-5)
+        for first in (2, 9):  # drafting starts at row `first` with the real context before it
+            cache = HeadCache()
+            estimate = head(ids[:, : first + 1], features[None, : first + 1], positions[: first + 1], cache)[:, -1:]
+            for step in (1, 2):
+                row = first + step
+                estimate = head(ids[:, row : row + 1], estimate, positions[row : row + 1], cache)  # [1, 1, H]
+                assert torch.allclose(estimate[0, 0], passes[step][0, row], atol=1e-4), (first, step)
+                assert not torch.allclose(passes[step][0, row], passes[0][0, row], atol=1e-3)
+
+
 # --- the services -------------------------------------------------------------------------------------
 def test_verify_returns_the_targets_features_at_the_positions_it_read(feature_cluster, target):
     stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{feature_cluster.verify.port}"))

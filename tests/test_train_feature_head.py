@@ -101,7 +101,8 @@ def test_a_finished_run_resumes_without_redoing_work(trained: dict) -> None:
 
 def test_training_goes_on_from_a_saved_head_of_the_same_vocabulary(trained: dict, tmp_path: Path) -> None:
     """`--init-head`: a run starts from a saved head's weights and vocabulary map (fine-tuning, not a fresh
-    head), records it in recipe.json, and refuses a head made for another vocabulary."""
+    head), records it in recipe.json, and refuses a head made for another vocabulary. The run also trains
+    three drafting steps (`--ttt-passes 3`, the training-time test)."""
     import shutil
 
     from draft_service.feature_head import CONFIG_FILE, load_head
@@ -118,8 +119,9 @@ def test_training_goes_on_from_a_saved_head_of_the_same_vocabulary(trained: dict
     work = tmp_path / "work"
     shutil.copytree(trained["root"] / "work" / "data", work / "data")  # the same data, not generated again
     argv = [arg if arg != str(trained["root"] / "work") else str(work) for arg in trained["argv"]]
-    assert main(argv + ["--init-head", str(trained["head"]), "--epochs", "1", "--skip-eval"]) == 0
-    assert json.loads((work / "recipe.json").read_text())["init_head"] == str(trained["head"].resolve())
+    assert main(argv + ["--init-head", str(trained["head"]), "--epochs", "1", "--skip-eval", "--ttt-passes", "3"]) == 0
+    recipe = json.loads((work / "recipe.json").read_text())
+    assert recipe["init_head"] == str(trained["head"].resolve()) and recipe["ttt_passes"] == 3
     further = load_head(work / "draft", target.model)
     assert torch.equal(further.vocab_ids, saved.vocab_ids)
     assert not torch.equal(further.fc.weight, saved.fc.weight)  # it trained

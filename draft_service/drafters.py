@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from draft_service.ngram import prompt_lookup
+from specd_common.lookup import prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.autotune import kv_bytes_per_token
 from specd_common.batching import BatchPolicy, make_batcher

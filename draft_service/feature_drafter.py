@@ -21,7 +21,7 @@ import torch
 
 from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
-from draft_service.ngram import prompt_lookup
+from specd_common.lookup import prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
 from specd_common.errors import FailedPrecondition, InvalidArgument

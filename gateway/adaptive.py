@@ -79,11 +79,12 @@ class StepCosts:
             nearest = min(self._draft, key=lambda j: abs(j - k))
             return self._draft[nearest] * k / nearest
 
-    def round_cost_s(self, k: int, branches: int = 1) -> float:
+    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True) -> float:
         """Seconds a round with k drafts is expected to take (1.0 while nothing is measured); a tree of
-        `branches` candidates per position verifies k × branches + 1 positions."""
+        `branches` candidates per position verifies k × branches + 1 positions. drafting=False: the
+        drafts cost nothing to make (the gateway's prompt-lookup copies)."""
         verify = self.verify_s(k * branches + 1)
-        return (1.0 if verify is None else verify) + self.draft_s(k)
+        return (1.0 if verify is None else verify) + (self.draft_s(k) if drafting else 0.0)
 
 
 class AcceptanceEstimate:

@@ -2,6 +2,9 @@
 
 A round, in order:
   1. Propose: the draft applies the last round's commit and drafts k tokens (skipped when k = 0).
+     A lookup round skips the draft altogether: when the sequence's last n-gram occurred before, the
+     gateway proposes what followed it (prompt lookup), as many tokens as pay by their own measured
+     acceptance; the draft learns those tokens from its next commit, like any skipped round.
   2. Verify: the target applies the same commit and scores the k drafts plus one position.
   3. Accept / reject / correct (gateway.rejection) with the request's seeded RNG.
   4. Emit the accepted drafts and the recovered/bonus token; stop on EOS, length or a stop string.
@@ -30,8 +33,9 @@ from gateway.features import FeatureLog, tree_path_rows
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common import tree
-from specd_common.distributions import decode_distribution
+from specd_common.distributions import decode_distribution, one_hot
 from specd_common.errors import ResourceExhausted, Unavailable
+from specd_common.lookup import prompt_lookup
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
 
@@ -87,6 +91,7 @@ class SpeculationStats:
     rejected_rounds: int = 0
     lookahead_rounds: int = 0  # overlap: look-aheads drafted while the target verified
     lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
+    lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -165,6 +170,8 @@ class Generation:
         self.overlap = options.overlap and self._features is None  # a look-ahead cannot wait for the target's features
         self.branches = 1 if self.overlap else spec.branches  # a look-ahead assumes a chain
         self.draft_timeout_s = options.draft_timeout_s
+        self.lookup_tokens = options.lookup_tokens if spec.speculate and not self.overlap else 0  # 0: no lookup rounds
+        self.lookup_min_ngram = options.lookup_min_ngram
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated
@@ -179,7 +186,8 @@ class Generation:
         self._draft = Link()
         self._draft_retry_at = 0.0
         self._draft_backoff_s = DRAFT_BACKOFF_S
-        self._acceptance = AcceptanceEstimate()
+        self._acceptance = AcceptanceEstimate()  # the drafter's
+        self._lookup_acceptance = AcceptanceEstimate()  # prompt-lookup copies' (they behave differently)
         self._rounds_since_draft = 0
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
         self._opened: list[tuple[Pool, Replica, str]] = []  # sessions to release at the end
@@ -205,36 +213,42 @@ class Generation:
 
     def _round(self) -> Chunk:
         # 1. Propose (skipped when the draft is down or no tokens are left to draft; with overlap,
-        #    the drafts may already have been made while the last round was being verified)
-        k = self._draft_length()
+        #    the drafts may already have been made while the last round was being verified). A
+        #    lookup round copies earlier tokens instead and leaves the draft out
         started = time.perf_counter()
-        drafts, draft_probs = self._take_lookahead(k)
         parents: list[int] = []  # a tree's shape; [] for a chain
-        if k > 0 and not drafts:
-            drafts, draft_probs, parents = self._propose(k)
+        copied = self._lookup_drafts()
+        if copied:
+            k, drafts, draft_probs = len(copied), copied, [] if self.spec.warp.greedy else [one_hot(t) for t in copied]
+        else:
+            k = self._draft_length()
+            drafts, draft_probs = self._take_lookahead(k)
+            if k > 0 and not drafts:
+                drafts, draft_probs, parents = self._propose(k)
         proposed = time.perf_counter()
         # 2. Verify, on another replica if this one fails; with overlap the draft meanwhile drafts
         #    the next round, assuming every draft of this one is accepted
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts, parents)
         self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
-        if k > 0 and proposed - started > 1e-4:
+        if k > 0 and not copied and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores, parents)
         chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts  # what the draft holds; k counts these
-        self._acceptance.update(len(chain), outcome.accepted)
+        (self._lookup_acceptance if copied else self._acceptance).update(len(chain), outcome.accepted)
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
             self._verify.sync.agreed += outcome.accepted
-        if drafts:  # what of the draft's chain the round kept agrees
+        if drafts and not copied:  # what of the draft's chain the round kept agrees
             self._draft.sync.agreed += common_prefix(chain, outcome.emitted(drafts)[: outcome.accepted])
         if parents and self._features is not None:
             self._features.put(tree_path_rows(scores.features, len(drafts), outcome.path))
         if lookahead is not None:
             self._finish_lookahead(lookahead, outcome)
         self.stats.count_round(len(chain), outcome.accepted)
+        self.stats.lookup_rounds += bool(copied)
         chunk = self._emit(outcome.emitted(drafts))
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
@@ -341,6 +355,26 @@ class Generation:
         self._opened.clear()
 
     # --- one round -----------------------------------------------------------------------------
+    def _tokens_left(self) -> int:
+        """New tokens this request may still emit (its own limit and the model's context)."""
+        return min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
+
+    def _lookup_drafts(self) -> list[int]:
+        """A lookup round's drafts: what followed the latest earlier occurrence of the sequence's last
+        n-gram (specd_common/lookup.py), cut to the length that maximizes expected tokens per second by
+        the copies' own acceptance per position and the measured verify cost (no draft cost: the draft
+        is not asked). [] when nothing recurs, speculation is paused, or no length pays. Under the fixed
+        policy a copy is at most num_draft_tokens long, like a draft."""
+        if not self.lookup_tokens or not self._speculation_allowed():
+            return []
+        cap = min(self.lookup_tokens if self.spec.adaptive else self.spec.num_draft_tokens, self._tokens_left() - 1)
+        copy = prompt_lookup(self.sequence, cap, min_ngram=self.lookup_min_ngram) if cap > 0 else []
+        if not copy or not self.spec.adaptive:
+            return copy
+        costs = self.backends.costs
+        k = best_draft_length(self._lookup_acceptance.chain(len(copy)), len(copy), lambda k: costs.round_cost_s(k, drafting=False))
+        return copy[:k]
+
     def _draft_length(self) -> int:
         """k for this round: 0 without a live draft; never more drafts than tokens left (the last is the bonus)."""
         if not self.speculate:
@@ -351,8 +385,7 @@ class Generation:
             self._open_draft()
         if not self._draft.open:
             return 0  # no draft (down, or backing off)
-        left = min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
-        cap = max(0, min(self.spec.num_draft_tokens, left - 1))
+        cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))
         if not self.spec.adaptive:
             return cap
         k = best_draft_length(self._acceptance.chain(cap), cap, lambda k: self.backends.costs.round_cost_s(k, self.branches))

@@ -7,7 +7,8 @@ a served RPC (unit tests of the engine) every hook just calls through.
 Span attributes follow the OpenTelemetry GenAI conventions where they fit (gen_ai.*), and the
 speculative-decoding ones live under `specd.`:
 
-  specd.round.index, specd.draft.length, specd.accepted.length, specd.emitted.length,
+  specd.round.index, specd.round.lookup (the drafts were the gateway's prompt-lookup copy),
+  specd.draft.length, specd.accepted.length, specd.emitted.length,
   specd.round.bonus, specd.round.corrected, specd.acceptance_rate_so_far,
   specd.time.draft_wait_ms, specd.time.verify_wait_ms, specd.time.accept_ms
 """
@@ -85,6 +86,7 @@ class GenerationObserver:
             return run_round()
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
+        lookups_before = stats.lookup_rounds
         started = time.perf_counter()
         with telemetry.span("specd.round", {"specd.round.index": self.rounds}) as span, telemetry.timing_rpcs() as rpcs:
             try:
@@ -103,6 +105,7 @@ class GenerationObserver:
                 span.set_attributes(
                     {
                         "specd.draft.length": draft_length,
+                        "specd.round.lookup": stats.lookup_rounds > lookups_before,
                         "specd.accepted.length": accepted,
                         "specd.emitted.length": emitted,
                         "specd.round.bonus": accepted == draft_length,

@@ -18,6 +18,8 @@ class GatewayOptions:
     max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
     overlap: bool = False  # draft the next round while the target verifies
     draft_branches: int = 1  # greedy: candidates per drafted position (> 1: a tree round; gateway/engine.py)
+    lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none
+    lookup_min_ngram: int = 2  # a lookup round needs the sequence's last n ≥ this many tokens to have occurred before
     connect_timeout_s: float = 300.0
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set
@@ -25,3 +27,5 @@ class GatewayOptions:
     def __post_init__(self) -> None:
         if self.draft_length_policy not in ("adaptive", "fixed"):
             raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
+        if self.lookup_tokens < 0 or self.lookup_min_ngram < 1:
+            raise ValueError(f"lookup tokens must be ≥ 0 and lookup min n-gram ≥ 1, got {self.lookup_tokens} and {self.lookup_min_ngram}")

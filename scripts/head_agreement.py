@@ -8,6 +8,11 @@ heads on the same answers.
 
     .venv/bin/python scripts/head_agreement.py --work-dir WORK \\
         --head previous=OLD_HEAD_DIR --head corpus=NEW_HEAD_DIR --output agreement.json
+
+With --speculate K it also simulates greedy speculation at fixed k = K on the same answers through the
+draft's serving path (draft_training/draft_eval.py), in bfloat16 as served, with the head alone and
+with prompt lookup first (the served default, --lookup-min-ngram 2): tokens per target pass and the
+acceptance at each draft position (given the positions before it were accepted), overall and per kind.
 """
 
 from __future__ import annotations
@@ -43,6 +48,21 @@ def agreement(head, records: list[dict]) -> dict:
             "top1_by_kind": {kind: round(right / seen, 3) for kind, (right, seen) in sorted(by_kind.items())}}
 
 
+def simulated(head, target, records: list[dict], k: int) -> dict:
+    """Simulated greedy rounds at fixed k, the head alone and with prompt lookup first (as served)."""
+    from draft_service.feature_drafter import FeatureDrafter
+    from draft_training.draft_eval import evaluate_drafter
+    from specd_common.models import describe_model, max_sequence_length
+
+    head = head.to(torch.bfloat16)
+    results = {}
+    with torch.inference_mode():
+        for name, lookup in (("head_only", 0), ("lookup2", 2)):
+            drafter = FeatureDrafter(head, describe_model(target), max_sequence_length(target), lookup_min_ngram=lookup)
+            results[name] = evaluate_drafter(drafter, records, ks=(k,))[f"k={k}"]
+    return results
+
+
 def main() -> None:
     from draft_service.feature_head import load_head
     from draft_training.feature_training import eval_records
@@ -54,11 +74,15 @@ def main() -> None:
     parser.add_argument("--head", action="append", required=True, help="NAME=HEAD_DIR, repeatable")
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--output", default="", help="write the results as JSON here")
+    parser.add_argument("--speculate", type=int, default=0, help="also simulate greedy speculation at this fixed k (0 = no)")
     args = parser.parse_args()
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
     records = eval_records(target, Path(args.work_dir), 0)
-    results = {name: agreement(load_head(Path(folder), target.model), records)
-               for name, folder in (spec.split("=", 1) for spec in args.head)}
+    results = {}
+    for name, folder in (spec.split("=", 1) for spec in args.head):
+        results[name] = agreement(load_head(Path(folder), target.model), records)
+        if args.speculate:
+            results[name]["speculation"] = simulated(load_head(Path(folder), target.model), target, records, args.speculate)
     text = json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
     if args.output:

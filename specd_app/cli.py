@@ -152,6 +152,9 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
     add_flag(parser, "draft-branches", 1, "greedy: candidates per drafted position, 1..4; above 1 a round drafts and verifies a tree "
              "(the draft's chain plus its runners-up; feature drafters)")
+    add_flag(parser, "lookup-tokens", 8, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
+             "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")
+    add_flag(parser, "lookup-min-ngram", 2, "a lookup round needs the last N tokens to have occurred before")
     add_flag(parser, "max-speculative-requests", 2, "above this many running requests, rounds are target-only (0 = no limit; 2 measured best on the 2-core CPU, see README)")
     add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
@@ -212,6 +215,8 @@ def serve_gateway(args: argparse.Namespace) -> None:
         max_speculative_requests=args.max_speculative_requests,
         overlap=args.overlap,
         draft_branches=args.draft_branches,
+        lookup_tokens=args.lookup_tokens,
+        lookup_min_ngram=args.lookup_min_ngram,
         connect_timeout_s=args.connect_timeout,
         resolve_period_s=args.resolve_period,
         auth_token=load_token(args.auth_token, args.auth_token_file),
@@ -290,8 +295,9 @@ def service_commands(
     caps = stack_thread_caps(os.cpu_count() or 1)
     return {
         "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
+        # the gateway proposes prompt-lookup copies itself when they pay (lookup rounds), so the draft does not
         "draft": serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]), "--drafter", drafter,
-                          "--model", draft_model, "--target", target],
+                          "--model", draft_model, "--target", target, "--lookup-min-ngram", "0"],
         "gateway": gateway_command(host, ports, num_draft_tokens),
     }
 

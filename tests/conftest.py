@@ -106,6 +106,7 @@ def start_cluster(
     http_port: Optional[int] = None,
     model_interceptors: tuple = (),
     draft_timeout_s: float = 5.0,
+    lookup_tokens: int = 0,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -113,7 +114,8 @@ def start_cluster(
     draft+verify / the gateway's public port, backend_tls the gateway's ClientTLS toward draft+verify,
     auth_token the public API's bearer token. The defaults are plaintext and open, as before.
     http_port: also serve the OpenAI-compatible HTTP API (0 = a free port; tests/test_http_api.py);
-    model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down).
+    model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down);
+    lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here).
     """
     import dataclasses
 
@@ -147,6 +149,7 @@ def start_cluster(
             max_speculative_requests=max_speculative_requests,
             overlap=overlap,
             auth_token=auth_token,
+            lookup_tokens=lookup_tokens,
         ),
         backend_tls=backend_tls,
         http_port=http_port,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service.ngram import prompt_lookup
+from specd_common.lookup import copy_forward, prompt_lookup
 from gateway.admission import Admission
 from gateway.engine import ServiceSync
 from gateway.text import TextStream
@@ -28,9 +28,17 @@ def test_prompt_lookup_continues_latest_longest_match():
 
 
 def test_prompt_lookup_falls_back_to_shorter_ngrams_and_to_nothing():
-    assert prompt_lookup([4, 5, 6, 5], k=3) == [6, 5]
+    assert prompt_lookup([4, 5, 6, 5], k=2) == [6, 5]
     assert prompt_lookup([1, 2, 3], k=3) == []
     assert prompt_lookup([7], k=3) == []
+
+
+def test_a_copy_that_reaches_the_end_runs_on_into_itself():
+    """A loop near the end gives k tokens, the loop continued (LZ77's overlapping copy)."""
+    assert prompt_lookup([4, 5, 6, 5], k=4) == [6, 5, 6, 5]  # "5" at 1 is followed by 6 5, then by the copy
+    assert prompt_lookup([9, 70, 70, 70], k=5) == [70] * 5
+    assert copy_forward([1, 2, 3], 1, 5) == [2, 3, 2, 3, 2]
+    assert copy_forward([1, 2, 3], 0, 2) == [1, 2]
 
 
 # --- KV sync ------------------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""Prompt lookup: propose the tokens that followed the latest earlier occurrence of the current suffix.
+
+Shared: the n-gram drafter and the feature drafter use it in the draft service, and the gateway
+proposes copies itself (lookup rounds, gateway/engine.py) without a draft round trip."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to k tokens continuing the longest suffix n-gram (max_ngram down to min_ngram) seen earlier.
+
+    The most recent earlier match wins (recent context predicts best). Returns [] when no n-gram recurs.
+    With overlap, the copy runs on into itself: a match that ends near the end of the sequence (a
+    loop of period p) continues with the tokens it has just copied, so a repeating run yields k
+    tokens, not the p − 1 that are left before the end.
+    """
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(tokens[length - n :])
+        for start in range(length - n - 1, -1, -1):  # latest earlier occurrence first
+            if list(tokens[start : start + n]) == suffix:
+                return copy_forward(tokens, start + n, k)
+    return []
+
+
+def copy_forward(tokens: Sequence[int], source: int, k: int) -> list[int]:
+    """k tokens copied from position `source` (< len(tokens)) on, reading the copy itself where the
+    source runs past the end (LZ77's overlapping copy): [a, b, c] from 1, k = 4 → [b, c, b, c]."""
+    period = len(tokens) - source
+    return [tokens[source + i % period] for i in range(k)]

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def make_drafter(
     kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
-    lookup_min_ngram: int = 2, threads: int = 0, max_threads: int = 0,
+    lookup_min_ngram: int = 0, threads: int = 0, max_threads: int = 0,
 ) -> Drafter:
     """'ngram' → prompt lookup; 'model' → a Hugging Face draft model loaded from `model`, batching
     concurrent sessions' drafting steps per `batching`; 'feature' → a feature head folder (`model`)
@@ -37,7 +37,7 @@ def make_drafter(
 
 
 def load_feature_drafter(
-    folder: str, target: str = "", lookup_min_ngram: int = 2, dtype: str = "auto", threads: int = 0, max_threads: int = 0
+    folder: str, target: str = "", lookup_min_ngram: int = 0, dtype: str = "auto", threads: int = 0, max_threads: int = 0
 ) -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 

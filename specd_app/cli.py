@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(draft, "target", "", "feature drafter: the target whose embedding and LM head it reads (default: the one named in the head)")
     add_flag(draft, "kv-token-budget", 0, "positions all draft sessions may hold before Prefill/Propose get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the drafter's bytes per position, none for ngram; -1 = no budget)")
-    add_flag(draft, "lookup-min-ngram", 2, "feature drafter: propose a prompt-lookup copy instead when the last N tokens recur (0 = never)")
+    add_flag(draft, "lookup-min-ngram", 0, "feature drafter: propose a prompt-lookup copy instead when the last N tokens recur "
+             "(0 = never: the gateway's lookup rounds do this, deciding per request whether copies pay)")
     draft.set_defaults(func=serve_draft)
     gateway = serve.add_parser("gateway", help="the public API")
     add_server_flags(gateway, "gateway")
@@ -295,9 +296,8 @@ def service_commands(
     caps = stack_thread_caps(os.cpu_count() or 1)
     return {
         "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
-        # the gateway proposes prompt-lookup copies itself when they pay (lookup rounds), so the draft does not
         "draft": serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]), "--drafter", drafter,
-                          "--model", draft_model, "--target", target, "--lookup-min-ngram", "0"],
+                          "--model", draft_model, "--target", target],
         "gateway": gateway_command(host, ports, num_draft_tokens),
     }
 

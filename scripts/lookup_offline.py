@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ def main() -> None:
     from draft_service.feature_head import load_head
     from draft_training.feature_training import eval_records
     from specd_common.config import DEFAULT_TARGET
+    from specd_app.bench import machine_facts
     from specd_common.models import describe_model, load_causal_lm, max_sequence_length
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -90,7 +90,7 @@ def main() -> None:
             results[f"head{head_k}_copy{copy_tokens}"] = simulate(drafter, records, head_k, copy_tokens)
             print(pair, json.dumps(results[f"head{head_k}_copy{copy_tokens}"]), flush=True)
     report = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "machine": platform.processor() or platform.machine(), "held_out_answers": len(records),
+              "machine": machine_facts(), "threads": args.threads, "held_out_answers": len(records),
               "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records), "results": results}
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

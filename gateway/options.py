@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOOKUP_TOKENS = 16  # like num_draft_tokens (gateway.service.MAX_DRAFT_TOKENS); a Verify scores at most 32
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 
 
@@ -27,5 +28,6 @@ class GatewayOptions:
     def __post_init__(self) -> None:
         if self.draft_length_policy not in ("adaptive", "fixed"):
             raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
-        if self.lookup_tokens < 0 or self.lookup_min_ngram < 1:
-            raise ValueError(f"lookup tokens must be ≥ 0 and lookup min n-gram ≥ 1, got {self.lookup_tokens} and {self.lookup_min_ngram}")
+        if not 0 <= self.lookup_tokens <= MAX_LOOKUP_TOKENS or self.lookup_min_ngram < 1:
+            raise ValueError(f"lookup tokens must be in [0, {MAX_LOOKUP_TOKENS}] and lookup min n-gram ≥ 1, "
+                             f"got {self.lookup_tokens} and {self.lookup_min_ngram}")

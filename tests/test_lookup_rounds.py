@@ -129,3 +129,11 @@ def test_a_copy_round_is_priced_without_a_draft_cost():
     costs.observe_draft(3, 0.030)
     assert costs.round_cost_s(3) == pytest.approx(0.155)
     assert costs.round_cost_s(3, drafting=False) == pytest.approx(0.125)
+
+
+@pytest.mark.parametrize("fields", [dict(lookup_tokens=-1), dict(lookup_tokens=17), dict(lookup_min_ngram=0)])
+def test_lookup_options_out_of_range_are_refused_with_the_range(fields):
+    from gateway.options import GatewayOptions
+
+    with pytest.raises(ValueError, match=r"lookup tokens must be in \[0, 16\]"):
+        GatewayOptions(**fields)

@@ -373,6 +373,8 @@ class Generation:
             return copy
         costs = self.backends.costs
         k = best_draft_length(self._lookup_acceptance.chain(len(copy)), len(copy), lambda k: costs.round_cost_s(k, drafting=False))
+        if not k:  # declined: the estimate forgets toward its prior, so a request tries copies again later
+            self._lookup_acceptance.update(0, 0)
         return copy[:k]
 
     def _draft_length(self) -> int:

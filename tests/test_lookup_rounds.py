@@ -137,3 +137,30 @@ def test_lookup_options_out_of_range_are_refused_with_the_range(fields):
 
     with pytest.raises(ValueError, match=r"lookup tokens must be in \[0, 16\]"):
         GatewayOptions(**fields)
+
+
+def test_declined_copies_are_tried_again_later():
+    """Unit, the engine's choice of copy length without services: copies that failed get declined
+    (k = 0 pays best), and each declined round lets their estimate drift back to its prior, so a request
+    whose text starts repeating later offers copies again instead of never."""
+    from types import SimpleNamespace
+
+    from gateway.engine import Generation, GenerationSpec
+    from gateway.options import GatewayOptions
+    from specd_common.params import Warp
+
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100)
+    for positions in range(2, 6):
+        costs.observe_verify(positions, 0.150)  # a copy must bring 1.5 tokens a round to pay
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs,
+                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[]),
+                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
+    spec = GenerationSpec(prompt_ids=[1, 2, 3, 1, 2], max_new_tokens=10, warp=Warp(), seed=0)
+    generation = Generation(backends, spec, options=GatewayOptions(lookup_tokens=4))
+    assert generation._lookup_drafts() == [3, 1, 2, 3]  # the prior (0.5 a position) pays for 4
+    for _ in range(10):
+        generation._lookup_acceptance.update(4, 0)  # copies keep failing
+    assert generation._lookup_drafts() == []
+    retried = next((calls for calls in range(1, 200) if generation._lookup_drafts()), None)
+    assert retried is not None and retried > 1

@@ -45,8 +45,9 @@ def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tm
         "draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_same), "--threads", "1"
     ) as draft:
         wait_serving(verify_port, draft_port)
+        # no lookup rounds: every round after the kill must be target-only for the count below
         with serve("gateway", gateway_port, tmp_path, "--verify-address", f"127.0.0.1:{verify_port}",
-                   "--draft-address", f"127.0.0.1:{draft_port}", "--num-draft-tokens", "3"):
+                   "--draft-address", f"127.0.0.1:{draft_port}", "--num-draft-tokens", "3", "--lookup-tokens", "0"):
             wait_serving(gateway_port)
             address = f"127.0.0.1:{gateway_port}"
             messages = stream(address)

@@ -19,7 +19,7 @@ class GatewayOptions:
     max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
     overlap: bool = False  # draft the next round while the target verifies
     draft_branches: int = 1  # greedy: candidates per drafted position (> 1: a tree round; gateway/engine.py)
-    lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none
+    lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none (the CLI default is 8)
     lookup_min_ngram: int = 2  # a lookup round needs the sequence's last n ≥ this many tokens to have occurred before
     connect_timeout_s: float = 300.0
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)

@@ -18,10 +18,11 @@ def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
     """
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = list(tokens[length - n :])
-        for start in range(length - n - 1, -1, -1):  # latest earlier occurrence first
-            if list(tokens[start : start + n]) == suffix:
-                return copy_forward(tokens, start + n, k)
+        suffix, last = list(tokens[length - n :]), tokens[length - 1]
+        for end in range(length - 2, n - 2, -1):  # where an earlier occurrence ends, latest first
+            # the cheap test first: this runs every round in the gateway, over the whole sequence
+            if tokens[end] == last and list(tokens[end - n + 1 : end + 1]) == suffix:
+                return copy_forward(tokens, end + 1, k)
     return []
 
 

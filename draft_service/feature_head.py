@@ -196,9 +196,11 @@ class FeatureHead(nn.Module):
     def forward(self, token_ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,
                 cache: Optional[HeadCache] = None) -> torch.Tensor:
         """token_ids [B, T] (x_t), prev_features [B, T, H] (f_{t-1}), positions [T] → f̂ [B, T, H]."""
-        embedded = self.embedding[token_ids]  # [B, T, H]
-        h = self.fc(torch.cat((embedded, prev_features.to(embedded.dtype)), dim=-1))  # [B, T, H]
-        return self.norm(self.layer(h, positions, cache))
+        return self.norm(self.layer(self._fused(self.embedding[token_ids], prev_features), positions, cache))
+
+    def _fused(self, embedded: torch.Tensor, prev_features: torch.Tensor) -> torch.Tensor:
+        """The layer's input: fc([e_t ; f_{t-1}]), embedded [B, T, H] and prev_features [B, T, H] → [B, T, H]."""
+        return self.fc(torch.cat((embedded, prev_features.to(embedded.dtype)), dim=-1))
 
     def unrolled(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, passes: int) -> list[torch.Tensor]:
         """Training-time test (EAGLE-3): what drafting steps 1..passes would estimate at every position.
@@ -211,7 +213,7 @@ class FeatureHead(nn.Module):
         embedded = self.embedding[token_ids]  # [B, T, H]
         earlier, estimates, previous = [], [], features
         for step in range(passes):
-            h = self.fc(torch.cat((embedded, previous.to(embedded.dtype)), dim=-1))  # [B, T, H]
+            h = self._fused(embedded, previous)  # [B, T, H]
             out, kv = self.layer.forward_after(h, positions, earlier, unrolled_mask(token_ids.shape[1], step, h.device))
             earlier.append(kv)
             estimates.append(self.norm(out))

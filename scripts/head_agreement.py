@@ -80,9 +80,10 @@ def main() -> None:
     records = eval_records(target, Path(args.work_dir), 0)
     results = {}
     for name, folder in (spec.split("=", 1) for spec in args.head):
-        results[name] = agreement(load_head(Path(folder), target.model), records)
-        if args.speculate:
-            results[name]["speculation"] = simulated(load_head(Path(folder), target.model), target, records, args.speculate)
+        head = load_head(Path(folder), target.model)
+        results[name] = agreement(head, records)
+        if args.speculate:  # after the agreement: simulated() turns the head to bfloat16, as served
+            results[name]["speculation"] = simulated(head, target, records, args.speculate)
     text = json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
     if args.output:

@@ -23,13 +23,15 @@ target's and are read from it at load time.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specd_common.head_files import save_head_files
 
 WEIGHTS_FILE = "feature_head.safetensors"
 CONFIG_FILE = "feature_head.json"
@@ -264,13 +266,7 @@ def target_matrices(target_model) -> tuple[torch.Tensor, torch.Tensor]:
 
 def save_head(head: FeatureHead, folder: Path) -> int:
     """Weights (bf16 safetensors, vocab_ids kept int64) + config; returns bytes written."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {name: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for name, v in head.trained_state().items()}
-    save_file(state, str(folder / WEIGHTS_FILE))
-    (folder / CONFIG_FILE).write_text(json.dumps(asdict(head.config), indent=2))
-    return sum((folder / name).stat().st_size for name in (WEIGHTS_FILE, CONFIG_FILE))
+    return save_head_files(head.trained_state(), head.config, folder, WEIGHTS_FILE, CONFIG_FILE)
 
 
 def is_feature_head(folder: Path) -> bool:

@@ -14,12 +14,17 @@ from specd_common.config import DEFAULT_TARGET
 log = logging.getLogger(__name__)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
 RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-corpus", "feature-full")  # feature_training.FEATURE_RECIPES
+MEDUSA_RECIPE_NAMES = ("medusa-tiny", "medusa-corpus")  # medusa_training.MEDUSA_RECIPES: heads for the verify service
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
 # so scripts written for them keep working.
 RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recipe in MEDUSA_RECIPE_NAMES:
+        from draft_training.medusa_training import run_medusa_recipe
+
+        return run_medusa_recipe(args)
     from draft_training.feature_training import run_feature_recipe
 
     args.recipe = RECIPE_ALIASES.get(args.recipe, args.recipe)
@@ -30,9 +35,10 @@ def add_train_draft_parser(commands) -> None:
     """Register `specd train-draft` on the top-level sub-command set."""
     parser = commands.add_parser("train-draft", help="distil a small draft model from the target (resumable)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
-    parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + tuple(RECIPE_ALIASES),
+    parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + MEDUSA_RECIPE_NAMES + tuple(RECIPE_ALIASES),
                         help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, feature-corpus trains on the committed corpus, "
-                        "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same)")
+                        "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same); medusa-corpus / medusa-tiny: "
+                        "Medusa heads for the verify service, from the same data")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")

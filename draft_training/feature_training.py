@@ -276,7 +276,7 @@ def run_feature_recipe(args) -> int:
     from functools import partial
 
     from draft_service.feature_head import save_head
-    from draft_training.loop import start_run, train_draft, write_json
+    from draft_training.loop import start_run, train_draft, write_run_records
     from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
@@ -305,14 +305,8 @@ def run_feature_recipe(args) -> int:
     else:
         report = feature_evaluation(head, target, work, args.eval_limit, args.target)
     size = save_head(head, output)
-    extra = {
-        "recipe": {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
-                   "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records),
-                   "train_tokens": sum(len(r["tokens"]) for r in records)},
-        "eval": report,
-        "training": {k: state[k] for k in ("step", "total_steps", "train_seconds", "history")},
-    }
-    for name, value in extra.items():
-        write_json(output / f"{name}.json", value)
+    write_run_records(output, {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
+                               "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records),
+                               "train_tokens": sum(len(r["tokens"]) for r in records)}, report, state)
     log.info("saved the feature head to %s (%.1f MB)", output, size / 1e6)
     return 0

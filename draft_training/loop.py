@@ -122,6 +122,14 @@ def train_draft(draft, records: list[dict], recipe, work: Path, device: torch.de
     return state
 
 
+def write_run_records(output: Path, recipe: dict, report: dict, state: dict) -> None:
+    """What a finished run leaves beside the weights: recipe.json (the recipe and the data it saw),
+    eval.json (the held-out evaluation) and training.json (steps, time, loss history)."""
+    training = {k: state[k] for k in ("step", "total_steps", "train_seconds", "history")}
+    for name, value in (("recipe", recipe), ("eval", report), ("training", training)):
+        write_json(output / f"{name}.json", value)
+
+
 def _log_to_file(path: Path) -> None:
     """Mirror this run's log lines into the work dir, so the training log survives with the checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)

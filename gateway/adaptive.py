@@ -30,13 +30,18 @@ def best_draft_length(acceptance: Union[float, Sequence[float]], max_k: int, rou
     acceptance: one per-token rate α, or the conditional rate per draft position (the measured
     ones fall with the position — 0.57, 0.34, 0.27 for the shipped head — so one α over-promises
     long drafts)."""
+    return best_rate(acceptance, max_k, round_cost_s)[0]
+
+
+def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float]) -> tuple[int, float]:
+    """best_draft_length's k and the expected tokens per second it gives (to compare drafters)."""
     chain = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
-    best_k, best_rate = 0, -1.0
+    best_k, best = 0, -1.0
     for k in range(max_k + 1):
         rate = expected_tokens(chain, k) / max(round_cost_s(k), 1e-9)
-        if rate > best_rate * (1 + 1e-9):
-            best_k, best_rate = k, rate
-    return best_k
+        if rate > best * (1 + 1e-9):
+            best_k, best = k, rate
+    return best_k, best
 
 
 class StepCosts:

@@ -5,6 +5,8 @@ A round, in order:
      A lookup round skips the draft altogether: when the sequence's last n-gram occurred before, the
      gateway proposes what followed it (prompt lookup), as many tokens as pay by their own measured
      acceptance; the draft learns those tokens from its next commit, like any skipped round.
+     A head round likewise takes the verify service's Medusa heads' proposals from the last pass
+     (verify_service/medusa.py), when they promise more tokens per second than the draft.
   2. Verify: the target applies the same commit and scores the k drafts plus one position.
   3. Accept / reject / correct (gateway.rejection) with the request's seeded RNG.
   4. Emit the accepted drafts and the recovered/bonus token; stop on EOS, length or a stop string.
@@ -26,10 +28,10 @@ import numpy as np
 from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from gateway.text import TextStream
-from gateway.adaptive import AcceptanceEstimate, best_draft_length
+from gateway.adaptive import AcceptanceEstimate, best_draft_length, best_rate
 from gateway.backends import Backends
 from gateway.pool import Pool, Replica
-from gateway.features import FeatureLog, tree_path_rows
+from gateway.features import FeatureLog, head_drafts_at, tree_path_rows
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common import tree
@@ -92,6 +94,7 @@ class SpeculationStats:
     lookahead_rounds: int = 0  # overlap: look-aheads drafted while the target verified
     lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
     lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
+    head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -172,6 +175,7 @@ class Generation:
         self.draft_timeout_s = options.draft_timeout_s
         self.lookup_tokens = options.lookup_tokens if spec.speculate and not self.overlap else 0  # 0: no lookup rounds
         self.lookup_min_ngram = options.lookup_min_ngram
+        self.medusa_heads = backends.target_info.medusa_heads if spec.speculate and not self.overlap else 0  # 0: no head rounds
         self.request_id = uuid.uuid4().hex
         self.rng = np.random.default_rng(spec.seed)
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated
@@ -188,6 +192,8 @@ class Generation:
         self._draft_backoff_s = DRAFT_BACKOFF_S
         self._acceptance = AcceptanceEstimate()  # the drafter's
         self._lookup_acceptance = AcceptanceEstimate()  # prompt-lookup copies' (they behave differently)
+        self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
+        self._head_drafts: list[int] = []  # the heads' proposals after the last committed token (from the last Verify)
         self._rounds_since_draft = 0
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
         self._opened: list[tuple[Pool, Replica, str]] = []  # sessions to release at the end
@@ -214,12 +220,15 @@ class Generation:
     def _round(self) -> Chunk:
         # 1. Propose (skipped when the draft is down or no tokens are left to draft; with overlap,
         #    the drafts may already have been made while the last round was being verified). A
-        #    lookup round copies earlier tokens instead and leaves the draft out
+        #    lookup round copies earlier tokens instead and leaves the draft out, a head round takes the
+        #    Medusa heads' proposals; both are free (no draft call) and deterministic (q is one-hot)
         started = time.perf_counter()
         parents: list[int] = []  # a tree's shape; [] for a chain
         copied = self._lookup_drafts()
-        if copied:
-            k, drafts, draft_probs = len(copied), copied, [] if self.spec.warp.greedy else [one_hot(t) for t in copied]
+        headed = [] if copied else self._head_round_drafts()
+        free = copied or headed
+        if free:
+            k, drafts, draft_probs = len(free), free, [] if self.spec.warp.greedy else [one_hot(t) for t in free]
         else:
             k = self._draft_length()
             drafts, draft_probs = self._take_lookahead(k)
@@ -231,17 +240,18 @@ class Generation:
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts, parents)
         self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
-        if k > 0 and not copied and proposed - started > 1e-4:
+        if k > 0 and not free and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores, parents)
         chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts  # what the draft holds; k counts these
-        (self._lookup_acceptance if copied else self._acceptance).update(len(chain), outcome.accepted)
+        estimate = self._lookup_acceptance if copied else self._head_acceptance if headed else self._acceptance
+        estimate.update(len(chain), outcome.accepted)
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
             self._verify.sync.agreed += outcome.accepted
-        if drafts and not copied:  # what of the draft's chain the round kept agrees
+        if drafts and not free:  # what of the draft's chain the round kept agrees
             self._draft.sync.agreed += common_prefix(chain, outcome.emitted(drafts)[: outcome.accepted])
         if parents and self._features is not None:
             self._features.put(tree_path_rows(scores.features, len(drafts), outcome.path))
@@ -249,7 +259,9 @@ class Generation:
             self._finish_lookahead(lookahead, outcome)
         self.stats.count_round(len(chain), outcome.accepted)
         self.stats.lookup_rounds += bool(copied)
+        self.stats.head_rounds += bool(headed)
         chunk = self._emit(outcome.emitted(drafts))
+        self._head_drafts = [] if parents else head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self.stats.round_seconds += time.perf_counter() - started
@@ -371,11 +383,39 @@ class Generation:
         copy = prompt_lookup(self.sequence, cap, min_ngram=self.lookup_min_ngram) if cap > 0 else []
         if not copy or not self.spec.adaptive:
             return copy
+        return self._cut_free_drafts(copy, self._lookup_acceptance)
+
+    def _head_round_drafts(self) -> list[int]:
+        """A head round's drafts: the Medusa heads' proposals after the last committed token (from the
+        last Verify), cut like a lookup copy; [] when there are none, speculation is paused, or the
+        draft service's drafts promise more tokens per second. Under the fixed policy the heads draft
+        (num_draft_tokens at most) only where no draft service does."""
+        proposals, self._head_drafts = self._head_drafts, []
+        if not proposals or not self._speculation_allowed():
+            return []
+        cap = max(0, min(len(proposals), self._tokens_left() - 1))
+        if not self.spec.adaptive:
+            return [] if self.speculate else proposals[: min(cap, self.spec.num_draft_tokens)]
+        return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate())
+
+    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0) -> list[int]:
+        """Drafts that cost no draft call, cut to the length that maximizes expected tokens per second by
+        their own acceptance per position and the measured verify cost alone; [] when no length pays or
+        `rival_rate` (tokens/s the draft service promises) is higher. A declined source's estimate
+        forgets toward its prior, so a request tries it again later."""
         costs = self.backends.costs
-        k = best_draft_length(self._lookup_acceptance.chain(len(copy)), len(copy), lambda k: costs.round_cost_s(k, drafting=False))
-        if not k:  # declined: the estimate forgets toward its prior, so a request tries copies again later
-            self._lookup_acceptance.update(0, 0)
-        return copy[:k]
+        k, rate = best_rate(estimate.chain(len(candidates)), len(candidates), lambda k: costs.round_cost_s(k, drafting=False))
+        if not k or rate <= rival_rate:
+            estimate.update(0, 0)
+            return []
+        return candidates[:k]
+
+    def _draft_rate(self) -> float:
+        """Expected tokens per second of a round the draft service would draft now (0 when none is open)."""
+        if not (self.speculate and self._draft.open):
+            return 0.0
+        cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))
+        return best_rate(self._acceptance.chain(cap), cap, lambda k: self.backends.costs.round_cost_s(k, self.branches))[1]
 
     def _draft_length(self) -> int:
         """k for this round: 0 without a live draft; never more drafts than tokens left (the last is the bonus)."""
@@ -467,6 +507,7 @@ class Generation:
                 draft_token_ids=drafts,
                 draft_parents=parents,
                 return_features=self._features is not None,
+                return_head_drafts=self.medusa_heads > 0 and self._speculation_allowed(),
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())

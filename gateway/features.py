@@ -1,4 +1,5 @@
-"""The target features of one request's committed positions, kept by the gateway as raw bytes.
+"""Per-position rows the verify returns: the target features of one request's committed positions,
+kept by the gateway as raw bytes, and the Medusa heads' proposals.
 
 A feature drafter needs, for a committed sequence x_0..x_{L-1}, the target's hidden states at
 positions 0..L-2 (common.proto, TargetFeatures). The verify service returns them for the positions
@@ -55,3 +56,12 @@ def tree_path_rows(message: common_pb2.TargetFeatures, nodes: int, path: tuple[i
     first = len(message.data) // row - nodes  # rows before the nodes
     data = message.data[: first * row] + b"".join(message.data[(first + node) * row : (first + node + 1) * row] for node in path)
     return common_pb2.TargetFeatures(start_position=message.start_position, hidden_size=message.hidden_size, data=data)
+
+
+def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> list[int]:
+    """The Medusa heads' proposals of the row at `position` (the tokens after that position's next
+    token), or [] when the message has no such row."""
+    row = position - message.start_position
+    if message.heads <= 0 or row < 0 or (row + 1) * message.heads > len(message.token_ids):
+        return []
+    return list(message.token_ids[row * message.heads : (row + 1) * message.heads])

@@ -8,6 +8,7 @@ Span attributes follow the OpenTelemetry GenAI conventions where they fit (gen_a
 speculative-decoding ones live under `specd.`:
 
   specd.round.index, specd.round.lookup (the drafts were the gateway's prompt-lookup copy),
+  specd.round.heads (the drafts were the verify's Medusa heads' proposals),
   specd.draft.length, specd.accepted.length, specd.emitted.length,
   specd.round.bonus, specd.round.corrected, specd.acceptance_rate_so_far,
   specd.time.draft_wait_ms, specd.time.verify_wait_ms, specd.time.accept_ms
@@ -86,7 +87,7 @@ class GenerationObserver:
             return run_round()
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
-        lookups_before = stats.lookup_rounds
+        lookups_before, heads_before = stats.lookup_rounds, stats.head_rounds
         started = time.perf_counter()
         with telemetry.span("specd.round", {"specd.round.index": self.rounds}) as span, telemetry.timing_rpcs() as rpcs:
             try:
@@ -106,6 +107,7 @@ class GenerationObserver:
                     {
                         "specd.draft.length": draft_length,
                         "specd.round.lookup": stats.lookup_rounds > lookups_before,
+                        "specd.round.heads": stats.head_rounds > heads_before,
                         "specd.accepted.length": accepted,
                         "specd.emitted.length": emitted,
                         "specd.round.bonus": accepted == draft_length,

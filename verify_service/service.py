@@ -50,14 +50,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         if parents:
             validate_tree(drafts, parents)
         with self.sessions.use(request.session_id) as session:
-            session.sequence.keep_features = session.sequence.keep_features or request.return_features
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
-            scores = self.scorer.score(session, drafts, parents)
+            scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,
@@ -65,6 +64,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             sequence_length=length,
             model_seconds=model_seconds,
             features=scores.features,
+            head_drafts=scores.head_drafts,
         )
 
     @grpc_errors

@@ -56,12 +56,22 @@ class TargetFeatures(_message.Message):
     data: bytes
     def __init__(self, start_position: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class HeadDrafts(_message.Message):
+    __slots__ = ("start_position", "heads", "token_ids")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    heads: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start_position: _Optional[int] = ..., heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config")
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config", "medusa_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +85,7 @@ class GetModelInfoResponse(_message.Message):
     WANTS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_sequence_length: int
@@ -88,7 +99,8 @@ class GetModelInfoResponse(_message.Message):
     wants_target_features: bool
     hidden_size: int
     runtime_config: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ...) -> None: ...
+    medusa_heads: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

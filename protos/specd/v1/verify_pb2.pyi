@@ -28,29 +28,33 @@ class VerifyPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents")
+    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HEAD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_features: bool
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_head_drafts: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features")
+    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features", "head_drafts")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
     model_seconds: float
     features: _common_pb2.TargetFeatures
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    head_drafts: _common_pb2.HeadDrafts
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., head_drafts: _Optional[_Union[_common_pb2.HeadDrafts, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,156 @@
+"""`specd train-draft --recipe medusa-*`: Medusa heads for the verify service (verify_service/medusa.py).
+
+The same data as the feature head (feature_training.run_feature_data: the corpus of the target's
+answers, public reference answers, the target's final hidden states at every position), the same
+resumable loop (loop.py), its own objective: head k at row t learns the target's distribution of
+x_{t+1+k}, i.e. the target's scores from row t + k, over the heads' vocabulary (soft cross-entropy:
+a loss against the target's distribution, not only its argmax). Heads are position-wise (no
+attention), so a batch is simply the rows of its records, concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from draft_training.feature_training import FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data
+from draft_training.train_prompts import KINDS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MedusaRecipe(FeatureRecipe):
+    num_heads: int = 3
+    num_layers: int = 1
+
+
+MEDUSA_RECIPES = {
+    "medusa-tiny": MedusaRecipe(
+        gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
+        draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3,
+    ),
+    # Trains on the committed corpus (feature rows shared with the feature-corpus recipe's work dir layout).
+    "medusa-corpus": MedusaRecipe(
+        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
+        epochs=2, batch_tokens=8192, lr=2e-3,
+    ),
+}
+
+
+def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per head k = 1..heads: (inputs [N_k, H], sources [N_k, H]) over every record's answer rows t
+    (start - 1 ≤ t, t + k < T): inputs f_t, sources f_{t+k} (the row whose target scores are x_{t+1+k}'s)."""
+    out = []
+    for k in range(1, heads + 1):
+        pairs = [(r["features"][r["start"] - 1 : len(r["tokens"]) - k], r["features"][r["start"] - 1 + k :]) for r in records
+                 if len(r["tokens"]) - k > r["start"] - 1]
+        out.append((torch.cat([p[0] for p in pairs]).float(), torch.cat([p[1] for p in pairs]).float()))
+    return out
+
+
+def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over heads of the soft cross-entropy between each head's scores at row t and the target's
+    scores from row t + k (both over the heads' vocabulary). Returns (loss, head 1's argmax agreement)."""
+    total, agreement = 0.0, None
+    for index, (inputs, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
+        inputs, sources = inputs.to(device), sources.to(device)  # [N, H] each
+        log_q = torch.log_softmax(heads.heads[index](inputs) @ heads.head_rows.T, dim=-1)  # [N, V']
+        with torch.no_grad():
+            p = torch.softmax(sources @ heads.head_rows.T, dim=-1)  # [N, V']
+        total = total + (-(p * log_q).sum(dim=-1).mean()) / heads.config.num_heads
+        if agreement is None:
+            agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
+    return total, agreement
+
+
+def simulate_chain(proposals: list[list[int]], tokens: list[int], start: int, k: int) -> tuple[int, list[int]]:
+    """Greedy head rounds over one answer (tokens[start:]), as the gateway runs them under the fixed
+    policy with no other drafter: the first pass reads the prompt and has no proposals; each later
+    pass verifies the k proposals of row L - 2 (L = committed length: its next token is the last
+    committed one), at most one fewer than the tokens left, and keeps the agreeing prefix plus the
+    target's own token. proposals[t]: the heads' tokens at row t. Returns (passes, accepted per round that drafted)."""
+    length, passes, accepted = start + 1, 1, []
+    while length < len(tokens):
+        drafts = proposals[length - 2][: min(k, len(tokens) - length - 1)]
+        a = next((i for i, d in enumerate(drafts) if d != tokens[length + i]), len(drafts))
+        passes += 1
+        if drafts:  # the last pass may have room for the target's own token only
+            accepted.append(a)
+        length += 1 + a
+    return passes, accepted
+
+
+def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
+    """Held-out answers: each head's top-1 agreement with the target's greedy token, and simulated
+    greedy chains of k = 1..K drafts (tokens per target pass), overall and per task kind."""
+    records = eval_records(target, work, limit)
+    report: dict = {"held_out_answers": len(records), "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}
+    with torch.inference_mode():
+        hits = torch.zeros(heads.config.num_heads)
+        counts = torch.zeros(heads.config.num_heads)
+        all_proposals = []
+        for record in records:
+            proposals = heads.propose(record["features"].float())  # [T, K]
+            all_proposals.append(proposals.tolist())
+            tokens = record["tokens"].long()
+            for k in range(1, heads.config.num_heads + 1):
+                rows = torch.arange(record["start"] - 1, len(tokens) - 1 - k)
+                hits[k - 1] += (proposals[rows, k - 1] == tokens[rows + 1 + k]).sum()
+                counts[k - 1] += len(rows)
+        report["top1_by_head"] = [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
+        for k in range(1, heads.config.num_heads + 1):
+            by_kind: dict = {}
+            for record, proposals in zip(records, all_proposals):
+                passes, _ = simulate_chain(proposals, record["tokens"].tolist(), record["start"], k)
+                entry = by_kind.setdefault(record["category"], [0, 0])
+                entry[0], entry[1] = entry[0] + passes, entry[1] + len(record["tokens"]) - record["start"]
+            passes, produced = (sum(v[i] for v in by_kind.values()) for i in (0, 1))
+            report[f"k{k}"] = {"tokens_per_pass": round(produced / passes, 4),
+                               "by_kind": {kind: round(v[1] / v[0], 4) for kind, v in sorted(by_kind.items())}}
+    log.info("eval: top-1 by head %s; tokens/pass %s", report["top1_by_head"],
+             [report[f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
+    return report
+
+
+def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: MedusaRecipe):
+    from specd_common.models import vocab_digest
+    from verify_service.medusa import MedusaConfig, MedusaHeads
+
+    model = target.model
+    config = MedusaConfig(hidden_size=model.config.hidden_size, num_heads=recipe.num_heads, vocab_size=model.config.vocab_size,
+                          draft_vocab_size=len(vocab_ids), num_layers=recipe.num_layers, target=target_spec,
+                          vocab_digest=vocab_digest(target.tokenizer))
+    return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids)
+
+
+def run_medusa_recipe(args) -> int:
+    """`specd train-draft --recipe medusa-*`: data → train → eval → save, each stage resumable."""
+    from draft_training.loop import start_run, train_draft, write_run_records
+    from specd_common.models import eos_token_ids
+    from verify_service.medusa import save_heads
+
+    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
+                 "epochs": args.epochs}
+    recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
+    work, device, target = start_run(args, recipe)
+    run_feature_data(target, recipe, Path(args.data_dir), work)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
+    vocab_path = work / "train" / "vocab.pt"
+    if not vocab_path.exists():  # chosen once, so a resumed run trains the same heads
+        vocab_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
+    heads = build_heads(target, torch.load(vocab_path), args.target, recipe)
+    state = train_draft(heads, records, recipe, work, device, loss_fn=medusa_loss)
+    heads = heads.cpu().eval()
+    target.model.cpu()
+    output = Path(args.output or work / "medusa")
+    report = {} if args.skip_eval else medusa_evaluation(heads, replace(target, device=torch.device("cpu")), work, args.eval_limit)
+    size = save_heads(heads, output)
+    write_run_records(output, {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
+                               "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}, report, state)
+    log.info("saved the Medusa heads to %s (%.1f MB)", output, size / 1e6)
+    return 0

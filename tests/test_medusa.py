@@ -1,0 +1,198 @@
+"""Medusa heads: the verify service proposes the next round's drafts (verify_service/medusa.py).
+
+The heads' drafts are ordinary drafts to the acceptance rule (q is one-hot when sampling, as for
+lookup copies: tests/test_lookup_rounds.py has the chi-square test of that rule), so what is new is
+the alignment: the verify returns one row of proposals per position it read, and the gateway must
+take the row whose next token is the round's last committed one. The system tests use untrained
+heads (identity residual blocks), whose every head proposes the target's own next token at its row:
+an off-by-one row is right exactly where the target's output repeats with period 2, the right row
+where it repeats a token, so comparing the served rounds with a simulation on the same tokens tells
+them apart.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draft_training.medusa_training import medusa_rows, simulate_chain
+from gateway.adaptive import StepCosts
+from gateway.features import head_drafts_at
+from specd.v1 import common_pb2
+from tests.conftest import start_cluster
+from tests.test_services import FIXED, generate, hf_greedy, wait_for_no_sessions
+from tests.tiny_models import build_medusa_heads
+
+HEADS = 3
+# The tiny target's greedy answers to these (chat template on) hold runs of one token and of two
+# alternating tokens, so the alignment test below sees both kinds of repetition.
+PROMPTS = ["hello world", "one two three four one two three four one two three four one two three", "the quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(tiny, tmp_path_factory):
+    return build_medusa_heads(tiny.target, tmp_path_factory.mktemp("medusa") / "heads", heads=HEADS)
+
+
+@pytest.fixture(scope="module")
+def medusa_cluster(tiny, medusa_heads):
+    """A verify with Medusa heads and no draft service at all."""
+    running = start_cluster(tiny.target, "", medusa_heads=medusa_heads)
+    yield running
+    running.stop()
+
+
+# --- units -------------------------------------------------------------------------------------
+def test_untrained_heads_propose_the_targets_own_next_token(tiny, medusa_heads):
+    from specd_common.models import load_causal_lm
+    from verify_service.medusa import load_heads
+
+    target = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+    heads = load_heads(medusa_heads, target.model)
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.inference_mode():
+        output = target.model(ids, output_hidden_states=True)
+    features = output.hidden_states[-1][0]  # [5, H], after the final norm
+    proposals = heads.propose(features)  # [5, K]
+    assert proposals.shape == (5, HEADS)
+    own = output.logits[0].argmax(dim=-1)  # [5]
+    assert torch.equal(proposals, own[:, None].expand(5, HEADS))
+
+
+def test_loading_heads_for_another_vocabulary_fails_clearly(tiny, medusa_heads, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verify_service.medusa import load_heads
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="trained for a target with vocabulary"):
+        load_heads(medusa_heads, other)
+
+
+def test_head_drafts_at_picks_the_row_of_a_position():
+    message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
+    assert head_drafts_at(message, 11) == [3, 4]
+    assert head_drafts_at(message, 12) == [5, 6]
+    assert head_drafts_at(message, 9) == [] and head_drafts_at(message, 13) == []
+    assert head_drafts_at(common_pb2.HeadDrafts(), 0) == []
+
+
+def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
+    """medusa_rows: head k's input is f_t and its target scores come from f_{t+k}, for answer rows t ≥ start - 1."""
+    features = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t
+    record = {"tokens": torch.arange(8), "features": features, "start": 3}
+    (in1, out1), (in2, out2) = medusa_rows([record], 2)
+    assert in1[:, 0].tolist() == [2, 3, 4, 5, 6] and out1[:, 0].tolist() == [3, 4, 5, 6, 7]
+    assert in2[:, 0].tolist() == [2, 3, 4, 5] and out2[:, 0].tolist() == [4, 5, 6, 7]
+
+
+def test_simulated_rounds_with_perfect_proposals():
+    """An oracle (row t proposes x_{t+2}..x_{t+1+k}) is accepted in full: 1 + (k + 1) tokens a pass after the first."""
+    tokens = list(range(100, 130))
+    oracle = [tokens[t + 2 : t + 5] for t in range(len(tokens))]
+    passes, accepted = simulate_chain(oracle, tokens, start=10, k=3)
+    # 20 answer tokens: the first pass emits 1, then 4 a pass (3 accepted + the target's own) while 4 fit
+    assert accepted[:4] == [3, 3, 3, 3] and passes == 1 + len(accepted)
+    assert sum(a + 1 for a in accepted) == len(tokens) - 10 - 1
+
+
+def test_heads_give_way_to_a_draft_that_promises_more():
+    """Unit, the engine's choice without services: head proposals are taken when they pay and nothing
+    better is open; declined when the draft service's estimate promises more tokens per second."""
+    from gateway.engine import Generation, GenerationSpec
+    from gateway.options import GatewayOptions
+    from specd_common.params import Warp
+
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100)
+    for positions in range(2, 6):
+        costs.observe_verify(positions, 0.120)
+    costs.observe_draft(3, 0.010)
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=True), draft_info=SimpleNamespace(wants_target_features=False),
+                               costs=costs, target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
+                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
+    spec = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=20, warp=Warp(), seed=0)
+    generation = Generation(backends, spec, options=GatewayOptions())
+    generation._head_drafts = [7, 8, 9]
+    assert generation._head_round_drafts() == [7, 8, 9]  # no draft open: the prior (0.5) pays for 3
+    generation._draft.replica = SimpleNamespace()  # a draft session is open ...
+    for _ in range(10):
+        generation._acceptance.update(3, 3)  # ... and its drafts are always accepted
+    generation._head_drafts = [7, 8, 9]
+    assert generation._head_round_drafts() == []
+    assert generation._head_drafts == []  # proposals are used once
+
+
+def test_training_medusa_heads_end_to_end(tmp_path):
+    """`specd train-draft --recipe medusa-tiny` on a tiny random target: saves heads that load, and
+    that predict the held-out answers better than untrained (identity) heads."""
+    from draft_training.medusa_training import MedusaRecipe, build_heads, medusa_evaluation
+    from specd_common.models import load_causal_lm
+    from tests.test_train_feature_head import train_on_a_tiny_target
+    from verify_service.medusa import load_heads
+
+    run = train_on_a_tiny_target(tmp_path, "medusa-tiny", head_scale=10.0)  # peaked: the soft targets carry signal
+    folder = run["root"] / "work" / "medusa"
+    for name in ("medusa_heads.safetensors", "medusa_heads.json", "recipe.json", "eval.json", "training.json"):
+        assert (folder / name).exists()
+    target = load_causal_lm(str(run["target"]))
+    trained = load_heads(folder, target.model)
+    untrained = build_heads(target, trained.vocab_ids, "", MedusaRecipe(num_heads=trained.config.num_heads)).eval()
+    before = medusa_evaluation(untrained, target, run["root"] / "work", 0)["top1_by_head"]
+    after = json.loads((folder / "eval.json").read_text())["top1_by_head"]
+    assert after[0] > before[0] + 0.1, (before, after)
+
+
+# --- the system ----------------------------------------------------------------------------------
+def test_greedy_with_head_rounds_equals_target_only_and_transformers(medusa_cluster, tiny):
+    stub = medusa_cluster.stub()
+    for prompt in PROMPTS:
+        speculative = generate(stub, text=prompt, max_new_tokens=40)
+        target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+        assert list(speculative.token_ids) == list(target_only.token_ids)
+        assert list(speculative.token_ids) == hf_greedy(tiny.target, list(speculative.prompt_token_ids), 40)
+        assert speculative.stats.head_rounds > 0
+    assert wait_for_no_sessions(medusa_cluster) == {"verify": 0}
+
+
+def test_served_head_rounds_match_the_simulation_on_the_same_tokens(medusa_cluster):
+    """Fixed k = 3, no draft service, no lookup: every round after the first drafts the heads' proposals
+    of the row before the last committed token. With untrained heads those are the target's own next
+    token at that row (tokens[t + 1] at row t), so the rounds are simulated exactly from the answer;
+    the served passes and accepted tokens must match, and an off-by-one row would not (checked)."""
+    checked_off_by_one = 0
+    for prompt in PROMPTS:
+        reply = generate(medusa_cluster.stub(), text=prompt, max_new_tokens=40, draft_length_policy=FIXED, num_draft_tokens=3)
+        tokens = list(reply.prompt_token_ids) + list(reply.token_ids)
+        start = len(reply.prompt_token_ids)
+        right = [[tokens[t + 1]] * HEADS if t + 1 < len(tokens) else [] for t in range(len(tokens))]
+        passes, accepted = simulate_chain(right, tokens, start, 3)
+        stats = reply.stats
+        assert (stats.target_passes, stats.accepted_tokens, stats.head_rounds) == (passes, sum(accepted), len(accepted)), prompt
+        shifted = [[tokens[t]] * HEADS for t in range(len(tokens))]  # the row one too early
+        checked_off_by_one += simulate_chain(shifted, tokens, start, 3) != (passes, accepted)
+        assert sum(accepted) > 0 or prompt != PROMPTS[1], "the repeating prompt's answer repeats a token"
+    assert checked_off_by_one >= 1, "the prompts must tell the right row from the one before it"
+
+
+def test_sampled_head_rounds_are_reproducible_with_a_seed(medusa_cluster):
+    stub = medusa_cluster.stub()
+    sampling = common_pb2.SamplingParams(temperature=0.8)
+    first = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11)
+    second = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11)
+    assert list(first.token_ids) == list(second.token_ids)
+    assert first.stats.head_rounds > 0
+
+
+def test_the_verify_reports_its_heads(medusa_cluster, tiny):
+    import grpc
+
+    from specd.v1 import verify_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
+        info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.medusa_heads == HEADS

@@ -1,0 +1,113 @@
+"""Medusa heads: the verify service proposes the next round's drafts from the target's own last hidden state.
+
+Why: a draft service costs a round trip and a draft model's steps every round. Heads on the target's
+final hidden state f_t (after the final norm: what the LM head reads, the row that scores x_{t+1})
+guess the tokens after that one at almost no cost inside the verify pass that computed f_t, so a
+deployment can speculate with no draft service at all (Cai et al., "Medusa", 2024).
+
+Alignment: head k (k = 1..K) at row t scores x_{t+1+k}. The row the gateway reads is the last one of
+the committed sequence after judging: its target argmax is the round's bonus/correction token x_{t+1},
+and heads 1..K propose x_{t+2}..x_{t+1+K}, the next round's drafts, in order.
+
+    r_k = f_t + SiLU(W_k f_t + b_k)     [H]   (num_layers such residual blocks per head; Medusa-1)
+    logits_k = r_k · W[vocab_ids]ᵀ       [V']  the target's frozen LM head, restricted to the V' most
+                                               frequent target choices (cost)
+
+Only the residual blocks are trained and saved (~0.7 MB a block in bf16); the LM head rows are the
+target's and are read from it at load time. Drafts are each head's argmax: deterministic, so a
+sampling round treats them like prompt-lookup copies (q = one-hot), which the ordinary rejection
+rule keeps exact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd_common.head_files import save_head_files
+
+WEIGHTS_FILE = "medusa_heads.safetensors"
+CONFIG_FILE = "medusa_heads.json"
+
+
+@dataclass
+class MedusaConfig:
+    """Shapes and the target the heads serve."""
+
+    hidden_size: int
+    num_heads: int  # K: head k proposes the token k + 1 positions after the row's own
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # V': ids the heads score
+    num_layers: int = 1  # residual blocks per head
+    target: str = ""
+    vocab_digest: str = ""  # the target tokenizer's digest, checked at load
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x + b), starting as the identity (W = 0, b = 0), as in Medusa."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads of residual blocks over the target's frozen LM head rows."""
+
+    def __init__(self, config: MedusaConfig, lm_head: torch.Tensor, vocab_ids: torch.Tensor):
+        """lm_head [V, H] is the target's; vocab_ids [V'] the ids the heads score."""
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
+        )
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
+        self.register_buffer("head_rows", lm_head.detach().float()[vocab_ids.long()], persistent=False)  # [V', H]
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., H] → scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
+        x = features.to(self.head_rows.dtype)
+        return torch.stack([head(x) @ self.head_rows.T for head in self.heads]).float()
+
+    @torch.inference_mode()
+    def propose(self, features: torch.Tensor) -> torch.Tensor:
+        """features [N, H] → token ids [N, K]: row n holds heads 1..K's argmax (the drafts after row n's next token)."""
+        scores = self(features)  # [K, N, V']
+        return self.vocab_ids[scores.argmax(dim=-1)].T  # [N, K]
+
+
+def save_heads(heads: MedusaHeads, folder: Path) -> int:
+    """Weights (bf16 safetensors, vocab_ids int64) + config; returns bytes written."""
+    return save_head_files(heads.state_dict(), heads.config, folder, WEIGHTS_FILE, CONFIG_FILE)
+
+
+def load_heads(folder: Path, target_model, expected_digest: str = "") -> MedusaHeads:
+    """Saved heads bound to the target's LM head, float32, eval mode. Raises ValueError when they were
+    trained for another vocabulary (size, width or tokenizer digest)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = MedusaConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+    lm_head = target_model.get_output_embeddings().weight  # [V, H]
+    if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(
+            f"Medusa heads in {folder} were trained for a target with vocabulary {config.vocab_size} and hidden size "
+            f"{config.hidden_size}; this target has {lm_head.shape[0]} and {lm_head.shape[1]}"
+        )
+    if expected_digest and config.vocab_digest and config.vocab_digest != expected_digest:
+        raise ValueError(f"Medusa heads in {folder} were trained for another tokenizer (digest {config.vocab_digest}, "
+                         f"the target's is {expected_digest})")
+    state = load_file(str(folder / WEIGHTS_FILE))
+    heads = MedusaHeads(config, lm_head, state["vocab_ids"])
+    heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return heads.eval()

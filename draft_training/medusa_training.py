@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class MedusaRecipe(FeatureRecipe):
     num_heads: int = 3
     num_layers: int = 1
+    next_token_input: bool = False  # heads also read the row's own next token (verify_service/medusa.py)
 
 
 MEDUSA_RECIPES = {
@@ -38,17 +39,24 @@ MEDUSA_RECIPES = {
         use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
         epochs=2, batch_tokens=8192, lr=2e-3,
     ),
+    "medusa-token-corpus": MedusaRecipe(
+        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
+        epochs=2, batch_tokens=8192, lr=2e-3, next_token_input=True,
+    ),
 }
 
 
-def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per head k = 1..heads: (inputs [N_k, H], sources [N_k, H]) over every record's answer rows t
-    (start - 1 ≤ t, t + k < T): inputs f_t, sources f_{t+k} (the row whose target scores are x_{t+1+k}'s)."""
+def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per head k = 1..heads: (inputs [N_k, H], next tokens [N_k], sources [N_k, H]) over every
+    record's answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, next tokens x_{t+1}, sources f_{t+k}
+    (the row whose target scores are x_{t+1+k}'s)."""
     out = []
     for k in range(1, heads + 1):
-        pairs = [(r["features"][r["start"] - 1 : len(r["tokens"]) - k], r["features"][r["start"] - 1 + k :]) for r in records
-                 if len(r["tokens"]) - k > r["start"] - 1]
-        out.append((torch.cat([p[0] for p in pairs]).float(), torch.cat([p[1] for p in pairs]).float()))
+        kept = [r for r in records if len(r["tokens"]) - k > r["start"] - 1]
+        inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r in kept]
+        next_tokens = [r["tokens"][r["start"] : len(r["tokens"]) - k + 1] for r in kept]
+        sources = [r["features"][r["start"] - 1 + k :] for r in kept]
+        out.append((torch.cat(inputs).float(), torch.cat(next_tokens).long(), torch.cat(sources).float()))
     return out
 
 
@@ -56,9 +64,9 @@ def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.T
     """Mean over heads of the soft cross-entropy between each head's scores at row t and the target's
     scores from row t + k (both over the heads' vocabulary). Returns (loss, head 1's argmax agreement)."""
     total, agreement = 0.0, None
-    for index, (inputs, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
-        inputs, sources = inputs.to(device), sources.to(device)  # [N, H] each
-        log_q = torch.log_softmax(heads.heads[index](inputs) @ heads.head_rows.T, dim=-1)  # [N, V']
+    for index, (inputs, next_tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
+        inputs, next_tokens, sources = inputs.to(device), next_tokens.to(device), sources.to(device)  # [N, H], [N], [N, H]
+        log_q = torch.log_softmax(heads.head_output(index, inputs, next_tokens) @ heads.head_rows.T, dim=-1)  # [N, V']
         with torch.no_grad():
             p = torch.softmax(sources @ heads.head_rows.T, dim=-1)  # [N, V']
         total = total + (-(p * log_q).sum(dim=-1).mean()) / heads.config.num_heads
@@ -94,9 +102,10 @@ def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
         counts = torch.zeros(heads.config.num_heads)
         all_proposals = []
         for record in records:
-            proposals = heads.propose(record["features"].float())  # [T, K]
-            all_proposals.append(proposals.tolist())
             tokens = record["tokens"].long()
+            next_tokens = torch.cat((tokens[1:], tokens[-1:]))  # [T]: the row's own next token (the last row's is unused)
+            proposals = heads.propose(record["features"].float(), next_tokens)  # [T, K]
+            all_proposals.append(proposals.tolist())
             for k in range(1, heads.config.num_heads + 1):
                 rows = torch.arange(record["start"] - 1, len(tokens) - 1 - k)
                 hits[k - 1] += (proposals[rows, k - 1] == tokens[rows + 1 + k]).sum()
@@ -122,9 +131,9 @@ def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: Medus
 
     model = target.model
     config = MedusaConfig(hidden_size=model.config.hidden_size, num_heads=recipe.num_heads, vocab_size=model.config.vocab_size,
-                          draft_vocab_size=len(vocab_ids), num_layers=recipe.num_layers, target=target_spec,
-                          vocab_digest=vocab_digest(target.tokenizer))
-    return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids)
+                          draft_vocab_size=len(vocab_ids), num_layers=recipe.num_layers,
+                          next_token_input=recipe.next_token_input, target=target_spec, vocab_digest=vocab_digest(target.tokenizer))
+    return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids, model.get_input_embeddings().weight)
 
 
 def run_medusa_recipe(args) -> int:

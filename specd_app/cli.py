@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
+    bench.add_argument("--medusa", action="store_true", help="also run specd_medusa: a second gateway with no draft service, "
+                       "drafting with the verify's Medusa heads (and lookup copies) alone")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
@@ -380,9 +382,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd.v1 import generate_pb2_grpc
     from specd_app import bench
 
-    if args.overlap and args.gateway:
-        raise SystemExit("--overlap starts a second gateway next to the local stack it starts; with --gateway there is "
-                         "none to start: run that gateway with --overlap true and bench it alone")
+    if (args.overlap or args.medusa) and args.gateway:
+        raise SystemExit("--overlap and --medusa start a second gateway next to the local stack they start; with --gateway "
+                         "there is none to start: run that gateway (--overlap true, or --draft-address '') and bench it alone")
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
@@ -392,14 +394,18 @@ def run_bench(args: argparse.Namespace) -> int:
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
     children: dict = {}
-    address, overlap_address, runtime = args.gateway, None, {}
+    address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
-        address, overlap_address, children, addresses = start_local_stack(
-            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap
+        address, extra_gateways, children, addresses = start_local_stack(
+            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa
         )
         runtime = bench.stack_runtime(addresses)
-    if overlap_address:
+    mode_address = {"specd_overlap": extra_gateways.get("overlap"), "specd_medusa": extra_gateways.get("medusa")}
+    if "overlap" in extra_gateways:
         service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
+        progress.add(len(rows))
+    if "medusa" in extra_gateways:
+        service_modes.append(("specd_medusa", {"num_draft_tokens": args.num_draft_tokens}))
         progress.add(len(rows))
     results = {}
     try:
@@ -410,7 +416,7 @@ def run_bench(args: argparse.Namespace) -> int:
             with contextlib.ExitStack() as stack:
                 modes = {}
                 for mode, fields in service_modes:
-                    target_address = overlap_address if mode == "specd_overlap" else address
+                    target_address = mode_address.get(mode) or address
                     stub = generate_pb2_grpc.GenerateServiceStub(stack.enter_context(grpc.insecure_channel(target_address)))
                     bench.stream_one(stub, rows[0], 8, **fields)  # warm-up, not counted
                     modes[mode] = functools.partial(bench.stream_one, stub, max_new_tokens=args.max_new_tokens, **fields)
@@ -420,7 +426,7 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             for mode, fields in service_modes:
                 progress.stage(mode)
-                target_address = overlap_address if mode == "specd_overlap" else address
+                target_address = mode_address.get(mode) or address
                 results[mode] = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
             for mode, k in hf_modes:  # one stream: what one user of transformers gets
                 progress.stage(mode)
@@ -437,7 +443,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads, "overlap": args.overlap,
+        "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa,
     }
     if args.output:
         with open(args.output, "w") as out:
@@ -448,31 +454,35 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def start_local_stack(
-    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False
-) -> tuple[str, Optional[str], dict, dict]:
-    """The three services as child processes on free ports, plus a second gateway with --overlap when
-    asked (same draft and verify); returns both gateway addresses, the children and name → address."""
+    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False
+) -> tuple[str, dict, dict, dict]:
+    """The three services as child processes on free ports, plus second gateways sharing the draft and
+    verify when asked: "overlap" (--overlap) and "medusa" (no draft service: the verify's Medusa heads
+    and lookup copies draft). Returns the gateway address, name → extra gateway address, the children
+    and service name → address."""
     import socket
 
     ports = []
-    for _ in range(4):
+    for _ in range(5):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     named = dict(zip(("gateway", "draft", "verify"), ports))
     children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens)
-    address, overlap_address = f"127.0.0.1:{ports[0]}", None
-    if overlap:
-        overlap_address = f"127.0.0.1:{ports[3]}"
-        children["gateway-overlap"] = subprocess.Popen(
-            gateway_command("127.0.0.1", {**named, "gateway": ports[3]}, num_draft_tokens, "--overlap", "true", "--metrics-port", "-1")
-        )
-    for gateway in filter(None, (address, overlap_address)):
+    address, extra = f"127.0.0.1:{ports[0]}", {}
+    flags = {"overlap": ("--overlap", "true"), "medusa": ("--draft-address", "")}
+    for (name, wanted), port in zip((("overlap", overlap), ("medusa", medusa)), ports[3:]):
+        if wanted:
+            extra[name] = f"127.0.0.1:{port}"
+            children[f"gateway-{name}"] = subprocess.Popen(
+                gateway_command("127.0.0.1", {**named, "gateway": port}, num_draft_tokens, *flags[name], "--metrics-port", "-1")
+            )
+    for gateway in (address, *extra.values()):
         if not wait_until_serving(gateway, children, {"requested": False}):
             for child in children.values():  # leave nothing running behind
                 child.kill()
             raise SystemExit("the local stack did not start; see the log above")
-    return address, overlap_address, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
+    return address, extra, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -73,6 +73,37 @@ def test_loading_heads_for_another_vocabulary_fails_clearly(tiny, medusa_heads, 
         load_heads(medusa_heads, other)
 
 
+def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monkeypatch):
+    """Heads that read a row's next token get the target's argmax at the rows this pass scored, and the
+    committed token after it at rows read late (a commit that appended two tokens)."""
+    from draft_training.medusa_training import MedusaRecipe, build_heads
+    from specd_common.batching import BatchPolicy
+    from specd_common.models import load_causal_lm
+    from specd_common.params import Warp
+    from verify_service.medusa import MedusaHeads
+    from verify_service.scorer import Scorer
+
+    loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+    heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "", MedusaRecipe(num_heads=2, next_token_input=True))
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads.eval())
+    seen = []
+    real = MedusaHeads.propose
+
+    def recording(self, features, next_tokens=None):
+        seen.append(next_tokens.tolist())
+        return real(self, features, next_tokens)
+
+    monkeypatch.setattr(MedusaHeads, "propose", recording)
+    session = scorer.open([5, 17, 42], Warp())
+    first = scorer.score(session, [7, 9], head_drafts=True)
+    assert seen[-1] == first.argmax_token_ids  # rows of 42, 7, 9
+    assert first.head_drafts.start_position == 2 and len(first.head_drafts.token_ids) == 3 * 2
+    session.sequence.apply_commit(3, [11, 12])  # 11 and 12 are read by the next pass
+    second = scorer.score(session, [8], head_drafts=True)
+    assert seen[-1] == [12] + second.argmax_token_ids  # row of 11: the committed 12; rows of 12, 8: the argmax
+    assert second.head_drafts.start_position == 3 and len(second.head_drafts.token_ids) == 3 * 2
+
+
 def test_head_drafts_at_picks_the_row_of_a_position():
     message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
     assert head_drafts_at(message, 11) == [3, 4]
@@ -82,12 +113,14 @@ def test_head_drafts_at_picks_the_row_of_a_position():
 
 
 def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
-    """medusa_rows: head k's input is f_t and its target scores come from f_{t+k}, for answer rows t ≥ start - 1."""
+    """medusa_rows: head k reads f_t and x_{t+1} and learns the target's scores from f_{t+k}, for answer rows t ≥ start - 1."""
     features = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t
-    record = {"tokens": torch.arange(8), "features": features, "start": 3}
-    (in1, out1), (in2, out2) = medusa_rows([record], 2)
+    record = {"tokens": torch.arange(100, 108), "features": features, "start": 3}
+    (in1, next1, out1), (in2, next2, out2) = medusa_rows([record], 2)
     assert in1[:, 0].tolist() == [2, 3, 4, 5, 6] and out1[:, 0].tolist() == [3, 4, 5, 6, 7]
+    assert next1.tolist() == [103, 104, 105, 106, 107]
     assert in2[:, 0].tolist() == [2, 3, 4, 5] and out2[:, 0].tolist() == [4, 5, 6, 7]
+    assert next2.tolist() == [103, 104, 105, 106]
 
 
 def test_simulated_rounds_with_perfect_proposals():

@@ -13,8 +13,14 @@ and heads 1..K propose x_{t+2}..x_{t+1+K}, the next round's drafts, in order.
     logits_k = r_k · W[vocab_ids]ᵀ       [V']  the target's frozen LM head, restricted to the V' most
                                                frequent target choices (cost)
 
-Only the residual blocks are trained and saved (~0.7 MB a block in bf16); the LM head rows are the
-target's and are read from it at load time. Drafts are each head's argmax: deterministic, so a
+With next_token_input the first block of every head also reads the embedding of the row's own next
+token, x_{t+1} (r = f_t + SiLU(W_k [f_t ; e(x_{t+1})] + b_k), as a Hydra head conditions on the
+tokens before its own): what EAGLE's first drafting step knows, without its attention. The verify
+passes the target's argmax at the row (the round's token itself when greedy; a guess when sampling,
+which only costs acceptance, never exactness).
+
+Only the residual blocks are trained and saved (~0.7 MB a block in bf16, twice that with the token
+input); the LM head rows and the embedding are the target's and are read from it at load time. Drafts are each head's argmax: deterministic, so a
 sampling round treats them like prompt-lookup copies (q = one-hot), which the ordinary rejection
 rule keeps exact.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,45 +51,64 @@ class MedusaConfig:
     vocab_size: int  # the target's
     draft_vocab_size: int  # V': ids the heads score
     num_layers: int = 1  # residual blocks per head
+    next_token_input: bool = False  # the first block also reads the embedding of the row's own next token
     target: str = ""
     vocab_digest: str = ""  # the target tokenizer's digest, checked at load
 
 
 class ResidualBlock(nn.Module):
-    """x + SiLU(W x + b), starting as the identity (W = 0, b = 0), as in Medusa."""
+    """x + SiLU(W [x ; extra] + b), starting as the identity (W = 0, b = 0), as in Medusa; `extra`
+    (width extra_size, e.g. a token embedding) is read but not added to the residual stream."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, extra_size: int = 0):
         super().__init__()
-        self.linear = nn.Linear(size, size)
+        self.linear = nn.Linear(size + extra_size, size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
+    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        inputs = x if extra is None else torch.cat((x, extra), dim=-1)
+        return x + F.silu(self.linear(inputs))
 
 
 class MedusaHeads(nn.Module):
     """K heads of residual blocks over the target's frozen LM head rows."""
 
-    def __init__(self, config: MedusaConfig, lm_head: torch.Tensor, vocab_ids: torch.Tensor):
-        """lm_head [V, H] is the target's; vocab_ids [V'] the ids the heads score."""
+    def __init__(self, config: MedusaConfig, lm_head: torch.Tensor, vocab_ids: torch.Tensor, embedding: Optional[torch.Tensor] = None):
+        """lm_head [V, H] and embedding [V, H] (needed with next_token_input) are the target's; vocab_ids [V'] the ids scored."""
         super().__init__()
         self.config = config
+        h = config.hidden_size
+        extra = h if config.next_token_input else 0
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResidualBlock(config.hidden_size) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
+            nn.ModuleList(ResidualBlock(h, extra if layer == 0 else 0) for layer in range(config.num_layers))
+            for _ in range(config.num_heads)
         )
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
         self.register_buffer("head_rows", lm_head.detach().float()[vocab_ids.long()], persistent=False)  # [V', H]
+        if config.next_token_input:
+            if embedding is None:
+                raise ValueError("Medusa heads with next_token_input need the target's input embedding")
+            self.register_buffer("embedding", embedding.detach().float(), persistent=False)  # [V, H]
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., H] → scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
+    def head_output(self, index: int, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head index + 1's residual stream: features [..., H] (and next_tokens [...] with the token input) → [..., H]."""
         x = features.to(self.head_rows.dtype)
-        return torch.stack([head(x) @ self.head_rows.T for head in self.heads]).float()
+        extra = self.embedding[next_tokens] if self.config.next_token_input else None
+        for layer, block in enumerate(self.heads[index]):
+            x = block(x, extra if layer == 0 else None)
+        return x
+
+    def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """features [..., H] (next_tokens [...]: each row's own next token, with the token input) →
+        scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
+        return torch.stack([self.head_output(k, features, next_tokens) @ self.head_rows.T for k in range(len(self.heads))]).float()
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor) -> torch.Tensor:
-        """features [N, H] → token ids [N, K]: row n holds heads 1..K's argmax (the drafts after row n's next token)."""
-        scores = self(features)  # [K, N, V']
+    def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """features [N, H] (next_tokens [N]) → token ids [N, K]: row n holds heads 1..K's argmax, the
+        drafts after row n's next token."""
+        scores = self(features, next_tokens)  # [K, N, V']
         return self.vocab_ids[scores.argmax(dim=-1)].T  # [N, K]
 
 
@@ -108,6 +134,6 @@ def load_heads(folder: Path, target_model, expected_digest: str = "") -> MedusaH
         raise ValueError(f"Medusa heads in {folder} were trained for another tokenizer (digest {config.vocab_digest}, "
                          f"the target's is {expected_digest})")
     state = load_file(str(folder / WEIGHTS_FILE))
-    heads = MedusaHeads(config, lm_head, state["vocab_ids"])
+    heads = MedusaHeads(config, lm_head, state["vocab_ids"], target_model.get_input_embeddings().weight)
     heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return heads.eval()

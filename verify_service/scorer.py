@@ -92,13 +92,19 @@ class Scorer:
             return None
         return encode_features(sequence.fed_features, sequence.fed_start)
 
-    def head_drafts(self, session: VerifySession) -> Optional[common_pb2.HeadDrafts]:
-        """The Medusa heads' proposals at the positions the session's last forward read (None without
-        heads or kept features)."""
+    def head_drafts(self, session: VerifySession, logits: torch.Tensor) -> Optional[common_pb2.HeadDrafts]:
+        """The Medusa heads' proposals at the positions the session's last chain forward read (None
+        without heads or kept features). logits [m, V] are that pass's last m rows; a row's own next
+        token (heads with the token input read it) is the target's argmax there, and for rows before
+        those (committed tokens read late) the committed token after it."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
-        proposals = self.medusa.propose(sequence.fed_features)  # [n, K]
+        features = sequence.fed_features  # [n, H]: positions fed_start .. fed_start + n - 1
+        earlier = features.shape[0] - logits.shape[0]
+        committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
+        next_tokens = torch.cat((committed.to(logits.device), torch.argmax(logits, dim=-1)))  # [n]
+        proposals = self.medusa.propose(features, next_tokens)  # [n, K]
         return common_pb2.HeadDrafts(start_position=sequence.fed_start, heads=proposals.shape[1], token_ids=proposals.flatten().tolist())
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
@@ -123,7 +129,7 @@ class Scorer:
         else:
             logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
         extra = {"features": self.last_features(session) if features else None,
-                 "head_drafts": self.head_drafts(session) if head_drafts else None}
+                 "head_drafts": self.head_drafts(session, logits) if head_drafts and not parents else None}
         if session.warp.greedy:
             return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), **extra)
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]

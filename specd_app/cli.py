@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=8, help="first N prompts of each file")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--concurrency", type=int, default=1, help="streams at a time in the service modes")
+    bench.add_argument("--repeats", type=int, default=1, help="with --concurrency > 1: run the service modes this many times, "
+                       "in order then in reverse (ABBA), so a drift of the machine's speed hits every mode alike")
     bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--branches", type=int, nargs="*", default=[],
@@ -392,7 +394,10 @@ def run_bench(args: argparse.Namespace) -> int:
     service_modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in args.fixed_k]
     service_modes += [(f"specd_tree{b}", {"num_draft_tokens": args.num_draft_tokens, "draft_branches": b}) for b in args.branches]
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
-    progress = bench.Progress(len(rows) * (len(service_modes) + len(hf_modes)))
+    if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
+        raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 (one stream already interleaves every prompt)")
+    repeats = args.repeats if args.concurrency > 1 else 1
+    progress = bench.Progress(len(rows) * (len(service_modes) * repeats + len(hf_modes)))
     children: dict = {}
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
@@ -403,10 +408,10 @@ def run_bench(args: argparse.Namespace) -> int:
     mode_address = {"specd_overlap": extra_gateways.get("overlap"), "specd_medusa": extra_gateways.get("medusa")}
     if "overlap" in extra_gateways:
         service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
-        progress.add(len(rows))
+        progress.add(len(rows) * repeats)
     if "medusa" in extra_gateways:
         service_modes.append(("specd_medusa", {"num_draft_tokens": args.num_draft_tokens}))
-        progress.add(len(rows))
+        progress.add(len(rows) * repeats)
     results = {}
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
@@ -424,10 +429,13 @@ def run_bench(args: argparse.Namespace) -> int:
                     modes[mode] = functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)
                 results = bench.run_interleaved(modes, rows, progress)
         else:
-            for mode, fields in service_modes:
-                progress.stage(mode)
-                target_address = mode_address.get(mode) or address
-                results[mode] = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
+            for repeat in range(args.repeats):
+                for mode, fields in service_modes[:: -1 if repeat % 2 else 1]:
+                    progress.stage(mode)
+                    target_address = mode_address.get(mode) or address
+                    samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
+                    earlier, earlier_wall = results.get(mode, ([], 0.0))
+                    results[mode] = (earlier + samples, earlier_wall + wall)
             for mode, k in hf_modes:  # one stream: what one user of transformers gets
                 progress.stage(mode)
                 results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
@@ -442,7 +450,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["stack_runtime"] = runtime
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-        "concurrency": args.concurrency, "drafter": args.drafter, "draft_model": args.draft_model,
+        "concurrency": args.concurrency, "repeats": repeats, "drafter": args.drafter, "draft_model": args.draft_model,
         "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa,
     }
     if args.output:

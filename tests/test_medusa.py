@@ -75,7 +75,8 @@ def test_loading_heads_for_another_vocabulary_fails_clearly(tiny, medusa_heads, 
 
 def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monkeypatch):
     """Heads that read a row's next token get the target's argmax at the rows this pass scored, and the
-    committed token after it at rows read late (a commit that appended two tokens)."""
+    committed token after it at rows read late (a commit that appended two tokens). Sampling sessions
+    get every row; a greedy one only the row after the drafts that equal the target's argmax."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
     from specd_common.batching import BatchPolicy
     from specd_common.models import load_causal_lm
@@ -94,14 +95,21 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
         return real(self, features, next_tokens)
 
     monkeypatch.setattr(MedusaHeads, "propose", recording)
-    session = scorer.open([5, 17, 42], Warp())
-    first = scorer.score(session, [7, 9], head_drafts=True)
-    assert seen[-1] == first.argmax_token_ids  # rows of 42, 7, 9
-    assert first.head_drafts.start_position == 2 and len(first.head_drafts.token_ids) == 3 * 2
-    session.sequence.apply_commit(3, [11, 12])  # 11 and 12 are read by the next pass
-    second = scorer.score(session, [8], head_drafts=True)
-    assert seen[-1] == [12] + second.argmax_token_ids  # row of 11: the committed 12; rows of 12, 8: the argmax
+    def argmax_after(drafts: list[int]) -> list[int]:
+        return scorer.score(scorer.open([5, 17, 42], Warp()), drafts).argmax_token_ids
+
+    choice = argmax_after([])[0]  # the target's token after 42
+    own = argmax_after([choice, 9])  # its argmax after 42, choice, 9
+    sampled = scorer.open([5, 17, 42], Warp(temperature=1.0))
+    scorer.score(sampled, [choice, 9], head_drafts=True)
+    assert seen[-1] == own
+    sampled.sequence.apply_commit(3, [11, 12])  # 11 and 12 are read by the next pass
+    second = scorer.score(sampled, [8], head_drafts=True)
+    assert seen[-1][0] == 12 and len(seen[-1]) == 3  # row of 11: the committed 12; rows of 12, 8: the argmax
     assert second.head_drafts.start_position == 3 and len(second.head_drafts.token_ids) == 3 * 2
+    one = scorer.score(scorer.open([5, 17, 42], Warp()), [choice, (own[1] + 1) % loaded.model.config.vocab_size], head_drafts=True)  # the first draft agrees, the second not
+    assert one.head_drafts.start_position == 3 and len(one.head_drafts.token_ids) == 2  # the row of `choice` only
+    assert seen[-1] == [own[1]]
 
 
 def test_head_drafts_at_picks_the_row_of_a_position():

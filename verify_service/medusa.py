@@ -102,7 +102,8 @@ class MedusaHeads(nn.Module):
     def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """features [..., H] (next_tokens [...]: each row's own next token, with the token input) →
         scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
-        return torch.stack([self.head_output(k, features, next_tokens) @ self.head_rows.T for k in range(len(self.heads))]).float()
+        outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, ..., H]
+        return (outputs @ self.head_rows.T).float()  # one product: the V' × H rows are read once for all heads
 
     @torch.inference_mode()
     def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from specd_common.features import encode_features
 from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
 from specd_common.params import Warp
+from specd_common.sequence import common_prefix
 from specd_common.warping import warp_probs
 from verify_service.medusa import MedusaHeads
 
@@ -92,20 +93,29 @@ class Scorer:
             return None
         return encode_features(sequence.fed_features, sequence.fed_start)
 
-    def head_drafts(self, session: VerifySession, logits: torch.Tensor) -> Optional[common_pb2.HeadDrafts]:
+    def head_drafts(self, session: VerifySession, logits: torch.Tensor, drafts: Sequence[int]) -> Optional[common_pb2.HeadDrafts]:
         """The Medusa heads' proposals at the positions the session's last chain forward read (None
-        without heads or kept features). logits [m, V] are that pass's last m rows; a row's own next
-        token (heads with the token input read it) is the target's argmax there, and for rows before
-        those (committed tokens read late) the committed token after it."""
+        without heads or kept features). logits [m, V] are that pass's last m rows (after the pending
+        token and each draft); a row's own next token (heads with the token input read it) is the
+        target's argmax there, and for rows before those (committed tokens read late) the committed
+        token after it. A greedy session gets only the row the caller will read: the gateway keeps
+        exactly the drafts that equal the target's argmax, so its last committed token is the argmax
+        after them (the heads' cost is reading their V' × H rows, per call, plus a little per row)."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
         features = sequence.fed_features  # [n, H]: positions fed_start .. fed_start + n - 1
         earlier = features.shape[0] - logits.shape[0]
         committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
-        next_tokens = torch.cat((committed.to(logits.device), torch.argmax(logits, dim=-1)))  # [n]
-        proposals = self.medusa.propose(features, next_tokens)  # [n, K]
-        return common_pb2.HeadDrafts(start_position=sequence.fed_start, heads=proposals.shape[1], token_ids=proposals.flatten().tolist())
+        own = torch.argmax(logits, dim=-1)  # [m]
+        next_tokens = torch.cat((committed.to(logits.device), own))  # [n]
+        first = 0
+        if session.warp.greedy:
+            first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
+            features, next_tokens = features[first : first + 1], next_tokens[first : first + 1]
+        proposals = self.medusa.propose(features, next_tokens)  # [rows, K]
+        return common_pb2.HeadDrafts(start_position=sequence.fed_start + first, heads=proposals.shape[1],
+                                     token_ids=proposals.flatten().tolist())
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
         """Before a commit: keep the cache entries of the last tree's path that the commit's tokens
@@ -129,7 +139,7 @@ class Scorer:
         else:
             logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
         extra = {"features": self.last_features(session) if features else None,
-                 "head_drafts": self.head_drafts(session, logits) if head_drafts and not parents else None}
+                 "head_drafts": self.head_drafts(session, logits, draft_token_ids) if head_drafts and not parents else None}
         if session.warp.greedy:
             return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), **extra)
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]

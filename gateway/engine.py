@@ -396,6 +396,7 @@ class Generation:
         cap = max(0, min(len(proposals), self._tokens_left() - 1))
         if not self.spec.adaptive:
             return [] if self.speculate else proposals[: min(cap, self.spec.num_draft_tokens)]
+        self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
         return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate())
 
     def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0) -> list[int]:
@@ -410,6 +411,11 @@ class Generation:
             return []
         return candidates[:k]
 
+    def _reopen_draft_if_due(self) -> None:
+        """(Re)open the draft session when it is closed (it failed, or opened under load) and its back-off is over."""
+        if self.speculate and not self._draft.open and time.monotonic() >= self._draft_retry_at:
+            self._open_draft()
+
     def _draft_rate(self) -> float:
         """Expected tokens per second of a round the draft service would draft now (0 when none is open)."""
         if not (self.speculate and self._draft.open):
@@ -423,8 +429,7 @@ class Generation:
             return 0
         if not self._speculation_allowed():
             return 0  # the server is busy enough that drafts would cost throughput
-        if not self._draft.open and time.monotonic() >= self._draft_retry_at:
-            self._open_draft()
+        self._reopen_draft_if_due()
         if not self._draft.open:
             return 0  # no draft (down, or backing off)
         cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))

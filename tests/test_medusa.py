@@ -158,6 +158,7 @@ def test_heads_give_way_to_a_draft_that_promises_more():
                                tokenizer=SimpleNamespace(decode=lambda ids: ""))
     spec = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=20, warp=Warp(), seed=0)
     generation = Generation(backends, spec, options=GatewayOptions())
+    generation._draft_retry_at = float("inf")  # the draft is backing off
     generation._head_drafts = [7, 8, 9]
     assert generation._head_round_drafts() == [7, 8, 9]  # no draft open: the prior (0.5) pays for 3
     generation._draft.replica = SimpleNamespace()  # a draft session is open ...

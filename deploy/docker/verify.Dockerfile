@@ -58,6 +58,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     SPECD_MODEL=HuggingFaceTB/SmolLM2-1.7B-Instruct
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/specd/healthcheck.py
+# Medusa heads trained by specd (serve with SPECD_MEDUSA_HEADS=/opt/specd/heads/<target> and that target)
+COPY verify_service/heads /opt/specd/heads
 VOLUME ["/models"]
 USER 10001:10001
 EXPOSE 50053 9464

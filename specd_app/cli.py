@@ -277,14 +277,7 @@ def run_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children.values():
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        stop_children(children, timeout_s=30)
 
 
 def spawn_services(
@@ -440,9 +433,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress.stage(mode)
                 results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
     finally:
-        for child in children.values():
-            child.send_signal(signal.SIGTERM)
-            child.wait(timeout=60)
+        stop_children(children)
     progress.close()
     report = bench.report(results, args.num_draft_tokens)
     report["machine"] = bench.machine_facts()
@@ -459,6 +450,22 @@ def run_bench(args: argparse.Namespace) -> int:
         bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
     print(json.dumps(report, indent=2) if args.json else bench.markdown_table(report))
     return 0
+
+
+def stop_children(children: dict, timeout_s: float = 60.0) -> None:
+    """SIGTERM every child, then wait for each; one still running after timeout_s is killed (logged),
+    so a stuck service never costs a benchmark its report."""
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name, child in children.items():
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s of SIGTERM; killed", name, timeout_s)
+            child.kill()
+            child.wait()
 
 
 def start_local_stack(

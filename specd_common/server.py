@@ -26,6 +26,19 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class WatchSafeHealthServicer(health.HealthServicer):
+    """grpc_health's servicer without a deadlock it has: set() holds its lock while each Watch
+    stream's send waits for gRPC's event thread, and a watcher that closes at that moment makes the
+    event thread wait for the same lock in the close callback, so neither moves. Seen: a verify
+    watched by two gateways never finished its SIGTERM drain (NOT_SERVING made the first gateway
+    drop its watch while the second was being told). Here the close callback runs on a thread of its
+    own, so the event thread never waits for the lock (tests/test_units.py)."""
+
+    def _on_close_callback(self, send_response_callback, service):
+        forget = super()._on_close_callback(send_response_callback, service)
+        return lambda: threading.Thread(target=forget, name="health-watch-closed", daemon=True).start()
+
+
 @dataclass
 class RunningServer:
     """A started gRPC server, its bound port and its health servicer."""
@@ -100,7 +113,7 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS, interceptors=list(interceptors)
     )
     add_servicers(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = WatchSafeHealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = bind(server, host, port, tls)

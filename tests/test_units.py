@@ -330,3 +330,27 @@ def test_switchable_linear_computes_what_linear_computes_in_every_layout():
                 got = model(x)
                 assert got.shape == want.shape
                 assert torch.allclose(got, want, atol=1e-5), layout
+
+
+def test_a_closing_health_watch_never_waits_for_the_servicers_lock():
+    """grpc_health's set() holds its lock while it sends to each watcher, and a send waits for gRPC's
+    event thread; the close callback of a watcher runs on that thread. Ours must return at once even
+    while the lock is held (else: the deadlock WatchSafeHealthServicer describes), and still forget
+    the watcher once the lock is free."""
+    import threading
+
+    from specd_common.server import WatchSafeHealthServicer
+
+    servicer = WatchSafeHealthServicer()
+    told = []
+    servicer._send_response_callbacks[""] = {told.append}
+    closed = servicer._on_close_callback(told.append, "")
+    with servicer._lock:  # what set() holds while it sends
+        finished = threading.Event()
+        threading.Thread(target=lambda: (closed(), finished.set()), daemon=True).start()
+        assert finished.wait(2.0), "the close callback waited for the health servicer's lock"
+    for _ in range(100):
+        if not servicer._send_response_callbacks[""]:
+            break
+        threading.Event().wait(0.02)
+    assert servicer._send_response_callbacks[""] == set() and told == [None]

@@ -119,6 +119,40 @@ def test_speculation_pauses_under_load(tiny):
         running.stop()
 
 
+def test_a_paused_request_stops_collecting_target_features(tiny, monkeypatch):
+    """A feature drafter needs the target's features of every committed position. A request alone asks
+    the verify for them and drafts; one that meets a paused round (load) asks for none (not even with
+    its prompt) and leaves the draft service out; its output is unchanged."""
+    from verify_service.service import VerifyServicer
+
+    asked: list[bool] = []
+    real = VerifyServicer.Verify
+
+    def recording(self, request, context):
+        asked.append(request.return_features)
+        return real(self, request, context)
+
+    monkeypatch.setattr(VerifyServicer, "Verify", recording)  # before the server binds its handlers
+    running = start_cluster(tiny.target, "feature", tiny.feature_head, max_speculative_requests=1)
+    try:
+        stub = running.stub()
+        alone = generate(stub, text="hello world", max_new_tokens=20, draft_length_policy=FIXED)
+        assert alone.stats.draft_tokens > 0 and all(asked)
+        holder = stub.GenerateStream(
+            generate_pb2.GenerateRequest(text="hello", max_new_tokens=480, disable_speculation=True), timeout=60
+        )
+        next(holder)  # one request is running: a second one makes two, above the limit
+        asked.clear()
+        proposes = running.calls.counts["Propose"]
+        busy = generate(stub, text="hello world", max_new_tokens=20, draft_length_policy=FIXED)
+        holder.cancel()
+        assert asked and not any(asked)
+        assert running.calls.counts["Propose"] == proposes and busy.stats.draft_tokens == 0
+        assert list(busy.token_ids) == list(alone.token_ids)
+    finally:
+        running.stop()
+
+
 @pytest.mark.parametrize("draft", ["draft_same", "draft_noisy"])
 def test_overlapped_drafting_is_exact_and_uses_its_lookahead(tiny, draft):
     running = start_cluster(tiny.target, "model", getattr(tiny, draft), overlap=True)

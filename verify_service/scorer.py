@@ -93,22 +93,20 @@ class Scorer:
             return None
         return encode_features(sequence.fed_features, sequence.fed_start)
 
-    def head_drafts(self, session: VerifySession, logits: torch.Tensor, drafts: Sequence[int]) -> Optional[common_pb2.HeadDrafts]:
+    def head_drafts(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[common_pb2.HeadDrafts]:
         """The Medusa heads' proposals at the positions the session's last chain forward read (None
-        without heads or kept features). logits [m, V] are that pass's last m rows (after the pending
-        token and each draft); a row's own next token (heads with the token input read it) is the
-        target's argmax there, and for rows before those (committed tokens read late) the committed
-        token after it. A greedy session gets only the row the caller will read: the gateway keeps
+        without heads or kept features). own [m] is the target's argmax at that pass's last m rows
+        (after the pending token and each draft): a row's own next token, which heads with the token
+        input read; for rows before those (committed tokens read late) it is the committed token after it. A greedy session gets only the row the caller will read: the gateway keeps
         exactly the drafts that equal the target's argmax, so its last committed token is the argmax
         after them (the heads' cost is reading their V' × H rows, per call, plus a little per row)."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
         features = sequence.fed_features  # [n, H]: positions fed_start .. fed_start + n - 1
-        earlier = features.shape[0] - logits.shape[0]
+        earlier = features.shape[0] - own.shape[0]
         committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
-        own = torch.argmax(logits, dim=-1)  # [m]
-        next_tokens = torch.cat((committed.to(logits.device), own))  # [n]
+        next_tokens = torch.cat((committed.to(own.device), own))  # [n]
         first = 0
         if session.warp.greedy:
             first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
@@ -138,9 +136,10 @@ class Scorer:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
         else:
             logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
+        own = torch.argmax(logits, dim=-1)  # [k + 1]: the target's choice at each position (greedy's answer, the heads' input)
         extra = {"features": self.last_features(session) if features else None,
-                 "head_drafts": self.head_drafts(session, logits, draft_token_ids) if head_drafts and not parents else None}
+                 "head_drafts": self.head_drafts(session, own, draft_token_ids) if head_drafts and not parents else None}
         if session.warp.greedy:
-            return Scores(argmax_token_ids=torch.argmax(logits, dim=-1).tolist(), **extra)
+            return Scores(argmax_token_ids=own.tolist(), **extra)
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]
         return Scores(target_probs=[encode_distribution(row) for row in probs], **extra)

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(verify, "verify")
     add_model_flags(verify, DEFAULT_TARGET)
     add_flag(verify, "prepack", "auto", "CPU linear weights: auto (measured at start-up, per forward size), on (oneDNN-prepacked), "
-             "mkl (MKL-packed one-row GEMM), tall (W·xᵀ for the LM head and MLP gate/up), off (plain)",
-             choices=["auto", "on", "mkl", "tall", "off"])
+             "mkl (MKL-packed one-row GEMM), tall (W·xᵀ for the LM head and MLP gate/up), cols (W·xᵀ for every layer), "
+             "rows (x·Wᵀ from a transposed copy), off (plain)",
+             choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
@@ -182,12 +183,13 @@ def _set_threads(threads: int) -> None:
 
 
 def serve_verify(args: argparse.Namespace) -> None:
+    from specd_common import model_thread
     from specd_common.batching import BatchPolicy
     from specd_common.models import load_causal_lm
     from specd_common.server import wait_for_termination
     from verify_service.app import start_verify_server
 
-    loaded = load_causal_lm(args.model, args.device, args.dtype)
+    loaded = model_thread.shared().run(load_causal_lm, args.model, args.device, args.dtype)  # where the model runs
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,

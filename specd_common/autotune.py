@@ -12,7 +12,9 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
     or "tall": a linear whose weight has more rows than columns (the LM head, the MLP's gate and up)
     computed as W·xᵀ, one stream over the weight for all rows, which on that EPYC scores 4 rows of
-    the 49,152-row LM head ~2.5x faster than PyTorch's x·Wᵀ; narrower layers stay plain.
+    the 49,152-row LM head ~2.5x faster than PyTorch's x·Wᵀ; narrower layers stay plain; "cols":
+    the same W·xᵀ for every layer; or "rows": x·Wᵀ from a transposed copy of W, a GEMV over
+    contiguous columns, which on that EPYC made a decoding step 45 ms instead of 53.
     Which is faster depends on the CPU and on how many positions a pass scores: on one 2-core AMD
     EPYC prepacking made a 4-position verify pass 1.4x cheaper, on a 2-core Intel Xeon it was a
     40–80% slowdown (shared/notes/cpu-costs-intel.md). Only the layouts that win at some position
@@ -30,9 +32,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
-PLAIN, PREPACKED, MKL, TALL = "plain", "prepacked", "mkl", "tall"
-LAYOUTS = (PLAIN, PREPACKED, MKL, TALL)
-DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL})  # those that read the ordinary weight
+PLAIN, PREPACKED, MKL, TALL, COLS, ROWS = "plain", "prepacked", "mkl", "tall", "cols", "rows"
+LAYOUTS = (PLAIN, PREPACKED, MKL, TALL, COLS, ROWS)
+DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordinary weight
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)
@@ -144,14 +146,22 @@ def thread_candidates(cores: int) -> list[int]:
 
 
 def threads_to_try(threads: int, max_threads: int = 0) -> list[int]:
-    """[threads] when fixed (> 0), else the candidates up to `max_threads` (0 = torch's default,
-    all cores)."""
-    import torch
-
+    """[threads] when fixed (> 0), else the candidates up to `max_threads` (0 = all cores)."""
     if threads > 0:
         return [threads]
-    cores = torch.get_num_threads()
+    cores = available_cores()
     return thread_candidates(min(cores, max_threads) if max_threads > 0 else cores)
+
+
+def available_cores() -> int:
+    """OMP_NUM_THREADS when set, else the CPUs this process may run on. Not torch.get_num_threads():
+    that is the calling thread's current setting, which an earlier measurement may have changed."""
+    import os
+
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def measure_interleaved(runs: dict, repeats: int = 5) -> dict:

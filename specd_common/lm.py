@@ -7,14 +7,15 @@ whose cache is a transformers DynamicCache; `forward` feeds the pending tokens p
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch, tree
+from specd_common import autotune, kv_batch, model_thread, tree
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -62,9 +63,9 @@ class LayoutSwitch:
 
 
 def available_layouts() -> set[str]:
-    """The CPU weight layouts this torch build can run (plain and tall always; prepacked with oneDNN;
-    mkl with MKL's packed GEMM)."""
-    layouts = {autotune.PLAIN, autotune.TALL}
+    """The CPU weight layouts this torch build can run (plain, tall, cols and rows always; prepacked
+    with oneDNN; mkl with MKL's packed GEMM)."""
+    layouts = {autotune.PLAIN, autotune.TALL, autotune.COLS, autotune.ROWS}
     if torch.backends.mkldnn.is_available():
         layouts.add(autotune.PREPACKED)
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
@@ -73,7 +74,7 @@ def available_layouts() -> set[str]:
 
 
 class SwitchableLinear(torch.nn.Module):
-    """y = x Wᵀ + b, with W kept in up to three layouts; `switch.layout` picks per forward:
+    """y = x Wᵀ + b, with W kept in the layouts asked for; `switch.layout` picks per forward:
       plain      PyTorch's linear on the ordinary weight (repacks it on every call for several rows);
       prepacked  oneDNN's blocked layout, reordered once at load (what torch.utils.mkldnn.MkldnnLinear
                  does, without its deprecated TorchScript base);
@@ -81,7 +82,11 @@ class SwitchableLinear(torch.nn.Module):
                  run the plain path;
       tall       for a weight with more rows than columns (out > in: an LM head, an MLP's gate/up) and
                  several input rows, (W xᵀ)ᵀ: the BLAS call then streams the tall weight once for all
-                 rows instead of repacking it; other layers, and one row, run the plain path.
+                 rows instead of repacking it; other layers, and one row, run the plain path;
+      cols       (W xᵀ)ᵀ for every weight and several rows (one row: plain);
+      rows       x (Wᵀ), Wᵀ copied once at load into its own contiguous [in, out] tensor: for one row a
+                 plain GEMV over contiguous output columns (2-core AMD EPYC VM: a decoding step of the
+                 default target 45 ms vs 53 with mkl or plain).
     Input and output are ordinary dense tensors [..., in] → [..., out]. Same math; the layouts' float32
     results differ only by summation order (~1e-4 in the logits)."""
 
@@ -92,19 +97,25 @@ class SwitchableLinear(torch.nn.Module):
         dense = bool(keep & autotune.DENSE_LAYOUTS)  # MKL's op falls back to (and takes) the plain weight
         self.tall = linear.out_features > linear.in_features
         self.weight = linear.weight if dense else None  # [out, in], shared (tied embeddings stay tied)
-        self.bias = linear.bias if dense else None
+        self.bias = linear.bias if dense or autotune.ROWS in keep else None
         packed = autotune.PREPACKED in keep
         self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn() if packed else None)
         self.register_buffer("packed_bias", linear.bias.detach().to_mkldnn() if packed and linear.bias is not None else None)
         mkl = autotune.MKL in keep
         self.register_buffer("mkl_weight", torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), 1) if mkl else None)
+        transposed = linear.weight.detach().t().contiguous() if autotune.ROWS in keep else None  # [in, out]
+        self.register_buffer("rows_weight", transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.switch.layout
         if layout == autotune.MKL and self.mkl_weight is not None and x.numel() == x.shape[-1]:  # one row
             y = torch.ops.mkl._mkl_linear(x.reshape(1, -1), self.mkl_weight, self.weight, self.bias, 1)  # [1, out]
             return y.reshape(*x.shape[:-1], self.out_features)
-        if layout == autotune.TALL and self.tall and self.weight is not None and x.numel() > x.shape[-1]:
+        if layout == autotune.ROWS and self.rows_weight is not None:
+            y = torch.matmul(x, self.rows_weight)  # [..., out]
+            return y if self.bias is None else y + self.bias
+        if layout in (autotune.TALL, autotune.COLS) and (self.tall or layout == autotune.COLS) and self.weight is not None \
+                and x.numel() > x.shape[-1]:
             rows = x.reshape(-1, x.shape[-1])  # [N, in]
             y = torch.mm(self.weight, rows.t()).t()  # [N, out] (a transposed view of W xᵀ [out, N])
             if self.bias is not None:
@@ -136,8 +147,20 @@ def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: 
     return replaced
 
 
+def on_model_thread(method: Callable) -> Callable:
+    """Run a CausalLM method on the model's own thread (specd_common/model_thread.py says why)."""
+
+    @functools.wraps(method)
+    def run(self: "CausalLM", *args: Any, **kwargs: Any) -> Any:
+        return self.model_thread.run(method, self, *args, **kwargs)
+
+    return run
+
+
 class CausalLM:
-    """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck)."""
+    """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck),
+    every one of them, and the start-up measurements, on the process's model thread
+    (specd_common/model_thread.py; `run` puts a caller's own torch work there too)."""
 
     def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN})):
         """layouts: on a float32 CPU model, the linear-weight layouts to keep (make_linears_switchable;
@@ -152,7 +175,25 @@ class CausalLM:
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()
+        self.model_thread = model_thread.shared()
+        self._last_hidden: Optional[torch.Tensor] = None  # [B, n, H] of the last forward, when features are kept
+        self._keep_hidden = False
+        loaded.model.base_model.register_forward_hook(self._capture_last_hidden)
 
+    def _capture_last_hidden(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on the base model: its first output is the final hidden state (after the final
+        norm), what feature drafters and Medusa heads read. Why not `output_hidden_states=True`: in
+        transformers 5 the first such call installs capture hooks on every decoder layer for good,
+        and every later pass pays for them (~1 ms a pass on the 2-core AMD EPYC VM, in every
+        session, features asked for or not)."""
+        self._last_hidden = output[0] if self._keep_hidden else None
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the model's thread: for torch work on its outputs (an argmax over the
+        logits, a softmax, heads), which would otherwise start a second OpenMP team on the caller's thread."""
+        return self.model_thread.run(fn, *args, **kwargs)
+
+    @on_model_thread
     def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> autotune.RuntimeChoice:
         """Measure this model's forward passes on this machine and adopt the fastest runtime
         (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
@@ -190,13 +231,18 @@ class CausalLM:
         for module in self.loaded.model.modules():
             if isinstance(module, SwitchableLinear):
                 if not layouts & autotune.DENSE_LAYOUTS:
-                    module.weight = module.bias = None
+                    module.weight = None
+                    if autotune.ROWS not in layouts:
+                        module.bias = None
                 if autotune.PREPACKED not in layouts:
                     module.packed_weight = module.packed_bias = None
                 if autotune.MKL not in layouts:
                     module.mkl_weight = None
+                if autotune.ROWS not in layouts:
+                    module.rows_weight = None
         self.layouts &= layouts
 
+    @on_model_thread
     def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:
         """A session holding `prompt`, with everything but the last token already in its cache."""
         if not 0 < len(prompt) < self.max_length:
@@ -258,6 +304,7 @@ class CausalLM:
         session.tree = PendingTree(len(session.tokens), list(tokens), list(parents)) if nodes else None
         return logits[fed - 1 :]
 
+    @on_model_thread
     def settle_tree(self, session: KVSession, path: Sequence[int]) -> None:
         """Keep the cache rows of `path` (node indices from the root, tree.path_of) after the committed
         tokens, in order, and append their tokens; drop the other nodes. No pending tree: nothing."""
@@ -309,6 +356,7 @@ class CausalLM:
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
+    @on_model_thread
     @torch.inference_mode()
     def _run(self, session: KVSession, token_ids: Sequence[int], all_logits: bool = True,
              positions: Optional[Sequence[int]] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -326,14 +374,16 @@ class CausalLM:
         }
         with self._forward_lock, model_forward(len(token_ids)):
             self._configure(len(token_ids))
+            self._keep_hidden = session.keep_features
             output = self.loaded.model(
-                input_ids=input_ids, past_key_values=session.cache, use_cache=True, output_hidden_states=session.keep_features,
-                logits_to_keep=0 if all_logits else 1, **custom,
+                input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=0 if all_logits else 1, **custom,
             )
-        if session.keep_features:
-            session.fed_start, session.fed_features = start, output.hidden_states[-1][0]  # [n, H], after the final norm
+            if session.keep_features:
+                session.fed_start, session.fed_features = start, self._last_hidden[0]  # [n, H], after the final norm
+            self._last_hidden = None
         return output.logits[0].float()  # [n, V]
 
+    @on_model_thread
     @torch.inference_mode()
     def _run_batch(self, sessions: Sequence[KVSession], fed: Sequence[Sequence[int]]) -> torch.Tensor:
         """One forward over every session's fed tokens; appends each session's new keys/values to its cache."""
@@ -343,16 +393,17 @@ class CausalLM:
         with self._forward_lock:
             batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
             self._configure(batch.input_ids.numel())
+            self._keep_hidden = keep
             output = self.loaded.model(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids,
                 past_key_values=batch.past,
                 use_cache=True,
-                output_hidden_states=keep,
             )
             kv_batch.scatter_new(output.past_key_values, batch, caches)
+            hidden, self._last_hidden = self._last_hidden, None  # [B, N, H] when kept
         for row, session in enumerate(sessions):
             if session.keep_features:  # rows are left-aligned: the row's fed tokens are its first len(fed) positions
-                session.fed_start, session.fed_features = starts[row], output.hidden_states[-1][row, : len(fed[row])]
+                session.fed_start, session.fed_features = starts[row], hidden[row, : len(fed[row])]
         return output.logits.float()  # [B, N, V]

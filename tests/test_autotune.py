@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specd_common.autotune import (
-    PLAIN, PREPACKED, TALL, RuntimeChoice, choose_runtime, compress, fewest_threads, interpolate, thread_candidates,
+    PLAIN, PREPACKED, TALL, RuntimeChoice, available_cores, choose_runtime, compress, fewest_threads, interpolate, thread_candidates,
 )
 
 MS = 1e-3
@@ -91,18 +91,18 @@ def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
     reference = CausalLM(load_causal_lm(str(build_model(tmp_path / "m", seed=0))))
     prompt, drafts = [5, 6, 7, 8], [9, 10, 11]
     expected = reference.forward(reference.new_session(prompt), drafts)
-    threads = torch.get_num_threads()
+    threads = available_cores()
     lm = CausalLM(loaded, layouts={PLAIN, PREPACKED})
     choice = lm.tune(repeats=1)
     try:
         assert choice.source == "measured" and choice.threads in thread_candidates(threads)
-        assert torch.get_num_threads() == choice.threads
+        assert lm.run(torch.get_num_threads) == choice.threads  # set where the model runs: its own thread
         assert set(choice.costs_ms) == set(thread_candidates(threads))
         assert lm.layouts == choice.needs
         got = lm.forward(lm.new_session(prompt), drafts)
         assert torch.allclose(got, expected, atol=1e-4)
     finally:
-        torch.set_num_threads(threads)
+        lm.run(torch.set_num_threads, threads)
 
 
 def test_thread_caps_of_the_stack_and_the_candidates_within_them():

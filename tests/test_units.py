@@ -311,17 +311,18 @@ def test_bench_report_computes_speedup_and_alpha():
 def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 
-    from specd_common.autotune import MKL, PLAIN, PREPACKED, TALL
+    from specd_common.autotune import COLS, LAYOUTS, MKL, PLAIN, PREPACKED, ROWS, TALL
     from specd_common.lm import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
 
     torch.manual_seed(0)
     # the first layer is tall (32 outputs from 16 inputs: the W·xᵀ path), the second is not
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False))
+    assert {PLAIN, TALL, COLS, ROWS} <= available_layouts() <= set(LAYOUTS)
     batch, step = torch.randn(2, 3, 16), torch.randn(1, 1, 16)  # [B, T, in]: several rows, and one (a decoding step)
     switch = LayoutSwitch()
     with torch.inference_mode():
         expected = [model(batch), model(step)]
-        replaced = make_linears_switchable(model, switch, {PLAIN, PREPACKED, MKL, TALL})
+        replaced = make_linears_switchable(model, switch, {PLAIN, PREPACKED, MKL, TALL, COLS, ROWS})
         assert TALL in available_layouts() and model[0].tall and not model[2].tall
         assert replaced == 2 and isinstance(model[0], SwitchableLinear) and isinstance(model[2], SwitchableLinear)
         for layout in sorted(available_layouts()):
@@ -330,6 +331,24 @@ def test_switchable_linear_computes_what_linear_computes_in_every_layout():
                 got = model(x)
                 assert got.shape == want.shape
                 assert torch.allclose(got, want, atol=1e-5), layout
+        assert model[0].rows_weight.shape == (16, 32) and model[0].rows_weight.is_contiguous()  # Wᵀ [in, out]
+
+
+def test_a_layer_keeps_only_the_weights_of_the_layouts_it_runs():
+    """rows alone: the transposed copy and the bias, no ordinary weight; it still computes the same."""
+    import torch
+
+    from specd_common.autotune import ROWS
+    from specd_common.lm import LayoutSwitch, make_linears_switchable
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        want = model(x)
+        make_linears_switchable(model, LayoutSwitch(ROWS), {ROWS})
+        assert model[0].weight is None and model[0].bias is not None and model[0].rows_weight is not None
+        assert torch.allclose(model(x), want, atol=1e-5)
 
 
 def test_a_closing_health_watch_never_waits_for_the_servicers_lock():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from specd_common import model_thread
 from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
@@ -19,17 +20,24 @@ def start_verify_server(
     threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
 ) -> RunningServer:
     """threads / prepack / kv_token_budget: see Scorer (0 / auto: measured or derived at start-up on this machine);
-    medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none."""
-    medusa = None
-    if medusa_heads:
-        from specd_common.models import vocab_digest
-        from verify_service.medusa import load_heads
-
-        medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
-    scorer = Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa)
+    medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none.
+    The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
+    scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
     )
     sessions.start_reaper()
     servicer = VerifyServicer(scorer, sessions)
     return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)
+
+
+def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,
+                kv_token_budget: int, medusa_heads: str) -> Scorer:
+    """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
+    medusa = None
+    if medusa_heads:
+        from specd_common.models import vocab_digest
+        from verify_service.medusa import load_heads
+
+        medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
+    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa)

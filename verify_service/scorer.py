@@ -10,7 +10,7 @@ import torch
 
 from specd.v1 import common_pb2
 from specd_common import autotune, tree
-from specd_common.autotune import MKL, PLAIN, PREPACKED, TALL
+from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.distributions import encode_distribution
 from specd_common.features import encode_features
@@ -42,7 +42,8 @@ class Scores:
     head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
 
 
-PREPACK_CHOICES = {"auto": {PLAIN, PREPACKED, MKL, TALL}, "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "off": {PLAIN}}
+PREPACK_CHOICES = {"auto": set(autotune.LAYOUTS), "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "cols": {COLS}, "rows": {ROWS},
+                   "off": {PLAIN}}
 
 
 class Scorer:
@@ -51,7 +52,8 @@ class Scorer:
     On a CPU it first measures its own forward passes (CausalLM.tune): torch threads (unless
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
-    for tall weights, else plain; off: PyTorch's plain layout), then its KV-token budget. With `medusa`
+    for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
+    off: PyTorch's plain layout; specd_common.lm.SwitchableLinear), then its KV-token budget. With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
@@ -85,13 +87,13 @@ class Scorer:
     def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False) -> VerifySession:
         return VerifySession(self.lm.new_session(prompt, keep_features), warp)
 
-    @staticmethod
-    def last_features(session: VerifySession) -> Optional[common_pb2.TargetFeatures]:
-        """The features of the positions the session's last forward read (None unless it keeps them)."""
+    def last_features(self, session: VerifySession) -> Optional[common_pb2.TargetFeatures]:
+        """The features of the positions the session's last forward read (None unless it keeps them),
+        encoded on the model's thread (a prompt's [n, H] conversion is parallel torch work)."""
         sequence = session.sequence
         if not sequence.keep_features or sequence.fed_features is None:
             return None
-        return encode_features(sequence.fed_features, sequence.fed_start)
+        return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
     def head_drafts(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[common_pb2.HeadDrafts]:
         """The Medusa heads' proposals at the positions the session's last chain forward read (None
@@ -136,9 +138,15 @@ class Scorer:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
         else:
             logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
+        return self.lm.run(self._scores, session, logits, draft_token_ids, features, head_drafts and not parents)
+
+    def _scores(self, session: VerifySession, logits: torch.Tensor, draft_token_ids: Sequence[int], features: bool,
+                head_drafts: bool) -> Scores:
+        """What a Verify returns, from the pass's logits [k + 1, V]; on the model's thread (its torch
+        work would start a second OpenMP team anywhere else: specd_common/model_thread.py)."""
         own = torch.argmax(logits, dim=-1)  # [k + 1]: the target's choice at each position (greedy's answer, the heads' input)
         extra = {"features": self.last_features(session) if features else None,
-                 "head_drafts": self.head_drafts(session, own, draft_token_ids) if head_drafts and not parents else None}
+                 "head_drafts": self.head_drafts(session, own, draft_token_ids) if head_drafts else None}
         if session.warp.greedy:
             return Scores(argmax_token_ids=own.tolist(), **extra)
         probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]

@@ -1,0 +1,73 @@
+"""One thread runs every torch computation of a model service.
+
+Why: with PyTorch's OpenMP backend, each thread that runs a multi-threaded torch op gets an OpenMP
+team of its own. A model service used to run its passes on the batcher's worker (or on whichever
+gRPC thread asked), the start-up measurements on the main thread, and the argmax over the logits,
+the Medusa heads and the sampling softmax on the gRPC threads: several teams on the same cores.
+Once a second team exists, every multi-threaded pass gets slower for the rest of the process
+(2-core AMD EPYC VM, default target, 4-position pass at 2 threads, in-process: 59–60 ms while one
+thread had run parallel work, 66–68 ms once a second thread had; `OMP_WAIT_POLICY=PASSIVE` 73 ms;
+`GOMP_SPINCOUNT` no help). With one thread for all of it there is one team, and the cores run the
+model instead of idle workers of other teams.
+
+So a model service loads its model, measures it and serves it on `shared()`, the process's one
+model thread, and keeps torch work off its other threads. The calling thread's contextvars (the
+RPC's trace context among them) travel with each call, so spans opened on the model thread stay
+children of the caller's.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+
+class ModelThread:
+    """A daemon thread that runs submitted calls one at a time, in order; `run` waits for the result."""
+
+    def __init__(self, name: str = "specd-model"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=serve_calls, args=(self._calls,), name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) on the model thread (directly when already on it); its result or its exception."""
+        if threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        future: Future = Future()
+        self._calls.put((future, contextvars.copy_context(), fn, args, kwargs))
+        return future.result()
+
+    def stop(self) -> None:
+        """Let the thread end after the calls already queued (it does not wait for them)."""
+        self._calls.put(None)
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+
+_shared: ModelThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> ModelThread:
+    """The process's model thread (started on first use; it lives as long as the process)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = ModelThread()
+        return _shared
+
+
+def serve_calls(calls: queue.SimpleQueue) -> None:
+    """The thread's loop: run each queued call in its caller's context until `stop` queues None."""
+    while (call := calls.get()) is not None:
+        future, context, fn, args, kwargs = call
+        try:
+            future.set_result(context.run(fn, *args, **kwargs))
+        except BaseException as error:  # the caller re-raises it in its own thread
+            future.set_exception(error)

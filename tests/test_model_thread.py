@@ -1,0 +1,68 @@
+"""One thread runs a model service's torch work (specd_common/model_thread.py says why: a second
+OpenMP team in the process slows every multi-threaded pass after it)."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import pytest
+import torch
+
+from specd_common import model_thread
+from specd_common.model_thread import ModelThread
+
+
+def test_calls_run_in_order_on_one_thread_in_the_callers_context():
+    worker = ModelThread("test-model")
+    try:
+        request = contextvars.ContextVar("request", default="unset")
+        request.set("caller's")
+        seen = [worker.run(lambda: (threading.get_ident(), request.get())) for _ in range(3)]
+        assert {ident for ident, _ in seen} == {worker.thread.ident} and worker.thread.ident != threading.get_ident()
+        assert [value for _, value in seen] == ["caller's"] * 3  # a span opened there stays the RPC's child
+        assert worker.run(worker.run, threading.get_ident) == worker.thread.ident  # a nested call runs directly
+        with pytest.raises(ZeroDivisionError):
+            worker.run(lambda: 1 / 0)  # re-raised in the caller
+        assert worker.run(lambda: 2) == 2  # and the thread still serves
+    finally:
+        worker.stop()
+        worker.thread.join(timeout=10)
+    assert not worker.thread.is_alive()
+
+
+def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny, monkeypatch):
+    """Prefill, batched chain passes, tree passes, the heads, the features' encoding and the
+    sampling softmax: all on the one model thread, none on the caller's (a gRPC thread in service)."""
+    from draft_training.medusa_training import MedusaRecipe, build_heads
+    from specd_common.batching import BatchPolicy
+    from specd_common.models import load_causal_lm
+    from specd_common.params import Warp
+    from verify_service import scorer as scorer_module
+    from verify_service.scorer import Scorer
+
+    loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+    heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "", MedusaRecipe(num_heads=2)).eval()
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=4), threads=1, prepack="off", medusa=heads)
+    threads: dict[str, set[int]] = {}
+
+    def record(what: str) -> None:
+        threads.setdefault(what, set()).add(threading.get_ident())
+
+    loaded.model.register_forward_pre_hook(lambda module, args: record("pass"))
+    heads.register_forward_pre_hook(lambda module, args: record("heads"))
+    for name in ("encode_features", "warp_probs"):
+        real = getattr(scorer_module, name)
+        monkeypatch.setattr(scorer_module, name, lambda *args, _real=real, _name=name: (record(_name), _real(*args))[1])
+
+    greedy = scorer.open([5, 17, 42], Warp(), keep_features=True)
+    assert scorer.last_features(greedy).data  # the prompt's features
+    scores = scorer.score(greedy, [9, 10], features=True, head_drafts=True)  # through the batcher
+    assert scores.features.data and scores.head_drafts.token_ids
+    scorer.score(greedy, [3, 4, 5], parents=[-1, 0, 0])  # a tree
+    sampled = scorer.open([5, 17, 42], Warp(temperature=1.0))
+    assert len(scorer.score(sampled, [9]).target_probs) == 2
+
+    assert set(threads) == {"pass", "heads", "encode_features", "warp_probs"}
+    assert set().union(*threads.values()) == {model_thread.shared().thread.ident} != {threading.get_ident()}
+    scorer.batcher.close()

@@ -66,3 +66,43 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
     assert set(threads) == {"pass", "heads", "encode_features", "warp_probs"}
     assert set().union(*threads.values()) == {model_thread.shared().thread.ident} != {threading.get_ident()}
     scorer.batcher.close()
+
+
+def test_the_draft_servicer_runs_its_drafter_on_the_model_thread():
+    """Prefill's open and features, Propose's features and drafting: on the model thread (a unit test:
+    a recording drafter, the servicer called directly)."""
+    from types import SimpleNamespace
+
+    from draft_service.drafters import DraftSession, Proposal
+    from draft_service.service import DraftServicer
+    from specd.v1 import common_pb2, draft_pb2
+    from specd_common.sequence import TokenSequence
+    from specd_common.sessions import SessionStore
+
+    calls: dict[str, int] = {}
+
+    class RecordingDrafter:
+        wants_target_features = True
+
+        def info(self):
+            return common_pb2.GetModelInfoResponse(vocab_size=100, max_sequence_length=64)
+
+        def open(self, prompt, warp):
+            calls["open"] = threading.get_ident()
+            return DraftSession(TokenSequence(tokens=list(prompt), max_length=64), warp)
+
+        def add_features(self, session, features):
+            calls["add_features"] = threading.get_ident()
+
+        def propose(self, session, k, rng, branches=1):
+            calls["propose"] = threading.get_ident()
+            return Proposal(token_ids=[1] * k)
+
+    servicer = DraftServicer(RecordingDrafter(), SessionStore(4, 60.0))
+    context = SimpleNamespace(is_active=lambda: True)
+    servicer.Prefill(draft_pb2.DraftPrefillRequest(session_id="s", prompt_token_ids=[5, 6, 7]), context)
+    reply = servicer.Propose(draft_pb2.ProposeRequest(session_id="s", num_draft_tokens=2,
+                                                      commit=common_pb2.Commit(prefix_length=3)), context)
+    assert list(reply.token_ids) == [1, 1]
+    assert set(calls) == {"open", "add_features", "propose"}
+    assert set(calls.values()) == {model_thread.shared().thread.ident}

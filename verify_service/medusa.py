@@ -86,6 +86,9 @@ class MedusaHeads(nn.Module):
         )
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
         self.register_buffer("head_rows", lm_head.detach().float()[vocab_ids.long()], persistent=False)  # [V', H]
+        # the same rows as contiguous columns [H, V']: x @ columns streams them at ~1.3x the speed of
+        # x @ rows.T on the 2-core AMD EPYC VM (the "rows" layout of specd_common/lm.py)
+        self.register_buffer("head_columns", self.head_rows.T.contiguous(), persistent=False)
         if config.next_token_input:
             if embedding is None:
                 raise ValueError("Medusa heads with next_token_input need the target's input embedding")
@@ -103,7 +106,7 @@ class MedusaHeads(nn.Module):
         """features [..., H] (next_tokens [...]: each row's own next token, with the token input) →
         scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
         outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, ..., H]
-        return (outputs @ self.head_rows.T).float()  # one product: the V' × H rows are read once for all heads
+        return (outputs @ self.head_columns).float()  # one product: the V' × H rows are read once for all heads
 
     @torch.inference_mode()
     def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:

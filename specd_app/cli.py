@@ -1,7 +1,7 @@
 """The `specd` command: serve one service, bring all three up, or generate through a gateway.
 
   specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
-  specd up [--target M] [--drafter ngram|model|feature --draft-model M]   all three on localhost
+  specd up [--target M] [--drafter ngram|model|feature --draft-model M | --drafter heads]   all three (or two) on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
@@ -40,6 +40,8 @@ from specd_common.security import SecurityConfigError, bearer_metadata, load_tok
 
 log = logging.getLogger("specd")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+
+HEADS_ONLY = "heads"  # `specd up --drafter heads`: no draft service (verify_service/medusa.py)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -89,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
-    add_flag(up, "drafter", "auto", "auto (the shipped feature head for the default target, else ngram), ngram, model or feature")
+    add_flag(up, "drafter", "auto", "auto (the shipped feature head for the default target, else ngram), ngram, model, feature, "
+             f"or {HEADS_ONLY} (no draft service: the verify's Medusa heads and lookup copies draft)")
     add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
@@ -263,7 +266,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         if not wait_until_serving(gateway_address, children, stop):
             return 1
-        log.info("specd is up: gateway %s (draft %s:%d, verify %s:%d)", gateway_address, args.host, args.draft_port, args.host, args.verify_port)
+        draft = "no draft service" if args.drafter == HEADS_ONLY else f"draft {args.host}:{args.draft_port}"
+        log.info("specd is up: gateway %s (%s, verify %s:%d)", gateway_address, draft, args.host, args.verify_port)
         if args.http_port:
             log.info("OpenAI-compatible API: http://%s:%d/v1 (curl examples in README.md)", args.host, args.http_port)
         if args.demo:
@@ -300,12 +304,16 @@ def service_commands(
     serve = [sys.executable, "-m", "specd_app.cli", "serve"]
     common = ["--host", host, "--threads", str(threads)]
     caps = stack_thread_caps(os.cpu_count() or 1)
-    return {
+    commands = {
         "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
-        "draft": serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]), "--drafter", drafter,
-                          "--model", draft_model, "--target", target],
-        "gateway": gateway_command(host, ports, num_draft_tokens),
     }
+    if drafter == HEADS_ONLY:  # no draft service: the verify's Medusa heads and the gateway's lookup copies draft
+        commands["gateway"] = gateway_command(host, ports, num_draft_tokens, "--draft-address", "")
+        return commands
+    commands["draft"] = serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]),
+                                 "--drafter", drafter, "--model", draft_model, "--target", target]
+    commands["gateway"] = gateway_command(host, ports, num_draft_tokens)
+    return commands
 
 
 def start_in_order(commands: dict, host: str, ports: dict) -> dict:

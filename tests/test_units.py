@@ -373,3 +373,18 @@ def test_a_closing_health_watch_never_waits_for_the_servicers_lock():
             break
         threading.Event().wait(0.02)
     assert servicer._send_response_callbacks[""] == set() and told == [None]
+
+
+def test_specd_up_with_heads_starts_no_draft_service():
+    """`specd up --drafter heads`: the verify and a gateway told there is no draft service (its
+    Medusa heads and lookup copies draft); any other drafter: all three, the gateway pointed at it."""
+    from specd_app.cli import HEADS_ONLY, build_parser, service_commands
+
+    ports = {"gateway": 1, "draft": 2, "verify": 3, "http": 0}
+    heads_only = service_commands("127.0.0.1", ports, "target", HEADS_ONLY, "", 0, 3)
+    assert list(heads_only) == ["verify", "gateway"]
+    gateway = build_parser().parse_args(heads_only["gateway"][3:])  # after `python -m specd_app.cli`
+    assert gateway.draft_address == "" and gateway.verify_address == "127.0.0.1:3"
+    full = service_commands("127.0.0.1", ports, "target", "feature", "HEAD", 0, 3)
+    assert list(full) == ["verify", "draft", "gateway"]
+    assert build_parser().parse_args(full["gateway"][3:]).draft_address == "127.0.0.1:2"

@@ -9,7 +9,6 @@ import grpc
 
 from draft_service.drafters import DraftSession, Drafter
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specd_common import model_thread
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
@@ -22,13 +21,11 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    """Prefill / Propose / Release over a bounded session store. The drafter's work runs on the
-    process's model thread (specd_common/model_thread.py), not on the gRPC threads."""
+    """Prefill / Propose / Release over a bounded session store."""
 
     def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession]):
         self.drafter = drafter
         self.sessions = sessions
-        self._on_model_thread = model_thread.shared().run
         self.vocab_size = drafter.info().vocab_size or None  # None: a model-free drafter takes any id
         self.reads_features = getattr(drafter, "wants_target_features", False)
 
@@ -48,9 +45,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         warp = Warp.from_proto(request.sampling)
         # id, slot and KV budget claimed before any drafting work
         with self.sessions.opening(request.session_id, len(request.prompt_token_ids)) as keep:
-            session = self._on_model_thread(self.drafter.open, list(request.prompt_token_ids), warp)
+            session = self.drafter.open(list(request.prompt_token_ids), warp)
             if self.reads_features:
-                self._on_model_thread(self.drafter.add_features, session, request.target_features)
+                self.drafter.add_features(session, request.target_features)
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return draft_pb2.DraftPrefillResponse(sequence_length=len(session.sequence.tokens))
@@ -69,9 +66,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             length = len(session.sequence.tokens)
             self.sessions.account(request.session_id, length + k)  # the KV budget, before any drafting work
             if self.reads_features:
-                self._on_model_thread(self.drafter.add_features, session, request.target_features)
+                self.drafter.add_features(session, request.target_features)
             started = time.perf_counter()
-            proposal = self._on_model_thread(self.drafter.propose, session, k, np.random.default_rng(request.seed), branches)
+            proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
             model_seconds = time.perf_counter() - started
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,

@@ -203,18 +203,15 @@ def serve_verify(args: argparse.Namespace) -> None:
 
 def serve_draft(args: argparse.Namespace) -> None:
     from draft_service.app import make_drafter, start_draft_server
-    from specd_common import model_thread
     from specd_common.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
+    if args.drafter != "feature":  # a feature drafter measures its own threads (tune_feature_drafter)
+        _set_threads(args.threads)
     if args.drafter in ("model", "feature") and not args.model:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
-    on_model_thread = model_thread.shared().run  # where the drafter is loaded, measured and run
-    if args.drafter != "feature":  # a feature drafter measures its own threads (tune_feature_drafter)
-        on_model_thread(_set_threads, args.threads)
-    drafter = on_model_thread(make_drafter, args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args),
-                              target=args.target, lookup_min_ngram=args.lookup_min_ngram, threads=args.threads,
-                              max_threads=args.max_threads)
+    drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
+                           lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads)
     running = start_draft_server(drafter, ServerConfig.from_args(args), kv_token_budget=args.kv_token_budget)
     wait_for_termination(running, args.grace)
 

@@ -13,7 +13,10 @@ model instead of idle workers of other teams.
 So a model service loads its model, measures it and serves it on `shared()`, the process's one
 model thread, and keeps torch work off its other threads. The calling thread's contextvars (the
 RPC's trace context among them) travel with each call, so spans opened on the model thread stay
-children of the caller's.
+children of the caller's. One rule: work on the model thread must never wait for another thread
+that itself needs the model thread. ForwardBatcher's worker does (its batch runs here), so a caller
+that batches (a draft servicer around a model drafter, say) must call from its own thread, not
+hand the whole call over: that deadlocked the concurrent-streams test when tried.
 """
 
 from __future__ import annotations

@@ -66,9 +66,9 @@ def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.T
     total, agreement = 0.0, None
     for index, (inputs, next_tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
         inputs, next_tokens, sources = inputs.to(device), next_tokens.to(device), sources.to(device)  # [N, H], [N], [N, H]
-        log_q = torch.log_softmax(heads.head_output(index, inputs, next_tokens) @ heads.head_rows.T, dim=-1)  # [N, V']
+        log_q = torch.log_softmax(heads.head_output(index, inputs, next_tokens) @ heads.head_columns, dim=-1)  # [N, V']
         with torch.no_grad():
-            p = torch.softmax(sources @ heads.head_rows.T, dim=-1)  # [N, V']
+            p = torch.softmax(sources @ heads.head_columns, dim=-1)  # [N, V']
         total = total + (-(p * log_q).sum(dim=-1).mean()) / heads.config.num_heads
         if agreement is None:
             agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()

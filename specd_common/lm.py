@@ -114,8 +114,8 @@ class SwitchableLinear(torch.nn.Module):
         if layout == autotune.ROWS and self.rows_weight is not None:
             y = torch.matmul(x, self.rows_weight)  # [..., out]
             return y if self.bias is None else y + self.bias
-        if layout in (autotune.TALL, autotune.COLS) and (self.tall or layout == autotune.COLS) and self.weight is not None \
-                and x.numel() > x.shape[-1]:
+        streams_weight = layout == autotune.COLS or (layout == autotune.TALL and self.tall)  # W xᵀ: one pass over W
+        if streams_weight and self.weight is not None and x.numel() > x.shape[-1]:
             rows = x.reshape(-1, x.shape[-1])  # [N, in]
             y = torch.mm(self.weight, rows.t()).t()  # [N, out] (a transposed view of W xᵀ [out, N])
             if self.bias is not None:

@@ -51,7 +51,7 @@ def add_train_draft_parser(commands) -> None:
     parser.add_argument("--ttt-passes", type=int, default=None, help="train drafting steps 1..N on the head's own estimates "
                         "(EAGLE-3's training-time test; costs ~N times a step; default: the recipe's, 1)")
     parser.add_argument("--init-head", default=None, help="train further from this saved head (weights and vocabulary) "
-                        "instead of from the target's last layer, e.g. draft_service/heads/<target>")
+                        "instead of from the target's last layer, e.g. draft_service/heads/<target> (Medusa recipes: verify_service/heads/<target>)")
     parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N held-out answers (0 = all)")
     parser.add_argument("--skip-eval", action="store_true", help="save without the held-out evaluation")
     parser.set_defaults(func=run)

@@ -136,6 +136,21 @@ def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: Medus
     return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids, model.get_input_embeddings().weight)
 
 
+def starting_heads(target, folder: Path, recipe: MedusaRecipe):
+    """Saved heads to train further (weights and vocabulary), after checking they fit this target and
+    this recipe's shape: a warm start costs a fraction of training from scratch on a CPU."""
+    from specd_common.models import vocab_digest
+    from verify_service.medusa import load_heads
+
+    heads = load_heads(folder, target.model, vocab_digest(target.tokenizer))
+    shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input)
+    if shape != (recipe.num_heads, recipe.num_layers, recipe.next_token_input):
+        raise ValueError(f"the heads in {folder} have (heads, layers, token input) {shape}; the recipe wants "
+                         f"{(recipe.num_heads, recipe.num_layers, recipe.next_token_input)}: pick the matching recipe")
+    log.info("train: starting from the heads in %s (%d-token vocabulary)", folder, heads.config.draft_vocab_size)
+    return heads.train()
+
+
 def run_medusa_recipe(args) -> int:
     """`specd train-draft --recipe medusa-*`: data → train → eval → save, each stage resumable."""
     from draft_training.loop import start_run, train_draft, write_run_records
@@ -143,16 +158,19 @@ def run_medusa_recipe(args) -> int:
     from verify_service.medusa import save_heads
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs}
+                 "epochs": args.epochs, "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
     run_feature_data(target, recipe, Path(args.data_dir), work)
     records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
-    vocab_path = work / "train" / "vocab.pt"
-    if not vocab_path.exists():  # chosen once, so a resumed run trains the same heads
-        vocab_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
-    heads = build_heads(target, torch.load(vocab_path), args.target, recipe)
+    if recipe.init_head:
+        heads = starting_heads(target, Path(recipe.init_head), recipe)
+    else:
+        vocab_path = work / "train" / "vocab.pt"
+        if not vocab_path.exists():  # chosen once, so a resumed run trains the same heads
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
+        heads = build_heads(target, torch.load(vocab_path), args.target, recipe)
     state = train_draft(heads, records, recipe, work, device, loss_fn=medusa_loss)
     heads = heads.cpu().eval()
     target.model.cpu()

@@ -27,12 +27,14 @@ from specd_common.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PORTS,
     DEFAULT_TARGET,
+    HEADS_ONLY,
     ServerConfig,
     add_client_tls_flags,
     add_flag,
     add_model_flags,
     add_server_flags,
     client_tls_from_args,
+    draft_service_default,
     resolve_drafter,
     resolve_medusa_heads,
 )
@@ -40,8 +42,6 @@ from specd_common.security import SecurityConfigError, bearer_metadata, load_tok
 
 log = logging.getLogger("specd")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
-
-HEADS_ONLY = "heads"  # `specd up --drafter heads`: no draft service (verify_service/medusa.py)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
-    add_flag(up, "drafter", "auto", "auto (the shipped feature head for the default target, else ngram), ngram, model, feature, "
+    add_flag(up, "drafter", "auto", f"auto ({HEADS_ONLY} on a machine without CUDA when the target has shipped Medusa heads, "
+             "else the shipped feature head for the default target, else ngram), ngram, model, feature, "
              f"or {HEADS_ONLY} (no draft service: the verify's Medusa heads and lookup copies draft)")
     add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run specd (adaptive k) drafting trees of these many candidates per position (greedy)")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
-    bench.add_argument("--drafter", default="auto", help="auto (as `specd up`), ngram, model or feature (local stack; hf_assisted uses the model, else prompt lookup)")
+    bench.add_argument("--drafter", default="auto", help=f"auto (as `specd up`), {HEADS_ONLY}, ngram, model or feature (local stack; "
+                       "hf_assisted uses the model, else prompt lookup). With heads, specd runs on a gateway with no draft "
+                       "service and the modes that need one (fixed k, trees, overlap) use a draft service of the target's default drafter")
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
@@ -243,8 +246,14 @@ def serve_gateway(args: argparse.Namespace) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    """Start the three services as child processes, wait until the gateway is healthy, optionally demo."""
-    args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
+    """Start the three services (two with --drafter heads) as child processes, wait until the gateway is
+    healthy, optionally demo."""
+    chosen = resolve_drafter(args.drafter, args.draft_model, args.target)
+    if args.drafter == "auto":
+        log.info("drafter auto → %s (%s)", " ".join(filter(None, chosen)),
+                 "no CUDA device: draft and verify would share one CPU, and the target has Medusa heads"
+                 if chosen[0] == HEADS_ONLY else "a draft service")
+    args.drafter, args.draft_model = chosen
     if args.drafter in ("model", "feature") and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     from specd_app.supervise import Child, Supervisor
@@ -391,8 +400,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("--overlap and --medusa start a second gateway next to the local stack they start; with --gateway "
                          "there is none to start: run that gateway (--overlap true, or --draft-address '') and bench it alone")
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
+    heads_default = args.drafter == HEADS_ONLY and not args.gateway  # a given gateway is benched as it is
+    if heads_default:  # specd runs on the no-draft gateway; the draft service serves the modes that need one
+        args.drafter, args.draft_model = draft_service_default(args.target)
+        args.medusa = True
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
+    if heads_default:  # the draft service's stack under the default policy, beside specd's heads
+        service_modes.append((f"specd_{args.drafter}", {"num_draft_tokens": args.num_draft_tokens}))
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
     service_modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in args.fixed_k]
     service_modes += [(f"specd_tree{b}", {"num_draft_tokens": args.num_draft_tokens, "draft_branches": b}) for b in args.branches]
@@ -409,10 +424,12 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         runtime = bench.stack_runtime(addresses)
     mode_address = {"specd_overlap": extra_gateways.get("overlap"), "specd_medusa": extra_gateways.get("medusa")}
+    if heads_default:
+        mode_address["specd"] = extra_gateways["medusa"]
     if "overlap" in extra_gateways:
         service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
         progress.add(len(rows) * repeats)
-    if "medusa" in extra_gateways:
+    if "medusa" in extra_gateways and not heads_default:
         service_modes.append(("specd_medusa", {"num_draft_tokens": args.num_draft_tokens}))
         progress.add(len(rows) * repeats)
     results = {}
@@ -451,7 +468,8 @@ def run_bench(args: argparse.Namespace) -> int:
     report["stack_runtime"] = runtime
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-        "concurrency": args.concurrency, "repeats": repeats, "drafter": args.drafter, "draft_model": args.draft_model,
+        "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
+        "drafter": args.drafter, "draft_model": args.draft_model,
         "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa,
     }
     if args.output:

@@ -9,7 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from specd_common.metrics import DEFAULT_METRICS_PORTS
 from specd_common.security import ClientTLS, ServerTLS
@@ -36,11 +36,33 @@ def resolve_medusa_heads(choice: str, target: str) -> str:
     return str(DEFAULT_MEDUSA_HEADS) if target == DEFAULT_TARGET and (DEFAULT_MEDUSA_HEADS / "medusa_heads.json").exists() else ""
 
 
-def resolve_drafter(drafter: str, draft_model: str, target: str) -> tuple[str, str]:
-    """'auto' → the shipped feature head when the target is the embedded default (and the head is
-    present), else n-gram prompt lookup; any other choice is returned as given."""
+HEADS_ONLY = "heads"  # `specd up --drafter heads`: no draft service; the verify's Medusa heads (and lookup copies) draft
+
+
+def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Optional[bool] = None) -> tuple[str, str]:
+    """'auto' → HEADS_ONLY where the draft and the verify would share one CPU (no CUDA device; pass
+    one_cpu to decide for another machine) and the target has shipped Medusa heads, else the draft
+    service's own default (draft_service_default). Any other choice is returned as given.
+
+    Why heads on one CPU: a draft service there runs on the cores the target needs, and every round
+    pays its gRPC hop, its own step and the verify's feature shipping; the heads cost ~3 ms inside
+    the verify's pass. Side by side on the 2-core EPYC VM the heads-only stack was faster in every
+    run (docs/benchmarks/HISTORY.md: `make bench` 2026-11-24 04:12, 24.68 vs 23.59 tok/s, and 6 more).
+    On a GPU the draft service keeps its own device, so the feature head stays the choice there."""
     if drafter != "auto":
         return drafter, draft_model
+    if one_cpu is None:
+        import torch
+
+        one_cpu = not torch.cuda.is_available()
+    if one_cpu and resolve_medusa_heads("auto", target):
+        return HEADS_ONLY, ""
+    return draft_service_default(target)
+
+
+def draft_service_default(target: str) -> tuple[str, str]:
+    """The drafter a draft service runs when none is named: the shipped feature head when the target
+    is the embedded default (and the head is present), else n-gram prompt lookup."""
     if target == DEFAULT_TARGET and (DEFAULT_FEATURE_HEAD / "feature_head.json").exists():
         return "feature", str(DEFAULT_FEATURE_HEAD)
     return "ngram", ""

@@ -102,7 +102,7 @@ def test_greedy_through_services_equals_target_only_and_transformers(specd_up, d
         assert speculative["token_ids"] == out[0, len(speculative["prompt_token_ids"]) :].tolist(), prompt[:60]
         assert speculative["stats"]["target_passes"] <= target_only["stats"]["target_passes"]
         accepted += speculative["stats"]["accepted_tokens"]
-    assert accepted > 0, "the default drafter (the shipped feature head) never had a draft accepted"
+    assert accepted > 0, "the default drafter never had a draft accepted"
 
 
 def test_prompt_goes_through_the_chat_template(specd_up, default_target):
@@ -160,19 +160,28 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
     assert "acceptance_rate" in result.stdout
 
 
-def test_the_default_drafter_is_the_shipped_head_and_the_head_itself_gets_drafts_accepted(specd_up, up_ports, default_target):
-    """`specd up`'s draft is the shipped feature head; with prompt lookup switched off (so every draft
-    is the head's own), the head's greedy drafts are accepted and the answer is the target's."""
+def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_drafts_accepted(specd_up, up_ports, default_target):
+    """`specd up`'s drafter: without CUDA (draft and verify on one CPU) no draft service runs and the
+    verify serves its Medusa heads; with CUDA the draft service runs the shipped feature head. Then,
+    with prompt lookup switched off (so every draft is the head's own), the feature head's greedy
+    drafts are accepted and the answer is the target's."""
     from draft_service.app import load_feature_drafter, start_draft_server
     from gateway.app import start_gateway_server
     from gateway.options import GatewayOptions
-    from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
+    from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verify_pb2_grpc
     from specd_common.config import DEFAULT_FEATURE_HEAD, ServerConfig
+    from tests.specd_stack import serving
     from verify_service.app import start_verify_server
 
-    with grpc.insecure_channel(f"127.0.0.1:{up_ports['draft']}") as channel:
-        info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
-    assert info.drafter == "feature" and info.model_name == f"feature-head:{DEFAULT_FEATURE_HEAD.name}"
+    with grpc.insecure_channel(f"127.0.0.1:{up_ports['verify']}") as channel:
+        verify_info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+    assert verify_info.medusa_heads == 3  # the shipped heads, loaded whatever the drafter
+    if not torch.cuda.is_available():
+        assert not serving(f"127.0.0.1:{up_ports['draft']}"), "a draft service runs beside the verify on one CPU"
+    else:
+        with grpc.insecure_channel(f"127.0.0.1:{up_ports['draft']}") as channel:
+            info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+        assert info.drafter == "feature" and info.model_name == f"feature-head:{DEFAULT_FEATURE_HEAD.name}"
 
     config = ServerConfig(port=0)
     verify = start_verify_server(default_target, config, threads=1, prepack="off")

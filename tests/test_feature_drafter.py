@@ -152,14 +152,25 @@ def test_draft_greedy_tokens_match_a_full_recompute(tiny, target):
 
 
 def test_auto_drafter_is_the_shipped_head_only_for_the_default_target(monkeypatch, tmp_path):
+    """With a draft service of its own (a GPU): the shipped feature head for the default target, else
+    n-gram. Where draft and verify would share one CPU: the verify's Medusa heads, when shipped."""
     from specd_common import config
 
-    monkeypatch.setattr(config, "DEFAULT_FEATURE_HEAD", tmp_path)
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET) == ("ngram", "")  # no head shipped there
-    (tmp_path / "feature_head.json").write_text("{}")
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET) == ("feature", str(tmp_path))
-    assert config.resolve_drafter("auto", "", "my/other-model") == ("ngram", "")
-    assert config.resolve_drafter("model", "m", config.DEFAULT_TARGET) == ("model", "m")
+    heads, head = tmp_path / "medusa", tmp_path / "feature"
+    heads.mkdir(), head.mkdir()
+    monkeypatch.setattr(config, "DEFAULT_FEATURE_HEAD", head)
+    monkeypatch.setattr(config, "DEFAULT_MEDUSA_HEADS", heads)
+    for one_cpu in (False, True):  # no Medusa heads shipped yet: the same answer either way
+        assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu) == ("ngram", "")  # no head shipped there
+    (head / "feature_head.json").write_text("{}")
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == ("feature", str(head))
+    (heads / "medusa_heads.json").write_text("{}")
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == (config.HEADS_ONLY, "")
+    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
+    assert config.resolve_drafter("auto", "", "my/other-model", one_cpu=True) == ("ngram", "")
+    assert config.resolve_drafter("model", "m", config.DEFAULT_TARGET, one_cpu=True) == ("model", "m")
+    assert config.draft_service_default(config.DEFAULT_TARGET) == ("feature", str(head))
 
 
 def test_a_bfloat16_head_drafts_too(tiny, target):

@@ -2,8 +2,13 @@
 
 Modes (keys of the JSON report):
   target_only   the services with speculation off (one target pass per token)
-  specd         speculation on, adaptive draft length (the server default)
+  specd         speculation on, adaptive draft length, the drafter `specd up` would choose here (with
+                no CUDA and shipped Medusa heads: a gateway with no draft service, the heads draft)
+  specd_<drafter>  the draft service's stack (specd_feature for the default target) under the same
+                policy, when specd runs on the heads; the modes below use that draft service too
   specd_k<N>    speculation on with a fixed k = N (each N in --fixed-k), to compare with adaptive
+  specd_tree<B> adaptive, the draft's trees of B candidates a position (each B in --branches)
+  specd_overlap / specd_medusa   second gateways: overlapped drafting; no draft service (--medusa)
   hf_target     transformers `generate`, the target alone, in this process
   hf_assisted   transformers `generate` with the same kind of draft: the same draft model, or its
                 prompt-lookup assistant for the n-gram drafter

@@ -1,7 +1,7 @@
 """The `specd` command: serve one service, bring all three up, or generate through a gateway.
 
   specd serve verify|draft|gateway [flags]   one service (flags also read from SPECD_* env vars)
-  specd up [--target M] [--drafter ngram|model|feature --draft-model M | --drafter heads]   all three (or two) on localhost
+  specd up [--target M] [--drafter auto|ngram|model|feature --draft-model M | --drafter heads]   all three (or two) on localhost
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gateway_flags(gateway)
     gateway.set_defaults(func=serve_gateway)
 
-    up = commands.add_parser("up", help="run verify, draft and gateway on localhost")
+    up = commands.add_parser("up", help="run verify, gateway and (unless the drafter is heads) draft on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
     add_flag(up, "drafter", "auto", f"auto ({HEADS_ONLY} on a machine without CUDA when the target has shipped Medusa heads, "
              "else the shipped feature head for the default target, else ngram), ngram, model, feature, "

@@ -405,12 +405,10 @@ def run_bench(args: argparse.Namespace) -> int:
         args.drafter, args.draft_model = draft_service_default(args.target)
         args.medusa = True
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
-    service_modes = [("target_only", {"disable_speculation": True}), ("specd", {"num_draft_tokens": args.num_draft_tokens})]
-    if heads_default:  # the draft service's stack under the default policy, beside specd's heads
-        service_modes.append((f"specd_{args.drafter}", {"num_draft_tokens": args.num_draft_tokens}))
-    fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
-    service_modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in args.fixed_k]
-    service_modes += [(f"specd_tree{b}", {"num_draft_tokens": args.num_draft_tokens, "draft_branches": b}) for b in args.branches]
+    service_modes, mode_gateway = bench_service_modes(
+        args.num_draft_tokens, args.fixed_k, args.branches, args.overlap, args.medusa,
+        args.drafter if heads_default else "",
+    )
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
         raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 (one stream already interleaves every prompt)")
@@ -423,15 +421,7 @@ def run_bench(args: argparse.Namespace) -> int:
             args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa
         )
         runtime = bench.stack_runtime(addresses)
-    mode_address = {"specd_overlap": extra_gateways.get("overlap"), "specd_medusa": extra_gateways.get("medusa")}
-    if heads_default:
-        mode_address["specd"] = extra_gateways["medusa"]
-    if "overlap" in extra_gateways:
-        service_modes.append(("specd_overlap", {"num_draft_tokens": args.num_draft_tokens, **fixed}))
-        progress.add(len(rows) * repeats)
-    if "medusa" in extra_gateways and not heads_default:
-        service_modes.append(("specd_medusa", {"num_draft_tokens": args.num_draft_tokens}))
-        progress.add(len(rows) * repeats)
+    mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
     results = {}
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
@@ -478,6 +468,30 @@ def run_bench(args: argparse.Namespace) -> int:
         bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
     print(json.dumps(report, indent=2) if args.json else bench.markdown_table(report))
     return 0
+
+
+def bench_service_modes(
+    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], overlap: bool, medusa: bool, heads_beside: str
+) -> tuple[list, dict]:
+    """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
+    mode → the second gateway serving it ("overlap", "medusa"; the others use the main one).
+    heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
+    specd runs on the "medusa" gateway and specd_<drafter> on the main one), else ''."""
+    fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
+    default = {"num_draft_tokens": num_draft_tokens}
+    modes = [("target_only", {"disable_speculation": True}), ("specd", default)]
+    gateway = {"specd": "medusa"} if heads_beside else {}
+    if heads_beside:  # the draft service's stack under the default policy, beside specd's heads
+        modes.append((f"specd_{heads_beside}", default))
+    modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in fixed_k]
+    modes += [(f"specd_tree{b}", {**default, "draft_branches": b}) for b in branches]
+    if overlap:
+        modes.append(("specd_overlap", {**default, **fixed}))
+        gateway["specd_overlap"] = "overlap"
+    if medusa and not heads_beside:  # with heads_beside, specd is that mode
+        modes.append(("specd_medusa", default))
+        gateway["specd_medusa"] = "medusa"
+    return modes, gateway
 
 
 def stop_children(children: dict, timeout_s: float = 60.0) -> None:

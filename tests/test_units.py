@@ -388,3 +388,20 @@ def test_specd_up_with_heads_starts_no_draft_service():
     full = service_commands("127.0.0.1", ports, "target", "feature", "HEAD", 0, 3)
     assert list(full) == ["verify", "draft", "gateway"]
     assert build_parser().parse_args(full["gateway"][3:]).draft_address == "127.0.0.1:2"
+
+
+def test_bench_runs_specd_on_the_heads_gateway_when_they_are_the_default():
+    """`specd bench`'s modes: where `specd up` would draft with the verify's heads, specd runs on the
+    gateway with no draft service and the draft service's stack is measured beside it as
+    specd_<drafter> (with the fixed-k and tree modes, which need it); otherwise specd is the main
+    gateway's and --medusa adds specd_medusa."""
+    from specd_app.cli import bench_service_modes
+
+    modes, gateways = bench_service_modes(3, [3], [2], overlap=False, medusa=True, heads_beside="feature")
+    assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_k3", "specd_tree2"]
+    assert gateways == {"specd": "medusa"}
+    assert dict(modes)["specd_k3"] == {"num_draft_tokens": 3, "draft_length_policy": 1}
+    assert dict(modes)["specd_tree2"] == {"num_draft_tokens": 3, "draft_branches": 2}
+    modes, gateways = bench_service_modes(3, [], [], overlap=True, medusa=True, heads_beside="")
+    assert [m for m, _ in modes] == ["target_only", "specd", "specd_overlap", "specd_medusa"]
+    assert gateways == {"specd_overlap": "overlap", "specd_medusa": "medusa"}

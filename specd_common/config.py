@@ -47,7 +47,7 @@ def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Option
     Why heads on one CPU: a draft service there runs on the cores the target needs, and every round
     pays its gRPC hop, its own step and the verify's feature shipping; the heads cost ~3 ms inside
     the verify's pass. Side by side on the 2-core EPYC VM the heads-only stack was faster in every
-    run (docs/benchmarks/HISTORY.md: `make bench` 2026-11-24 04:12, 24.68 vs 23.59 tok/s, and 6 more).
+    run (8 of 8; README's table: `make bench` 2026-11-24 06:46, 25.82 vs 24.67 tok/s).
     On a GPU the draft service keeps its own device, so the feature head stays the choice there."""
     if drafter != "auto":
         return drafter, draft_model

@@ -15,10 +15,7 @@ stack's cost per position count is what `specd bench` and the verify's start-up 
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -58,23 +55,15 @@ def passes_for(tree: list, candidates: list, tokens: list[int], start: int) -> i
 
 
 def main() -> None:
-    from draft_training.feature_training import eval_records
-    from specd_app.bench import machine_facts
-    from specd_common.config import DEFAULT_TARGET
-    from specd_common.models import load_causal_lm, vocab_digest
+    from held_out import held_out_parser, load_held_out, report_header
+    from specd_common.models import vocab_digest
     from verify_service.medusa import load_heads
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work-dir", required=True, help="a train-draft work dir with held-out answers (data/gen-eval-*)")
+    parser = held_out_parser(__doc__)
     parser.add_argument("--heads", required=True, help="Medusa heads folder")
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", default="")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target, device="cpu", dtype="float32")
+    target, records = load_held_out(args)
     heads = load_heads(Path(args.heads), target.model, vocab_digest(target.tokenizer))
-    records = eval_records(target, Path(args.work_dir), 0)
     ranks = 1 + max(r for tree in TREES.values() for *_, r in tree)
     passes = dict.fromkeys(TREES, 0)
     with torch.inference_mode():
@@ -90,8 +79,7 @@ def main() -> None:
                for name, tree in TREES.items()}
     for name, result in results.items():
         print(name, json.dumps(result), flush=True)
-    report = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "machine": machine_facts(), "heads": args.heads, "held_out_answers": len(records), "answer_tokens": produced,
+    report = {**report_header(), "heads": args.heads, "held_out_answers": len(records), "answer_tokens": produced,
               "trees": {name: [list(node) for node in tree] for name, tree in TREES.items()}, "results": results}
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

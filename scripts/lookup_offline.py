@@ -13,10 +13,7 @@ counts decide how many positions each pass verifies; the stack's costs are measu
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -65,22 +62,14 @@ def simulate(drafter, records: list[dict], head_k: int, copy_tokens: int, min_ng
 def main() -> None:
     from draft_service.feature_drafter import FeatureDrafter
     from draft_service.feature_head import load_head
-    from draft_training.feature_training import eval_records
-    from specd_common.config import DEFAULT_TARGET
-    from specd_app.bench import machine_facts
-    from specd_common.models import describe_model, load_causal_lm, max_sequence_length
+    from held_out import held_out_parser, load_held_out, report_header
+    from specd_common.models import describe_model, max_sequence_length
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work-dir", required=True, help="a train-draft work dir with held-out answers (data/gen-eval-*)")
+    parser = held_out_parser(__doc__)
     parser.add_argument("--head", required=True, help="feature head folder")
     parser.add_argument("--pairs", nargs="+", default=["3:8", "3:3", "0:8", "3:0"], help="HEAD_K:COPY_TOKENS (0 = none)")
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", default="")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target, device="cpu", dtype="float32")
-    records = eval_records(target, Path(args.work_dir), 0)
+    target, records = load_held_out(args)
     head = load_head(Path(args.head), target.model, torch.bfloat16)  # as served
     drafter = FeatureDrafter(head, describe_model(target), max_sequence_length(target), lookup_min_ngram=0)
     results = {}
@@ -89,8 +78,7 @@ def main() -> None:
             head_k, copy_tokens = map(int, pair.split(":"))
             results[f"head{head_k}_copy{copy_tokens}"] = simulate(drafter, records, head_k, copy_tokens)
             print(pair, json.dumps(results[f"head{head_k}_copy{copy_tokens}"]), flush=True)
-    report = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "machine": machine_facts(), "threads": args.threads, "held_out_answers": len(records),
+    report = {**report_header(), "threads": args.threads, "held_out_answers": len(records),
               "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records), "results": results}
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

@@ -331,10 +331,6 @@ class Progress:
         self._bar = tqdm(total=total, unit="prompt", desc="bench")
         self._lock = threading.Lock()
 
-    def add(self, count: int) -> None:
-        self._bar.total += count
-        self._bar.refresh()
-
     def stage(self, name: str) -> None:
         self._bar.set_description(f"bench {name}")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional, Sequence, Union
 
+from specd_common import autotune
+
 
 def expected_tokens(chain: Sequence[float], k: int) -> float:
     """Expected tokens from a round of k drafts when draft i is accepted with probability chain[i-1]
@@ -44,8 +46,49 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
     return best_k, best
 
 
+# Speculating in a batch must promise this much more than the verify's start-up measurement says it
+# costs. End to end, with every stream speculating, the gain was 0.88x of that prediction at 4 streams
+# and 0.75x at 8 on the 2-core AMD EPYC VM (the measurement leaves out what grows with the streams:
+# rows padded to a lookup copy's length, batches that split as rounds desynchronize, gRPC and the
+# gateway's own work; docs/benchmarks/HISTORY.md, "speculation cap").
+SPECULATION_MARGIN = 1.2
+
+
+def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], positions: int, tokens_per_pass: float,
+                    margin: float = SPECULATION_MARGIN) -> int:
+    """The most requests a verify replica may run while they speculate, from its measured batch costs.
+
+    A verify batch pads every row to the longest, so once requests share passes, speculation pays
+    only if a round where every row verifies `positions` positions (drafts + 1, and the heads'
+    proposals) yields more tokens than it costs: cost(B, positions) / cost(B, 1) × margin <
+    tokens_per_pass (measured while speculating). The cap is the largest measured batch size B for
+    which that holds at every measured size up to B; 1 when it fails already at the smallest (one
+    request's own policy still decides for it); 0 (no cap) when it holds at every measured size
+    (past the largest batch, passes are full and each pays the same). batch_costs_ms[b][n]: ms of
+    one round over b rows scoring n positions each (Scorer.measure_batch_costs; positions between
+    measured ones interpolate)."""
+    cap = 0
+    for rows in sorted(batch_costs_ms):
+        by_positions = batch_costs_ms[rows]
+        plain = autotune.interpolate(by_positions, 1)
+        speculative = autotune.interpolate(by_positions, positions)
+        if speculative * margin >= plain * tokens_per_pass:
+            return max(cap, 1)
+        cap = rows
+    return 0
+
+
+def smoothed(old: Optional[float], new: float, weight: float) -> float:
+    """An exponential moving average's next value (the first sample stands alone)."""
+    return new if old is None else old + weight * (new - old)
+
+
+YIELD_SMOOTHING = 0.02  # ~50 rounds: one round's tokens vary by ±1, and the cap must not flicker with them
+
+
 class StepCosts:
-    """Moving averages of measured Verify seconds by positions and Propose seconds by k; shared by requests.
+    """Moving averages of measured Verify seconds by positions and Propose seconds by k, and of the
+    tokens a round yields while speculation is allowed; shared by requests.
 
     An unmeasured Verify size costs as much as the largest measured smaller one (optimistic, so it
     gets tried and measured); an unmeasured Propose scales linearly from the nearest measured one.
@@ -55,6 +98,7 @@ class StepCosts:
         self.smoothing = smoothing
         self._verify: dict[int, float] = {}
         self._draft: dict[int, float] = {}
+        self._tokens_per_pass: Optional[float] = None  # of rounds run while speculation was allowed
         self._lock = threading.Lock()
 
     def observe_verify(self, positions: int, seconds: float) -> None:
@@ -63,10 +107,21 @@ class StepCosts:
     def observe_draft(self, k: int, seconds: float) -> None:
         self._observe(self._draft, k, seconds)
 
+    def observe_yield(self, tokens: float) -> None:
+        """Tokens one round emitted while speculation was allowed (drafting or not): what speculation
+        buys a pass, for the speculation cap."""
+        with self._lock:
+            self._tokens_per_pass = smoothed(self._tokens_per_pass, tokens, YIELD_SMOOTHING)
+
+    @property
+    def tokens_per_pass(self) -> Optional[float]:
+        """Moving average of observe_yield (None before the first round)."""
+        with self._lock:
+            return self._tokens_per_pass
+
     def _observe(self, table: dict[int, float], key: int, seconds: float) -> None:
         with self._lock:
-            old = table.get(key)
-            table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+            table[key] = smoothed(table.get(key), seconds, self.smoothing)
 
     def verify_s(self, positions: int) -> Optional[float]:
         with self._lock:

@@ -8,11 +8,13 @@ replica that fails mid-request is swapped for another by replaying the sequence 
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import StepCosts
+from gateway.adaptive import StepCosts, speculation_cap
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
@@ -37,6 +39,29 @@ class Backends:
         """What the drafts are (None until one has answered: a draft pool found empty at start, e.g. a
         DNS name whose pods are not ready yet, gets its rules from the first draft that joins)."""
         return self.first.get("draft")
+
+    @functools.cached_property
+    def _verify_batch_costs(self) -> dict[int, dict[int, float]]:
+        """rows → positions → ms of a batched round, as the target's first verify replica measured them
+        at start-up (GetModelInfo.runtime_config); empty when it did not."""
+        try:
+            measured = json.loads(self.target_info.runtime_config or "{}").get("batch_costs_ms", {})
+        except (ValueError, AttributeError):
+            return {}
+        return {int(rows): {int(n): ms for n, ms in by_n.items()} for rows, by_n in measured.items()}  # JSON keys are strings
+
+    def speculation_cap(self, num_draft_tokens: int) -> int:
+        """Requests this gateway may run while they speculate (0 = no cap): adaptive.speculation_cap
+        for one verify replica, from the batch costs it measured at start-up and the tokens a round
+        yields here while speculating, times the verify replicas serving. No cap before a round has
+        measured that yield (so it gets measured), or when the verify measured no batch costs (it
+        does not batch: requests then share no passes, and each one's own policy decides)."""
+        tokens_per_pass = self.costs.tokens_per_pass
+        costs = self._verify_batch_costs
+        if tokens_per_pass is None or not costs:
+            return 0
+        cap = speculation_cap(costs, num_draft_tokens + 1, tokens_per_pass)
+        return cap * max(1, sum(replica.eligible for replica in self.verify.replicas()))
 
     @classmethod
     def connect(

@@ -16,7 +16,7 @@ class GatewayOptions:
     draft_length_policy: str = "adaptive"  # or "fixed"
     draft_timeout_s: float = DRAFT_TIMEOUT_S
     max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
-    max_speculative_requests: int = 2  # above this many running requests, rounds are target-only; 0: no limit
+    max_speculative_requests: int = -1  # above this many running requests, rounds are target-only; 0: no limit; < 0: from measured costs
     overlap: bool = False  # draft the next round while the target verifies
     draft_branches: int = 1  # greedy: candidates per drafted position (> 1: a tree round; gateway/engine.py)
     lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none (the CLI default is 8)

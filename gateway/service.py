@@ -79,8 +79,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         )
 
     def _speculation_allowed(self) -> bool:
-        """Under load the target is busy anyway and drafts cost throughput: plain decoding, as servers do."""
+        """Under load the target is busy anyway and drafts cost throughput: plain decoding, as servers
+        do. The limit is the flag's, or (auto, < 0) the one the verify's measured batch costs set
+        (Backends.speculation_cap)."""
         limit = self.options.max_speculative_requests
+        if limit < 0:
+            limit = self.backends.speculation_cap(self.options.num_draft_tokens)
         return not limit or self.admission.active <= limit
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:

@@ -170,7 +170,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "lookup-tokens", 8, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
              "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")
     add_flag(parser, "lookup-min-ngram", 2, "a lookup round needs the last N tokens to have occurred before")
-    add_flag(parser, "max-speculative-requests", 2, "above this many running requests, rounds are target-only (0 = no limit; 2 measured best on the 2-core CPU, see README)")
+    add_flag(parser, "max-speculative-requests", -1, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
+             "the most at which the verify's batch costs, measured at its start-up, and the tokens a round yields here say speculating pays)")
     add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
     add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")

@@ -38,6 +38,10 @@ DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordin
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)
+# A verify times batched rounds at start-up with every row scoring 1 position (plain decoding) and 4
+# (k = 3 drafts, the default cap): what the gateway's speculation cap weighs (gateway/adaptive.py).
+BATCH_POSITIONS = (1, 4)
+BATCH_CONTEXT = 256  # tokens each timed session holds, like a chat prompt and its answer (a pass packs every row's cache)
 # Fewer threads win unless more are at least 10% faster: a spare core serves the gateway, the draft and
 # gRPC, and on a shared VM two medians of five passes differ by ~5-10% from noise alone.
 THREAD_TOLERANCE = 0.10
@@ -58,6 +62,7 @@ class RuntimeChoice:
     costs_ms: dict = field(default_factory=dict)  # the measured table, ms, for the record
     source: str = "measured"  # measured | flags | default
     kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
+    batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
@@ -75,6 +80,12 @@ class RuntimeChoice:
     def summary(self) -> str:
         """One log line: the choice and what it was chosen from."""
         return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def batch_sizes(max_batch_size: int) -> list[int]:
+    """Batch sizes to time at start-up: powers of two from 2, and the largest batch itself."""
+    sizes = [2 ** i for i in range(1, max_batch_size.bit_length()) if 2 ** i < max_batch_size]
+    return sizes + [max_batch_size] if max_batch_size > 1 else []
 
 
 def by_size(table: dict, positions: int, default):

@@ -105,6 +105,12 @@ def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
         lm.run(torch.set_num_threads, threads)
 
 
+def test_batch_sizes_timed_at_start_up():
+    from specd_common.autotune import batch_sizes
+
+    assert batch_sizes(8) == [2, 4, 8] and batch_sizes(6) == [2, 4, 6] and batch_sizes(2) == [2] and batch_sizes(1) == []
+
+
 def test_thread_caps_of_the_stack_and_the_candidates_within_them():
     from specd_app.cli import stack_thread_caps
     from specd_common.autotune import threads_to_try

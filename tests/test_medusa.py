@@ -13,6 +13,8 @@ them apart.
 from __future__ import annotations
 
 import json
+
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -238,3 +240,5 @@ def test_the_verify_reports_its_heads(medusa_cluster, tiny):
     with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
         info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
     assert info.medusa_heads == HEADS
+    batch_costs = json.loads(info.runtime_config)["batch_costs_ms"]  # timed at start-up with the heads' proposals
+    assert set(batch_costs) == {"2", "4", "8"} and all(ms > 0 for by_n in batch_costs.values() for ms in by_n.values())

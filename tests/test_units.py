@@ -249,6 +249,77 @@ def test_step_costs_are_measured_and_extrapolated_optimistically():
     assert costs.round_cost_s(2, branches=3) == pytest.approx(0.09 + 0.004)  # a tree verifies 2 × 3 + 1 positions
 
 
+# A verify's start-up batch costs on the 2-core AMD EPYC VM (rows → positions per row → ms of one
+# batched round with the heads' proposals; Scorer.measure_batch_costs)
+EPYC_BATCH_COSTS = {2: {1: 79.0, 4: 109.0}, 4: {1: 104.0, 4: 155.0}, 8: {1: 145.0, 4: 245.0}}
+
+
+@pytest.mark.parametrize(
+    "tokens_per_pass, cap",
+    [
+        (1.85, 4),  # 4 rows drafting cost 1.49x a plain round (× 1.2 margin = 1.79 < 1.85); 8 rows 1.69x (2.03)
+        (2.5, 0),  # drafting pays at every measured batch size: no cap
+        (1.7, 2),  # 2 rows: 1.38x × 1.2 = 1.66 < 1.7; 4 rows: 1.79 ≥ 1.7
+        (1.3, 1),  # pays nowhere: a request running alone still decides for itself
+    ],
+)
+def test_speculation_cap_is_the_largest_batch_where_every_row_drafting_pays(tokens_per_pass, cap):
+    from gateway.adaptive import speculation_cap
+
+    assert speculation_cap(EPYC_BATCH_COSTS, 4, tokens_per_pass) == cap
+
+
+def test_speculation_cap_interpolates_positions_and_stops_at_the_first_batch_that_loses():
+    from gateway.adaptive import speculation_cap
+
+    # k = 2 drafts (3 positions): 4 rows cost (104 + 2/3 × 51) / 104 = 1.33x a plain round
+    assert speculation_cap(EPYC_BATCH_COSTS, 3, 1.65) == 4
+    assert speculation_cap(EPYC_BATCH_COSTS, 4, 1.65) == 1
+    # a size that loses caps the ones above it even if they would pay (rows share passes in order)
+    odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}
+    assert speculation_cap(odd, 4, 1.8) == 1
+
+
+def test_step_costs_track_what_a_speculating_round_yields():
+    from gateway.adaptive import YIELD_SMOOTHING, StepCosts
+
+    costs = StepCosts()
+    assert costs.tokens_per_pass is None
+    costs.observe_yield(3)
+    costs.observe_yield(1)
+    assert costs.tokens_per_pass == pytest.approx(3 - 2 * YIELD_SMOOTHING)
+
+
+def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
+    """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
+    yield measured here, times the serving replicas; no cap before a yield is measured or without costs."""
+    import json
+    from types import SimpleNamespace
+
+    from gateway.backends import Backends
+    from specd.v1 import common_pb2
+
+    def backends(runtime: dict, replicas: int) -> Backends:
+        info = common_pb2.GetModelInfoResponse(runtime_config=json.dumps(runtime))
+        pool = SimpleNamespace(replicas=lambda: [SimpleNamespace(eligible=True)] * replicas + [SimpleNamespace(eligible=False)])
+        return Backends(verify=pool, draft=None, target_info=info, tokenizer=None)
+
+    measured = {"batch_costs_ms": {str(b): {str(n): ms for n, ms in by_n.items()} for b, by_n in EPYC_BATCH_COSTS.items()}}
+    one = backends(measured, replicas=1)
+    assert one.speculation_cap(3) == 0  # no yield measured yet: speculate, and measure it
+    for _ in range(5):
+        one.costs.observe_yield(2)
+    assert one.speculation_cap(3) == 4
+    assert one.speculation_cap(7) == 4  # 8 positions: flat beyond the measured 4 (an underestimate)
+    two = backends(measured, replicas=2)
+    for _ in range(5):
+        two.costs.observe_yield(1.7)
+    assert two.speculation_cap(3) == 4  # 2 rows per replica, two replicas
+    unmeasured = backends({"threads": 1}, replicas=1)
+    unmeasured.costs.observe_yield(2)
+    assert unmeasured.speculation_cap(3) == 0
+
+
 def test_acceptance_estimate_ignores_drafts_after_the_first_rejection():
     from gateway.adaptive import AcceptanceEstimate
 

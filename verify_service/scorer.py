@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -67,9 +67,50 @@ class Scorer:
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
         runtime = self.lm.tune(threads, max_threads)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
-        log.info("verify runtime: %s", runtime.summary())
         self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
+        if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
+            runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))
+        log.info("verify runtime: %s", runtime.summary())
         self._info.runtime_config = runtime.summary()
+
+    def measure_batch_costs(self, rows: Sequence[int], positions: Sequence[int] = autotune.BATCH_POSITIONS,
+                            repeats: int = 3, context: int = autotune.BATCH_CONTEXT) -> dict[int, dict[int, float]]:
+        """Milliseconds of the model's work for one batched round in which b sessions score n positions
+        each, for every b in rows and n in positions (medians of interleaved rounds): the padded pass,
+        then each row's argmax and, when n > 1 and there are heads, the heads' proposals (a gateway
+        asks for them only while it speculates). Single-session costs do not tell this: a batch pads
+        every row to the longest and packs every row's cache, so drafts in a busy batch cost every
+        request in it. On the model's thread."""
+        if not rows:
+            return {}
+        prompt = [i % self.lm.vocab_size for i in range(1, min(context, self.lm.max_length // 2) + 1)]  # any ids
+        sessions = [self.open(prompt, Warp()) for _ in range(max(rows))]
+        draft, next_token = 2 % self.lm.vocab_size, 1 % self.lm.vocab_size  # distinct: a commit drops the drafts
+
+        def batched_round(b: int, n: int) -> Callable[[], None]:
+            drafts, heads = [draft] * (n - 1), n > 1 and self.medusa is not None
+
+            def run() -> None:
+                for session in sessions[:b]:
+                    session.sequence.keep_features = heads
+                logits = self.lm.forward_batch([(session.sequence, drafts) for session in sessions[:b]])
+                for session, rows_logits in zip(sessions[:b], logits):
+                    self._scores(session, rows_logits, drafts, False, heads)
+                if self.lm.loaded.device.type == "cuda":
+                    torch.cuda.synchronize()
+                for session in sessions[:b]:  # as if no draft was accepted
+                    session.sequence.apply_commit(len(session.sequence.tokens) - (n - 1), [next_token])
+
+            return run
+
+        threads = torch.get_num_threads()
+        runs = {(self.lm.runtime.threads_for(b * n) or threads, b, n): batched_round(b, n) for b in rows for n in positions}
+        costs = autotune.measure_interleaved(runs, repeats)
+        torch.set_num_threads(threads)
+        table: dict[int, dict[int, float]] = {}
+        for (_, b, n), seconds in costs.items():
+            table.setdefault(b, {})[n] = round(seconds * 1000, 2)
+        return table
 
     def kv_token_budget(self, requested: int) -> int:
         """Positions all sessions may hold: `requested` when > 0, none when < 0, else derived from the

@@ -46,33 +46,45 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
     return best_k, best
 
 
-# Speculating in a batch must promise this much more than the verify's start-up measurement says it
-# costs. End to end, with every stream speculating, the gain was 0.88x of that prediction at 4 streams
-# and 0.75x at 8 on the 2-core AMD EPYC VM (the measurement leaves out what grows with the streams:
-# rows padded to a lookup copy's length, batches that split as rounds desynchronize, gRPC and the
-# gateway's own work; docs/benchmarks/HISTORY.md, "speculation cap").
-SPECULATION_MARGIN = 1.2
+# Speculating in a batch must promise this much more than the verify's start-up measurement and the
+# rounds' measured shapes say it costs: what they leave out grows with the streams (batches that split
+# as rounds desynchronize, gRPC and the gateway's own work; docs/benchmarks/HISTORY.md, "speculation cap").
+SPECULATION_MARGIN = 1.05
 
 
-def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], positions: int, tokens_per_pass: float,
+def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int) -> float:
+    """Expected cost of a batched round whose `rows` rows each verify a number of positions drawn
+    independently from positions_share (positions → share of rounds): a batch pads every row to the
+    longest, so it costs as much as its longest row, Σ_p P(max = p) · cost(p) with P(max ≤ p) = F(p)^rows.
+    One copy of 8 tokens among 8 rows makes all 8 verify 9 positions. by_positions: measured cost by
+    positions per row (interpolated between, flat beyond)."""
+    total, below, cumulative = 0.0, 0.0, 0.0
+    for positions in sorted(positions_share):
+        cumulative += positions_share[positions]
+        at_most = min(cumulative, 1.0) ** rows
+        total += (at_most - below) * autotune.interpolate(by_positions, positions)
+        below = at_most
+    return total
+
+
+def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], positions_share: dict[int, float], tokens_per_pass: float,
                     margin: float = SPECULATION_MARGIN) -> int:
     """The most requests a verify replica may run while they speculate, from its measured batch costs.
 
-    A verify batch pads every row to the longest, so once requests share passes, speculation pays
-    only if a round where every row verifies `positions` positions (drafts + 1, and the heads'
-    proposals) yields more tokens than it costs: cost(B, positions) / cost(B, 1) × margin <
-    tokens_per_pass (measured while speculating). The cap is the largest measured batch size B for
-    which that holds at every measured size up to B; 1 when it fails already at the smallest (one
-    request's own policy still decides for it); 0 (no cap) when it holds at every measured size
-    (past the largest batch, passes are full and each pays the same). batch_costs_ms[b][n]: ms of
-    one round over b rows scoring n positions each (Scorer.measure_batch_costs; positions between
-    measured ones interpolate)."""
+    Once requests share passes, a draft costs every request in the batch (rows are padded to the
+    longest), so speculation pays at batch size B only if a round where every row speculates as
+    rounds here do (positions_share: how many positions a round verifies, measured while
+    speculating) yields more tokens than it costs: expected_batch_cost(B) / cost(B, 1) × margin <
+    tokens_per_pass. The cap is the largest measured B for which that holds at every measured size
+    up to B; 1 when it fails already at the smallest (a request running alone still decides for
+    itself); 0 (no cap) when it holds at every measured size (past the largest batch, passes are
+    full and each pays the same). batch_costs_ms[b][n]: ms of one round over b rows scoring n
+    positions each (Scorer.measure_batch_costs)."""
     cap = 0
     for rows in sorted(batch_costs_ms):
         by_positions = batch_costs_ms[rows]
         plain = autotune.interpolate(by_positions, 1)
-        speculative = autotune.interpolate(by_positions, positions)
-        if speculative * margin >= plain * tokens_per_pass:
+        if expected_batch_cost(by_positions, positions_share, rows) * margin >= plain * tokens_per_pass:
             return max(cap, 1)
         cap = rows
     return 0
@@ -83,12 +95,45 @@ def smoothed(old: Optional[float], new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
 
-YIELD_SMOOTHING = 0.02  # ~50 rounds: one round's tokens vary by ±1, and the cap must not flicker with them
+# Rounds that set the speculation cap are averaged over ~50 (one round's tokens vary by ±1, and the cap
+# must not flicker with them); the first 50 count equally, so the first round does not stand for long.
+YIELD_SMOOTHING = 0.02
+
+
+class RoundShapes:
+    """What rounds look like while speculation is allowed (drafting or not): tokens emitted and
+    positions verified per round, as moving averages; shared by requests (the speculation cap)."""
+
+    def __init__(self):
+        self._rounds = 0
+        self._tokens = 0.0
+        self._positions: dict[int, float] = {}  # positions → share of rounds
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: int, positions: int) -> None:
+        with self._lock:
+            self._rounds += 1
+            weight = max(YIELD_SMOOTHING, 1 / self._rounds)
+            self._tokens += weight * (tokens - self._tokens)
+            for seen in self._positions:
+                self._positions[seen] *= 1 - weight
+            self._positions[positions] = self._positions.get(positions, 0.0) + weight
+
+    @property
+    def tokens_per_pass(self) -> Optional[float]:
+        """Tokens a round emits (None before the first round)."""
+        with self._lock:
+            return self._tokens if self._rounds else None
+
+    def positions_share(self) -> dict[int, float]:
+        """positions → share of rounds that verified that many (sums to 1; {} before the first round)."""
+        with self._lock:
+            total = sum(self._positions.values())
+            return {n: share / total for n, share in self._positions.items()} if total else {}
 
 
 class StepCosts:
-    """Moving averages of measured Verify seconds by positions and Propose seconds by k, and of the
-    tokens a round yields while speculation is allowed; shared by requests.
+    """Moving averages of measured Verify seconds by positions and Propose seconds by k; shared by requests.
 
     An unmeasured Verify size costs as much as the largest measured smaller one (optimistic, so it
     gets tried and measured); an unmeasured Propose scales linearly from the nearest measured one.
@@ -98,7 +143,6 @@ class StepCosts:
         self.smoothing = smoothing
         self._verify: dict[int, float] = {}
         self._draft: dict[int, float] = {}
-        self._tokens_per_pass: Optional[float] = None  # of rounds run while speculation was allowed
         self._lock = threading.Lock()
 
     def observe_verify(self, positions: int, seconds: float) -> None:
@@ -106,18 +150,6 @@ class StepCosts:
 
     def observe_draft(self, k: int, seconds: float) -> None:
         self._observe(self._draft, k, seconds)
-
-    def observe_yield(self, tokens: float) -> None:
-        """Tokens one round emitted while speculation was allowed (drafting or not): what speculation
-        buys a pass, for the speculation cap."""
-        with self._lock:
-            self._tokens_per_pass = smoothed(self._tokens_per_pass, tokens, YIELD_SMOOTHING)
-
-    @property
-    def tokens_per_pass(self) -> Optional[float]:
-        """Moving average of observe_yield (None before the first round)."""
-        with self._lock:
-            return self._tokens_per_pass
 
     def _observe(self, table: dict[int, float], key: int, seconds: float) -> None:
         with self._lock:

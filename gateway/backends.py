@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import StepCosts, speculation_cap
+from gateway.adaptive import RoundShapes, StepCosts, speculation_cap
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
@@ -33,6 +33,7 @@ class Backends:
     tokenizer: GatewayTokenizer
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
+    rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
@@ -50,17 +51,18 @@ class Backends:
             return {}
         return {int(rows): {int(n): ms for n, ms in by_n.items()} for rows, by_n in measured.items()}  # JSON keys are strings
 
-    def speculation_cap(self, num_draft_tokens: int) -> int:
+    def speculation_cap(self) -> int:
         """Requests this gateway may run while they speculate (0 = no cap): adaptive.speculation_cap
-        for one verify replica, from the batch costs it measured at start-up and the tokens a round
-        yields here while speculating, times the verify replicas serving. No cap before a round has
-        measured that yield (so it gets measured), or when the verify measured no batch costs (it
-        does not batch: requests then share no passes, and each one's own policy decides)."""
-        tokens_per_pass = self.costs.tokens_per_pass
+        for one verify replica, from the batch costs it measured at start-up and the rounds measured
+        here while speculating (tokens they yield, positions they verify), times the verify replicas
+        serving. No cap before a round is measured (so rounds get measured), or when the verify
+        measured no batch costs (it does not batch: requests then share no passes, and each one's
+        own policy decides)."""
+        tokens_per_pass = self.rounds.tokens_per_pass
         costs = self._verify_batch_costs
         if tokens_per_pass is None or not costs:
             return 0
-        cap = speculation_cap(costs, num_draft_tokens + 1, tokens_per_pass)
+        cap = speculation_cap(costs, self.rounds.positions_share(), tokens_per_pass)
         return cap * max(1, sum(replica.eligible for replica in self.verify.replicas()))
 
     @classmethod

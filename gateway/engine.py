@@ -224,7 +224,7 @@ class Generation:
         #    lookup round copies earlier tokens instead and leaves the draft out, a head round takes the
         #    Medusa heads' proposals; both are free (no draft call) and deterministic (q is one-hot)
         started = time.perf_counter()
-        speculating = self.spec.speculate and self._speculation_allowed()  # what this round yields feeds the cap
+        speculating = self.spec.speculate and self._speculation_allowed()  # this round's shape feeds the speculation cap
         self._skip_features_while_paused()
         parents: list[int] = []  # a tree's shape; [] for a chain
         copied = self._lookup_drafts()
@@ -265,7 +265,7 @@ class Generation:
         self.stats.head_rounds += bool(headed)
         chunk = self._emit(outcome.emitted(drafts))
         if speculating:
-            self.backends.costs.observe_yield(len(outcome.emitted(drafts)))
+            self.backends.rounds.observe(len(outcome.emitted(drafts)), len(drafts) + 1)
         self._head_drafts = [] if parents else head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay

@@ -84,7 +84,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         (Backends.speculation_cap)."""
         limit = self.options.max_speculative_requests
         if limit < 0:
-            limit = self.backends.speculation_cap(self.options.num_draft_tokens)
+            limit = self.backends.speculation_cap()
         return not limit or self.admission.active <= limit
 
     def to_spec(self, request: generate_pb2.GenerateRequest) -> GenerationSpec:

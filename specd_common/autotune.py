@@ -38,9 +38,9 @@ DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordin
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)
-# A verify times batched rounds at start-up with every row scoring 1 position (plain decoding) and 4
-# (k = 3 drafts, the default cap): what the gateway's speculation cap weighs (gateway/adaptive.py).
-BATCH_POSITIONS = (1, 4)
+# A verify times batched rounds at start-up with every row scoring 1 position (plain decoding), 4 (k = 3
+# drafts, the default cap) and 8 (a long prompt-lookup copy): what the gateway's speculation cap weighs.
+BATCH_POSITIONS = (1, 4, 8)
 BATCH_CONTEXT = 256  # tokens each timed session holds, like a chat prompt and its answer (a pass packs every row's cache)
 # Fewer threads win unless more are at least 10% faster: a spare core serves the gateway, the draft and
 # gRPC, and on a shared VM two medians of five passes differ by ~5-10% from noise alone.

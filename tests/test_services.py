@@ -77,9 +77,6 @@ class LinearCosts:
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
-    def observe_yield(self, tokens: float) -> None:
-        pass
-
     def round_cost_s(self, k: int, branches: int = 1) -> float:
         return 1.0 + 0.1 * k * branches
 

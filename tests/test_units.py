@@ -249,50 +249,65 @@ def test_step_costs_are_measured_and_extrapolated_optimistically():
     assert costs.round_cost_s(2, branches=3) == pytest.approx(0.09 + 0.004)  # a tree verifies 2 × 3 + 1 positions
 
 
-# A verify's start-up batch costs on the 2-core AMD EPYC VM (rows → positions per row → ms of one
-# batched round with the heads' proposals; Scorer.measure_batch_costs)
-EPYC_BATCH_COSTS = {2: {1: 79.0, 4: 109.0}, 4: {1: 104.0, 4: 155.0}, 8: {1: 145.0, 4: 245.0}}
+# A verify's start-up batch costs on the 2-core AMD EPYC VM (`specd serve verify`; rows → positions per
+# row → ms of one batched round, the heads' proposals included; Scorer.measure_batch_costs)
+EPYC_BATCH_COSTS = {2: {1: 76.0, 4: 99.3, 8: 122.2}, 4: {1: 86.5, 4: 142.9, 8: 172.4}, 8: {1: 124.6, 4: 228.0, 8: 291.3}}
+HEADS_ROUNDS = {4: 1.0}  # every round verifies 3 drafts
+
+
+def test_a_batch_costs_as_much_as_its_longest_row():
+    from gateway.adaptive import expected_batch_cost
+
+    costs = {1: 10.0, 4: 40.0, 8: 80.0}
+    assert expected_batch_cost(costs, {4: 1.0}, 8) == pytest.approx(40.0)
+    assert expected_batch_cost(costs, {1: 0.5, 4: 0.5}, 1) == pytest.approx(25.0)
+    assert expected_batch_cost(costs, {1: 0.5, 4: 0.5}, 2) == pytest.approx(0.25 * 10 + 0.75 * 40)  # P(both plain) = 1/4
+    # one row in 50 copying 8 tokens (9 positions, priced flat beyond 8) makes 15% of 8-row batches cost 80
+    long_copies = expected_batch_cost(costs, {4: 0.98, 9: 0.02}, 8)
+    assert long_copies == pytest.approx(0.98 ** 8 * 40 + (1 - 0.98 ** 8) * 80)
 
 
 @pytest.mark.parametrize(
-    "tokens_per_pass, cap",
+    "shares, tokens_per_pass, cap",
     [
-        (1.85, 4),  # 4 rows drafting cost 1.49x a plain round (× 1.2 margin = 1.79 < 1.85); 8 rows 1.69x (2.03)
-        (2.5, 0),  # drafting pays at every measured batch size: no cap
-        (1.7, 2),  # 2 rows: 1.38x × 1.2 = 1.66 < 1.7; 4 rows: 1.79 ≥ 1.7
-        (1.3, 1),  # pays nowhere: a request running alone still decides for itself
+        (HEADS_ROUNDS, 1.85, 4),  # 4 rows drafting cost 1.65x a plain round (× 1.05 = 1.73 < 1.85); 8 rows 1.83x (1.92)
+        (HEADS_ROUNDS, 2.5, 0),  # drafting pays at every measured batch size: no cap
+        (HEADS_ROUNDS, 1.6, 2),  # 2 rows: 1.31x × 1.05 = 1.37 < 1.6; 4 rows: 1.73 ≥ 1.6
+        (HEADS_ROUNDS, 1.3, 1),  # pays nowhere: a request running alone still decides for itself
+        ({4: 0.98, 9: 0.02}, 1.95, 4),  # a long copy now and then: 8 rows pay 2.01x (× 1.05 = 2.11 ≥ 1.95)
+        ({4: 1.0}, 1.95, 0),  # without them the same yield pays at 8 rows (1.92 < 1.95)
     ],
 )
-def test_speculation_cap_is_the_largest_batch_where_every_row_drafting_pays(tokens_per_pass, cap):
+def test_speculation_cap_is_the_largest_batch_where_speculating_rows_pay(shares, tokens_per_pass, cap):
     from gateway.adaptive import speculation_cap
 
-    assert speculation_cap(EPYC_BATCH_COSTS, 4, tokens_per_pass) == cap
+    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass) == cap
 
 
-def test_speculation_cap_interpolates_positions_and_stops_at_the_first_batch_that_loses():
+def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 
-    # k = 2 drafts (3 positions): 4 rows cost (104 + 2/3 × 51) / 104 = 1.33x a plain round
-    assert speculation_cap(EPYC_BATCH_COSTS, 3, 1.65) == 4
-    assert speculation_cap(EPYC_BATCH_COSTS, 4, 1.65) == 1
-    # a size that loses caps the ones above it even if they would pay (rows share passes in order)
-    odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}
-    assert speculation_cap(odd, 4, 1.8) == 1
+    odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}  # 4 rows would pay, 2 do not: rows share passes in order
+    assert speculation_cap(odd, HEADS_ROUNDS, 1.8) == 1
 
 
-def test_step_costs_track_what_a_speculating_round_yields():
-    from gateway.adaptive import YIELD_SMOOTHING, StepCosts
+def test_round_shapes_average_what_speculating_rounds_yield_and_verify():
+    from gateway.adaptive import YIELD_SMOOTHING, RoundShapes
 
-    costs = StepCosts()
-    assert costs.tokens_per_pass is None
-    costs.observe_yield(3)
-    costs.observe_yield(1)
-    assert costs.tokens_per_pass == pytest.approx(3 - 2 * YIELD_SMOOTHING)
+    rounds = RoundShapes()
+    assert rounds.tokens_per_pass is None and rounds.positions_share() == {}
+    rounds.observe(3, 4)
+    rounds.observe(1, 1)
+    assert rounds.tokens_per_pass == pytest.approx(2.0)  # the first rounds count equally
+    assert rounds.positions_share() == pytest.approx({4: 0.5, 1: 0.5})
+    for _ in range(int(1 / YIELD_SMOOTHING) * 10):
+        rounds.observe(1, 1)
+    assert rounds.tokens_per_pass == pytest.approx(1.0, abs=1e-3) and rounds.positions_share()[1] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
     """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
-    yield measured here, times the serving replicas; no cap before a yield is measured or without costs."""
+    rounds measured here, times the serving replicas; no cap before a round is measured or without costs."""
     import json
     from types import SimpleNamespace
 
@@ -306,18 +321,17 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
 
     measured = {"batch_costs_ms": {str(b): {str(n): ms for n, ms in by_n.items()} for b, by_n in EPYC_BATCH_COSTS.items()}}
     one = backends(measured, replicas=1)
-    assert one.speculation_cap(3) == 0  # no yield measured yet: speculate, and measure it
+    assert one.speculation_cap() == 0  # nothing measured yet: speculate, and measure it
     for _ in range(5):
-        one.costs.observe_yield(2)
-    assert one.speculation_cap(3) == 4
-    assert one.speculation_cap(7) == 4  # 8 positions: flat beyond the measured 4 (an underestimate)
+        one.rounds.observe(1.9, 4)
+    assert one.speculation_cap() == 4  # 8 rows: 1.83x × 1.05 = 1.92 ≥ 1.9
     two = backends(measured, replicas=2)
     for _ in range(5):
-        two.costs.observe_yield(1.7)
-    assert two.speculation_cap(3) == 4  # 2 rows per replica, two replicas
+        two.rounds.observe(1.6, 4)
+    assert two.speculation_cap() == 4  # 2 rows per replica, two replicas
     unmeasured = backends({"threads": 1}, replicas=1)
-    unmeasured.costs.observe_yield(2)
-    assert unmeasured.speculation_cap(3) == 0
+    unmeasured.rounds.observe(2, 4)
+    assert unmeasured.speculation_cap() == 0
 
 
 def test_acceptance_estimate_ignores_drafts_after_the_first_rejection():

@@ -34,6 +34,7 @@ class Backends:
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
+    _last_cap: Optional[int] = field(default=None, repr=False)  # logged when it changes
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
@@ -63,7 +64,12 @@ class Backends:
         if tokens_per_pass is None or not costs:
             return 0
         cap = speculation_cap(costs, self.rounds.positions_share(), tokens_per_pass)
-        return cap * max(1, sum(replica.eligible for replica in self.verify.replicas()))
+        cap *= max(1, sum(replica.eligible for replica in self.verify.replicas()))
+        if cap != self._last_cap:
+            log.info("speculation cap: %s running requests (rounds yield %.2f tokens a pass; positions a round: %s)",
+                     cap or "no cap", tokens_per_pass, {n: round(share, 3) for n, share in sorted(self.rounds.positions_share().items())})
+            self._last_cap = cap
+        return cap
 
     @classmethod
     def connect(

@@ -309,7 +309,7 @@ def test_round_shapes_average_what_speculating_rounds_yield_and_verify():
 
 def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
     """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
-    rounds measured here, times the serving replicas; no cap before a round is measured or without costs."""
+    rounds measured here, times the serving replicas; the smallest batch before rounds are measured; no cap without costs."""
     import json
     from types import SimpleNamespace
 
@@ -324,7 +324,7 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
 
     measured = {"batch_costs_ms": {str(b): {str(n): ms for n, ms in by_n.items()} for b, by_n in EPYC_BATCH_COSTS.items()}}
     one = backends(measured, replicas=1)
-    assert one.speculation_cap() == 0  # nothing measured yet: speculate, and measure it
+    assert one.speculation_cap() == 2  # no rounds measured yet: the smallest measured batch
     for _ in range(MIN_SHAPE_ROUNDS):
         one.rounds.observe(1.75, 4)
     assert one.speculation_cap() == 4  # 8 rows: 1.83x ≥ 1.75

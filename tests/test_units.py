@@ -279,16 +279,26 @@ def test_a_batch_costs_as_much_as_its_longest_row():
     ],
 )
 def test_speculation_cap_is_the_largest_batch_where_speculating_rows_pay(shares, tokens_per_pass, cap):
-    from gateway.adaptive import speculation_cap
+    from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
 
-    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass) == cap
+    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass, margin=1.0) == cap
+    # the default margin asks that much more of the yield
+    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass * SPECULATION_MARGIN) == cap
+
+
+def test_the_default_margin_keeps_speculation_to_clear_gains():
+    from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
+
+    assert SPECULATION_MARGIN > 1
+    assert speculation_cap(EPYC_BATCH_COSTS, HEADS_ROUNDS, 1.75, margin=1.0) == 4  # 4 rows promise 1.75 / 1.65 = +6%
+    assert speculation_cap(EPYC_BATCH_COSTS, HEADS_ROUNDS, 1.75) == 2  # not a clear gain
 
 
 def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 
     odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}  # 4 rows would pay, 2 do not: rows share passes in order
-    assert speculation_cap(odd, HEADS_ROUNDS, 1.8) == 1
+    assert speculation_cap(odd, HEADS_ROUNDS, 1.8, margin=1.0) == 1
 
 
 def test_round_shapes_average_what_speculating_rounds_yield_and_verify():
@@ -313,7 +323,7 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     import json
     from types import SimpleNamespace
 
-    from gateway.adaptive import MIN_SHAPE_ROUNDS
+    from gateway.adaptive import MIN_SHAPE_ROUNDS, SPECULATION_MARGIN
     from gateway.backends import Backends
     from specd.v1 import common_pb2
 
@@ -326,11 +336,11 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     one = backends(measured, replicas=1)
     assert one.speculation_cap() == 2  # no rounds measured yet: the smallest measured batch
     for _ in range(MIN_SHAPE_ROUNDS):
-        one.rounds.observe(1.75, 4)
+        one.rounds.observe(1.75 * SPECULATION_MARGIN, 4)
     assert one.speculation_cap() == 4  # 8 rows: 1.83x ≥ 1.75
     two = backends(measured, replicas=2)
     for _ in range(MIN_SHAPE_ROUNDS):
-        two.rounds.observe(1.6, 4)
+        two.rounds.observe(1.6 * SPECULATION_MARGIN, 4)
     assert two.speculation_cap() == 4  # 2 rows per replica, two replicas
     unmeasured = backends({"threads": 1}, replicas=1)
     for _ in range(MIN_SHAPE_ROUNDS):

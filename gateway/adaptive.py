@@ -5,6 +5,10 @@ Expected tokens from one round with per-token acceptance α and k drafts are (1 
 Both costs are measured live by the gateway (they depend on the hardware, the batch and the network,
 so no constant is baked in), and α is estimated per request from its own rounds. k = 0 (a plain
 target step) is always a candidate, so a request whose drafts keep failing stops paying for them.
+
+Once requests share verify passes, one request's drafts cost the others too (a batch pads every row
+to the longest): speculation_cap bounds how many requests may speculate at once, from the verify's
+measured batch costs and the shape of the rounds measured here (RoundShapes).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class Scorer:
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
     for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
-    off: PyTorch's plain layout; specd_common.lm.SwitchableLinear), then its KV-token budget. With `medusa`
+    off: PyTorch's plain layout; specd_common.lm.SwitchableLinear), then its KV-token budget and, when it
+    batches, what batched rounds cost (measure_batch_costs). With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",

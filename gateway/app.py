@@ -48,6 +48,9 @@ def start_gateway_server(
         split_addresses(verify_addresses), split_addresses(draft_addresses), lambda address, name: channel(address, tls_for(backend_tls, name)),
         options.connect_timeout_s, options.resolve_period_s, pool_metrics,
     )
+    backends.report_cap = metrics.speculation_cap.set
+    if options.max_speculative_requests >= 0:
+        metrics.speculation_cap.set(options.max_speculative_requests)
     admission = Admission(max_active=config.max_sessions, max_waiting=options.max_waiting)
     servicer = GenerateServicer(backends, options, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals

@@ -34,7 +34,8 @@ class Backends:
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
-    _last_cap: Optional[int] = field(default=None, repr=False)  # logged when it changes
+    report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
+    _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
@@ -75,6 +76,7 @@ class Backends:
                      cap or "no cap", "?" if tokens_per_pass is None else round(tokens_per_pass, 2),
                      {n: round(share, 3) for n, share in sorted(self.rounds.positions_share().items())})
             self._last_cap = cap
+            self.report_cap(cap)
         return cap
 
     @classmethod

@@ -107,6 +107,11 @@ class GatewayMetrics(ServiceMetrics):
         self.verify_wait_seconds = round_seconds.labels("verify_wait")
         self.accept_seconds = round_seconds.labels("accept")
         self.target_passes = Counter(f"{PREFIX}_target_passes", "Target forward passes (rounds).", registry=r)
+        self.speculation_cap = Gauge(
+            f"{PREFIX}_speculation_cap",
+            "Running requests above which rounds are plain decoding (0 = no cap): the flag's, or the one measured costs set.",
+            registry=r,
+        )
         self.num_drafts = Counter(
             f"{PREFIX}_spec_decode_num_drafts", "Rounds that had drafts (vLLM: spec_decode_num_drafts).", registry=r
         )

@@ -147,6 +147,15 @@ def test_gauges_show_a_generation_in_progress(services):
     assert value(scrape(services["verify"]), "specd_active_sessions", service="verify") == 0
 
 
+def test_the_gateway_reports_its_speculation_cap(services):
+    """The cap in force (the default: set by the verify's measured batch costs and the rounds measured
+    here; the smallest batch until 20 rounds are) is a gauge."""
+    services["stub"].Generate(request(), timeout=60)
+    cap = services["gateway"].servicer.backends.speculation_cap()
+    assert cap in (0, 1, 2, 4, 8)  # no cap, or a batch size the verify measured (1: none pays)
+    assert value(scrape(services["gateway"]), "specd_speculation_cap") == cap
+
+
 def test_a_rejected_request_is_counted_with_its_status(services):
     before = scrape(services["gateway"])
     with pytest.raises(grpc.RpcError) as error:

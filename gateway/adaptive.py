@@ -97,11 +97,6 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], positions_share
     return 0
 
 
-def smoothed(old: Optional[float], new: float, weight: float) -> float:
-    """An exponential moving average's next value (the first sample stands alone)."""
-    return new if old is None else old + weight * (new - old)
-
-
 # Rounds that set the speculation cap are averaged over ~50 (one round's tokens vary by ±1, and the cap
 # must not flicker with them); the first 50 count equally, so the first round does not stand for long.
 YIELD_SMOOTHING = 0.02
@@ -126,6 +121,12 @@ class RoundShapes:
             for seen in self._positions:
                 self._positions[seen] *= 1 - weight
             self._positions[positions] = self._positions.get(positions, 0.0) + weight
+
+    @property
+    def count(self) -> int:
+        """Rounds observed so far (the estimates change only when it does)."""
+        with self._lock:
+            return self._rounds
 
     @property
     def tokens_per_pass(self) -> Optional[float]:
@@ -161,7 +162,8 @@ class StepCosts:
 
     def _observe(self, table: dict[int, float], key: int, seconds: float) -> None:
         with self._lock:
-            table[key] = smoothed(table.get(key), seconds, self.smoothing)
+            old = table.get(key)
+            table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def verify_s(self, positions: int) -> Optional[float]:
         with self._lock:

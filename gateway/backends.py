@@ -36,6 +36,7 @@ class Backends:
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
     _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
+    _replica_cap: tuple[int, int] = field(default=(-1, 0), repr=False)  # (rounds observed, one replica's cap) last computed
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
@@ -62,22 +63,31 @@ class Backends:
         2-core EPYC, speculating in 8-stream batches lost 17%); its rounds get measured whenever the
         load allows. No cap when the verify measured no batch costs (it does not batch: requests
         then share no passes, and each one's own policy decides)."""
-        tokens_per_pass = self.rounds.tokens_per_pass
         costs = self._verify_batch_costs
         if not costs:
             return 0
-        if tokens_per_pass is None:
-            cap = min(costs)  # until rounds are measured: speculate only while the smallest batch is shared
-        else:
-            cap = speculation_cap(costs, self.rounds.positions_share(), tokens_per_pass)
-        cap *= max(1, sum(replica.eligible for replica in self.verify.replicas()))
+        cap = self._cap_per_replica(costs) * max(1, sum(replica.eligible for replica in self.verify.replicas()))
         if cap != self._last_cap:
+            tokens_per_pass = self.rounds.tokens_per_pass
             log.info("speculation cap: %s running requests (rounds yield %s tokens a pass; positions a round: %s)",
                      cap or "no cap", "?" if tokens_per_pass is None else round(tokens_per_pass, 2),
                      {n: round(share, 3) for n, share in sorted(self.rounds.positions_share().items())})
             self._last_cap = cap
             self.report_cap(cap)
         return cap
+
+    def _cap_per_replica(self, costs: dict[int, dict[int, float]]) -> int:
+        """adaptive.speculation_cap for one verify replica, recomputed only after a new round was
+        measured: every request asks several times a round, and the answer changes only with the rounds."""
+        rounds = self.rounds.count
+        if self._replica_cap[0] != rounds:
+            tokens_per_pass = self.rounds.tokens_per_pass
+            if tokens_per_pass is None:
+                cap = min(costs)  # until rounds are measured: speculate only while the smallest batch is shared
+            else:
+                cap = speculation_cap(costs, self.rounds.positions_share(), tokens_per_pass)
+            self._replica_cap = (rounds, cap)
+        return self._replica_cap[1]
 
     @classmethod
     def connect(

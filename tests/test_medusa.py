@@ -13,8 +13,6 @@ them apart.
 from __future__ import annotations
 
 import json
-
-import json
 from types import SimpleNamespace
 
 import pytest

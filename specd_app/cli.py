@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from specd_common import autotune
 from specd_common.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PORTS,
@@ -310,7 +311,7 @@ def service_commands(
     """The `specd serve ...` command line of each service of a one-machine stack, in start order."""
     serve = [sys.executable, "-m", "specd_app.cli", "serve"]
     common = ["--host", host, "--threads", str(threads)]
-    caps = stack_thread_caps(os.cpu_count() or 1)
+    caps = stack_thread_caps(autotune.available_cores())  # the cores this process may use (affinity, cgroup quota)
     commands = {
         "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
     }

@@ -30,7 +30,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 PLAIN, PREPACKED, MKL, TALL, COLS, ROWS = "plain", "prepacked", "mkl", "tall", "cols", "rows"
 LAYOUTS = (PLAIN, PREPACKED, MKL, TALL, COLS, ROWS)
@@ -165,14 +165,53 @@ def threads_to_try(threads: int, max_threads: int = 0) -> list[int]:
 
 
 def available_cores() -> int:
-    """OMP_NUM_THREADS when set, else the CPUs this process may run on. Not torch.get_num_threads():
+    """OMP_NUM_THREADS when set, else the CPUs this process may run on: its CPU affinity, and no more
+    than its cgroup's CPU quota allows (a container limited to 2 CPUs on a 64-core node sees 64 in its
+    affinity; 64 threads there would be throttled to 2 CPUs' time). Not torch.get_num_threads():
     that is the calling thread's current setting, which an earlier measurement may have changed."""
     import os
 
     configured = os.environ.get("OMP_NUM_THREADS", "")
     if configured.isdigit() and int(configured) > 0:
         return int(configured)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return cores if quota is None else max(1, min(cores, quota))
+
+
+def quota_cores(quota_us: str, period_us: str) -> Optional[int]:
+    """Whole CPUs a CFS quota allows (at least 1), from cgroup v2's cpu.max fields or v1's
+    cpu.cfs_quota_us / cpu.cfs_period_us; None when unlimited ("max" or -1) or unreadable. Rounded
+    down: 2.5 CPUs of quota keep a third thread waiting for time half the time."""
+    try:
+        quota, period = int(quota_us), int(period_us)
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, quota // period)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_cpu_quota(root: Optional[str] = None) -> Optional[int]:
+    """This process's CPU quota in whole CPUs (quota_cores), from cgroup v2 (cpu.max) or v1
+    (cpu/cpu.cfs_quota_us); None when there is none or no cgroup filesystem. Reads the mount's root:
+    inside a container that is the container's own cgroup (Kubernetes, Docker with cgroup namespaces)."""
+    from pathlib import Path
+
+    root = root or CGROUP_ROOT
+    try:
+        v2 = Path(root, "cpu.max")
+        if v2.exists():
+            return quota_cores(*v2.read_text().split()[:2])
+        v1 = Path(root, "cpu")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            return quota_cores((v1 / "cpu.cfs_quota_us").read_text().strip(), (v1 / "cpu.cfs_period_us").read_text().strip())
+    except (OSError, TypeError):
+        return None
+    return None
 
 
 def measure_interleaved(runs: dict, repeats: int = 5) -> dict:

@@ -117,3 +117,39 @@ def test_thread_caps_of_the_stack_and_the_candidates_within_them():
 
     assert stack_thread_caps(1) == {"verify": 1, "draft": 1} and stack_thread_caps(16)["verify"] == 16
     assert threads_to_try(3) == [3] and threads_to_try(0, max_threads=1) == [1]
+
+
+@pytest.mark.parametrize(
+    "quota, period, cores",
+    [("max", "100000", None), ("-1", "100000", None), ("200000", "100000", 2), ("250000", "100000", 2),
+     ("50000", "100000", 1), ("", "100000", None)],
+)
+def test_a_cfs_quota_allows_whole_cpus(quota, period, cores):
+    from specd_common.autotune import quota_cores
+
+    assert quota_cores(quota, period) == cores
+
+
+def test_available_cores_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch):
+    """A container limited to fewer CPUs than its affinity shows (Kubernetes limits.cpu) gets that
+    many threads at most; cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) both read."""
+    import os
+
+    from specd_common import autotune
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    affinity = len(os.sched_getaffinity(0))
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("100000 100000\n")
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert autotune.cgroup_cpu_quota(str(v2)) == 1 and autotune.cgroup_cpu_quota(str(v1)) is None
+    assert autotune.cgroup_cpu_quota(str(tmp_path / "none")) is None  # no cgroup filesystem: no quota
+    monkeypatch.setattr(autotune, "CGROUP_ROOT", str(v2))
+    assert autotune.available_cores() == 1
+    monkeypatch.setattr(autotune, "CGROUP_ROOT", str(v1))
+    assert autotune.available_cores() == affinity
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert autotune.available_cores() == 3  # set by the user: taken as is

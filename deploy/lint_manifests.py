@@ -1,7 +1,8 @@
 """Policy checks on rendered overlays: what the schemas cannot say about specd's deployment.
 
 kubernetes-validate proves each object is well-formed; this proves the deployment means what the
-design says: draft and verify are separate GPU workloads behind headless Services, every specd
+design says: draft and verify are separate GPU workloads behind headless Services (or, on CPU, no
+draft service and a verify with whole CPUs of its own, Guaranteed QoS), every specd
 container has gRPC health probes (the plaintext gateway's readiness may be its HTTP GET /health) and resource requests and limits, only the gateway is reachable
 from outside the namespace, metrics are scrapeable, traces have an OTLP endpoint, and the drain
 timings fit together (SPECD_GRACE < terminationGracePeriodSeconds, liveness never fires while draining).
@@ -80,8 +81,13 @@ def lint(path: Path) -> list:
     def problem(message: str) -> None:
         problems.append(f"{path.name}: {message}")
 
+    drafted = container_env(objects, "gateway", "SPECD_DRAFT_ADDRESS") != ""  # "" = no draft service
+    if not drafted and find(objects, "Deployment", "specd-draft"):
+        problem("specd-draft is deployed but the gateway's SPECD_DRAFT_ADDRESS is empty: it would never be asked")
     for component, port in COMPONENTS.items():
         name = f"specd-{component}"
+        if component == "draft" and not drafted:
+            continue
         deployments = find(objects, "Deployment", name)
         if len(deployments) != 1:
             problem(f"expected one Deployment {name}, found {len(deployments)}")
@@ -95,14 +101,23 @@ def lint(path: Path) -> list:
         limits = container.get("resources", {}).get("limits", {})
         requests = container.get("resources", {}).get("requests", {})
 
-        # Resources: requests and limits for CPU and memory; exactly one GPU for the model services.
+        # Resources: requests and limits for CPU and memory; exactly one GPU for the model services,
+        # or on CPU (SPECD_DEVICE=cpu) none and whole CPUs of their own.
         for kind in ("cpu", "memory"):
             if kind not in requests or kind not in limits:
                 problem(f"{name}: {kind} request and limit are required")
-        if component == "gateway":
+        on_cpu = component != "gateway" and config_value(objects, env, env_from, "SPECD_DEVICE") == "cpu"
+        if component == "gateway" or on_cpu:
             if GPU in limits or GPU in requests:
-                problem(f"{name}: the gateway must not ask for a GPU")
-        else:
+                problem(f"{name}: {'the gateway' if component == 'gateway' else 'a model service on CPU'} must not ask for a GPU")
+        if on_cpu:
+            # Guaranteed QoS with whole CPUs: the static CPU manager then gives the pod cores of its
+            # own, and the service measures its threads on exactly those (specd_common/autotune.py).
+            if any(str(requests.get(kind)) != str(limits.get(kind)) for kind in ("cpu", "memory")):
+                problem(f"{name}: on CPU, requests must equal limits (Guaranteed QoS: cores of its own)")
+            if not str(limits.get("cpu", "")).isdigit():
+                problem(f"{name}: on CPU, limits.cpu must be whole CPUs, got {limits.get('cpu')!r}")
+        elif component != "gateway":
             if str(limits.get(GPU)) != "1" or str(requests.get(GPU, limits.get(GPU))) != "1":
                 problem(f"{name}: must request exactly one {GPU}")
             node_selector = spec.get("nodeSelector", {})
@@ -252,6 +267,8 @@ def tls_agreement(objects: list) -> list:
     gateway_tls = bool(container_env(objects, "gateway", "SPECD_TLS_CA"))
     gateway_cert = bool(container_env(objects, "gateway", "SPECD_TLS_CLIENT_CERT"))
     for component in ("draft", "verify"):
+        if not find(objects, "Deployment", f"specd-{component}"):
+            continue  # none deployed (no draft service): nothing to dial
         server_tls = bool(container_env(objects, component, "SPECD_TLS_CERT"))
         mutual = bool(container_env(objects, component, "SPECD_TLS_CLIENT_CA"))
         if server_tls != gateway_tls:

@@ -48,7 +48,7 @@ def test_make_deploy_check_passes():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "deploy-check: OK" in result.stdout
-    for overlay in ("dev", "prod"):
+    for overlay in ("cpu", "dev", "prod", "prod-tls"):
         assert f"overlay {overlay}:" in result.stdout
 
 
@@ -67,8 +67,17 @@ def test_make_deploy_check_passes():
         ("components/tls/gateway.yaml", "            - name: SPECD_TLS_CA ", "            - name: SPECD_TLS_CA_UNUSED ", "the gateway could not connect"),
         # a TLS port probed directly: kubelet's gRPC probe cannot do TLS, the pod would never be ready
         ("components/tls/models.yaml", "            - name: SPECD_HEALTH_PORT", "            - name: SPECD_HEALTH_PORT_UNUSED", "needs SPECD_HEALTH_PORT"),
+        # a CPU verify whose CPUs are a burstable share: no cores of its own, threads measured on contended ones
+        ("overlays/cpu/cpu-verify.yaml", '            limits:\n              cpu: "4"', '            limits:\n              cpu: "6"', "requests must equal limits"),
+        ("overlays/cpu/cpu-verify.yaml", 'cpu: "4"\n              memory: 8Gi\n              ephemeral-storage: 2Gi\n            limits:\n              cpu: "4"',
+         'cpu: "3500m"\n              memory: 8Gi\n              ephemeral-storage: 2Gi\n            limits:\n              cpu: "3500m"', "must be whole CPUs"),
+        # a CPU verify that still asks for a GPU
+        ("overlays/cpu/cpu-verify.yaml", "              ephemeral-storage: 2Gi\n", "              ephemeral-storage: 2Gi\n              nvidia.com/gpu: \"1\"\n", "on CPU must not ask for a GPU"),
+        # a draft service deployed that the gateway never dials
+        ("overlays/cpu/kustomization.yaml", "  - patch: |-\n      $patch: delete\n      apiVersion: apps/v1", "  - patch: |-\n      $patch: merge\n      apiVersion: apps/v1", "would never be asked"),
     ],
-    ids=["unknown-field", "wrong-type", "unknown-kind", "host-port", "tls-mismatch", "tls-probe"],
+    ids=["unknown-field", "wrong-type", "unknown-kind", "host-port", "tls-mismatch", "tls-probe", "cpu-burstable", "cpu-fraction",
+         "cpu-gpu", "cpu-idle-draft"],
 )
 def test_broken_manifest_fails_validation(tmp_path, relative, old, new, expected):
     result = run_check(broken_copy(tmp_path, relative, old, new))

@@ -224,6 +224,20 @@ def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
     return out
 
 
+def add_repeat_spread(report: dict, tokens_per_s_by_repeat: dict[str, list[float]]) -> None:
+    """Each service mode's speedup over target_only within each repeat (the modes run side by side in
+    a repeat, in order then reversed): the run-to-run spread a single ratio hides. On a 2-core VM one
+    configuration measured 1.103 and 0.982 at 4 streams in two runs (docs/benchmarks/HISTORY.md)."""
+    reference = tokens_per_s_by_repeat.get("target_only")
+    if not reference or len(reference) < 2:
+        return
+    for mode, rates in tokens_per_s_by_repeat.items():
+        entry = report["modes"].get(mode)
+        if entry is not None and len(rates) == len(reference):
+            entry["overall"]["tokens_per_s_by_repeat"] = [round(rate, 2) for rate in rates]
+            entry["overall"]["speedup_by_repeat"] = [round(rate / base, 3) for rate, base in zip(rates, reference)]
+
+
 def overlap_on_separate_devices(sequential: dict, hit_rate: float) -> dict:
     """What overlap would give with draft and target on their own devices, from measured step times:
     a round whose look-ahead hit hides the draft's time behind the target's (when the draft is faster),
@@ -274,6 +288,13 @@ def stack_runtime(addresses: dict) -> dict:
     return chosen
 
 
+def speedup_cell(overall: dict) -> str:
+    """The speedup, with its range over repeats when there were several ("0.989 (0.95–1.02)")."""
+    spread = overall.get("speedup_by_repeat")
+    cell = str(overall.get("speedup", "-"))
+    return f"{cell} ({min(spread)}–{max(spread)})" if spread else cell
+
+
 def markdown_table(result: dict) -> str:
     lines = [
         "| mode | tokens/s | speedup | vs hf_target | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
@@ -285,7 +306,7 @@ def markdown_table(result: dict) -> str:
         itl = f"{o['itl_ms_p50']} / {o['itl_ms_p95']}" if "itl_ms_p50" in o else "-"
         outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
-            f"| {mode} | {o['tokens_per_s']} | {o.get('speedup', '-')} | {o.get('vs_hf_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
+            f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
             f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
         )
     return "\n".join(lines)

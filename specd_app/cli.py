@@ -424,7 +424,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         runtime = bench.stack_runtime(addresses)
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
-    results = {}
+    results, by_repeat = {}, {}  # by_repeat: mode → tokens/s of each repeat (concurrency > 1)
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
         # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
@@ -448,6 +448,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
                     earlier, earlier_wall = results.get(mode, ([], 0.0))
                     results[mode] = (earlier + samples, earlier_wall + wall)
+                    by_repeat.setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
             for mode, k in hf_modes:  # one stream: what one user of transformers gets
                 progress.stage(mode)
                 results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
@@ -455,6 +456,7 @@ def run_bench(args: argparse.Namespace) -> int:
         stop_children(children)
     progress.close()
     report = bench.report(results, args.num_draft_tokens)
+    bench.add_repeat_spread(report, by_repeat)
     report["machine"] = bench.machine_facts()
     report["command"] = " ".join(["specd", *sys.argv[1:]])
     report["stack_runtime"] = runtime

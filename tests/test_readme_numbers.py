@@ -41,7 +41,9 @@ def reported_values(path: str) -> list[float]:
     values = [float(report["k"])]
     for mode in report["modes"].values():
         for block in [mode.get("overall", {}), *mode.get("by_category", {}).values()]:
-            values += [float(v) for v in block.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            for value in block.values():  # numbers, and the numbers in lists (per position, per repeat)
+                values += [float(v) for v in (value if isinstance(value, list) else [value])
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return values
 
 

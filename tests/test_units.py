@@ -407,6 +407,22 @@ def test_bench_report_computes_speedup_and_alpha():
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
 
 
+def test_bench_report_shows_the_speedup_of_each_repeat():
+    """With several repeats (concurrency > 1), each mode's speedup within each repeat, and its range in the table."""
+    from specd_app.bench import Sample, add_repeat_spread, markdown_table, report
+
+    results = {"target_only": ([Sample("chat", tokens=100, seconds=2.0)], 2.0), "specd": ([Sample("chat", tokens=100, seconds=1.8)], 1.8)}
+    out = report(results, k=3)
+    add_repeat_spread(out, {"target_only": [40.0, 60.0], "specd": [44.0, 57.0]})
+    specd = out["modes"]["specd"]["overall"]
+    assert specd["speedup_by_repeat"] == [1.1, 0.95] and specd["tokens_per_s_by_repeat"] == [44.0, 57.0]
+    assert out["modes"]["target_only"]["overall"]["speedup_by_repeat"] == [1.0, 1.0]
+    assert "| specd | 55.56 | 1.111 (0.95–1.1) |" in markdown_table(out)
+    single = report(results, k=3)
+    add_repeat_spread(single, {"target_only": [50.0], "specd": [55.0]})  # one repeat: no spread to show
+    assert "speedup_by_repeat" not in single["modes"]["specd"]["overall"]
+
+
 def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--concurrency", type=int, default=1, help="streams at a time in the service modes")
     bench.add_argument("--repeats", type=int, default=1, help="with --concurrency > 1: run the service modes this many times, "
-                       "in order then in reverse (ABBA), so a drift of the machine's speed hits every mode alike")
+                       "in order then in reverse (ABBA), so a drift of the machine's speed hits every mode alike; the report "
+                       "gives each repeat's speedup (on a shared 2-core VM one repeat's ratio was off by up to 20%%: use 4 or more)")
     bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--branches", type=int, nargs="*", default=[],

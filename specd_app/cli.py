@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
+    bench.add_argument("--cap", type=int, nargs="*", default=[], help="also run specd_capN for each N: the default specd on a "
+                       "gateway of its own whose --max-speculative-requests is fixed at N, side by side with the measured cap")
     bench.add_argument("--medusa", action="store_true", help="also run specd_medusa: a second gateway with no draft service, "
                        "drafting with the verify's Medusa heads (and lookup copies) alone")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
@@ -399,9 +401,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd.v1 import generate_pb2_grpc
     from specd_app import bench
 
-    if (args.overlap or args.medusa) and args.gateway:
-        raise SystemExit("--overlap and --medusa start a second gateway next to the local stack they start; with --gateway "
-                         "there is none to start: run that gateway (--overlap true, or --draft-address '') and bench it alone")
+    if (args.overlap or args.medusa or args.cap) and args.gateway:
+        raise SystemExit("--overlap, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
+                         "there is none to start: run that gateway (--overlap true, --draft-address '' or --max-speculative-requests N) "
+                         "and bench it alone")
+    if any(cap < 0 for cap in args.cap):
+        raise SystemExit("--cap values are speculation caps: 0 (none) or more running requests")
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     heads_default = args.drafter == HEADS_ONLY and not args.gateway  # a given gateway is benched as it is
     if heads_default:  # specd runs on the no-draft gateway; the draft service serves the modes that need one
@@ -410,7 +415,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes, mode_gateway = bench_service_modes(
         args.num_draft_tokens, args.fixed_k, args.branches, args.overlap, args.medusa,
-        args.drafter if heads_default else "",
+        args.drafter if heads_default else "", args.cap,
     )
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
@@ -421,7 +426,8 @@ def run_bench(args: argparse.Namespace) -> int:
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
         address, extra_gateways, children, addresses = start_local_stack(
-            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa
+            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa,
+            caps=args.cap, caps_without_draft=heads_default,
         )
         runtime = bench.stack_runtime(addresses)
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
@@ -476,12 +482,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def bench_service_modes(
-    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], overlap: bool, medusa: bool, heads_beside: str
+    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], overlap: bool, medusa: bool, heads_beside: str,
+    caps: Sequence[int] = (),
 ) -> tuple[list, dict]:
     """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
-    mode → the second gateway serving it ("overlap", "medusa"; the others use the main one).
+    mode → the second gateway serving it ("overlap", "medusa", "capN"; the others use the main one).
     heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
-    specd runs on the "medusa" gateway and specd_<drafter> on the main one), else ''."""
+    specd runs on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
+    again on a gateway whose speculation cap is fixed at each N (specd_capN)."""
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
     default = {"num_draft_tokens": num_draft_tokens}
     modes = [("target_only", {"disable_speculation": True}), ("specd", default)]
@@ -496,6 +504,9 @@ def bench_service_modes(
     if medusa and not heads_beside:  # with heads_beside, specd is that mode
         modes.append(("specd_medusa", default))
         gateway["specd_medusa"] = "medusa"
+    for cap in caps:
+        modes.append((f"specd_cap{cap}", default))
+        gateway[f"specd_cap{cap}"] = f"cap{cap}"
     return modes, gateway
 
 
@@ -516,29 +527,34 @@ def stop_children(children: dict, timeout_s: float = 60.0) -> None:
 
 
 def start_local_stack(
-    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False
+    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False,
+    caps: Sequence[int] = (), caps_without_draft: bool = False,
 ) -> tuple[str, dict, dict, dict]:
-    """The three services as child processes on free ports, plus second gateways sharing the draft and
-    verify when asked: "overlap" (--overlap) and "medusa" (no draft service: the verify's Medusa heads
-    and lookup copies draft). Returns the gateway address, name → extra gateway address, the children
-    and service name → address."""
+    """The three services as child processes on free ports, plus more gateways sharing the draft and
+    verify when asked: "overlap" (--overlap), "medusa" (no draft service: the verify's Medusa heads
+    and lookup copies draft) and "capN" for each of `caps` (speculation cap fixed at N; with no draft
+    service when caps_without_draft, as the gateway specd runs on then). Returns the gateway address,
+    name → extra gateway address, the children and service name → address."""
     import socket
 
+    flags = {"overlap": ("--overlap", "true")} if overlap else {}
+    if medusa:
+        flags["medusa"] = ("--draft-address", "")
+    for cap in caps:
+        flags[f"cap{cap}"] = ("--max-speculative-requests", str(cap)) + (("--draft-address", "") if caps_without_draft else ())
     ports = []
-    for _ in range(5):
+    for _ in range(3 + len(flags)):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     named = dict(zip(("gateway", "draft", "verify"), ports))
     children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens)
     address, extra = f"127.0.0.1:{ports[0]}", {}
-    flags = {"overlap": ("--overlap", "true"), "medusa": ("--draft-address", "")}
-    for (name, wanted), port in zip((("overlap", overlap), ("medusa", medusa)), ports[3:]):
-        if wanted:
-            extra[name] = f"127.0.0.1:{port}"
-            children[f"gateway-{name}"] = subprocess.Popen(
-                gateway_command("127.0.0.1", {**named, "gateway": port}, num_draft_tokens, *flags[name], "--metrics-port", "-1")
-            )
+    for (name, gateway_flags), port in zip(flags.items(), ports[3:]):
+        extra[name] = f"127.0.0.1:{port}"
+        children[f"gateway-{name}"] = subprocess.Popen(
+            gateway_command("127.0.0.1", {**named, "gateway": port}, num_draft_tokens, *gateway_flags, "--metrics-port", "-1")
+        )
     for gateway in (address, *extra.values()):
         if not wait_until_serving(gateway, children, {"requested": False}):
             for child in children.values():  # leave nothing running behind

@@ -520,3 +520,8 @@ def test_bench_runs_specd_on_the_heads_gateway_when_they_are_the_default():
     modes, gateways = bench_service_modes(3, [], [], overlap=True, medusa=True, heads_beside="")
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_overlap", "specd_medusa"]
     assert gateways == {"specd_overlap": "overlap", "specd_medusa": "medusa"}
+    # fixed speculation caps beside the measured one: the default request on gateways of their own
+    modes, gateways = bench_service_modes(3, [], [], overlap=False, medusa=True, heads_beside="feature", caps=[0, 4])
+    assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_cap0", "specd_cap4"]
+    assert gateways == {"specd": "medusa", "specd_cap0": "cap0", "specd_cap4": "cap4"}
+    assert dict(modes)["specd_cap4"] == dict(modes)["specd"]

@@ -106,18 +106,20 @@ def lint(path: Path) -> list:
         for kind in ("cpu", "memory"):
             if kind not in requests or kind not in limits:
                 problem(f"{name}: {kind} request and limit are required")
-        on_cpu = component != "gateway" and config_value(objects, env, env_from, "SPECD_DEVICE") == "cpu"
-        if component == "gateway" or on_cpu:
-            if GPU in limits or GPU in requests:
-                problem(f"{name}: {'the gateway' if component == 'gateway' else 'a model service on CPU'} must not ask for a GPU")
-        if on_cpu:
+        asks_gpu = GPU in limits or GPU in requests
+        if component == "gateway":
+            if asks_gpu:
+                problem(f"{name}: the gateway must not ask for a GPU")
+        elif config_value(objects, env, env_from, "SPECD_DEVICE") == "cpu":
             # Guaranteed QoS with whole CPUs: the static CPU manager then gives the pod cores of its
             # own, and the service measures its threads on exactly those (specd_common/autotune.py).
+            if asks_gpu:
+                problem(f"{name}: a model service on CPU must not ask for a GPU")
             if any(str(requests.get(kind)) != str(limits.get(kind)) for kind in ("cpu", "memory")):
                 problem(f"{name}: on CPU, requests must equal limits (Guaranteed QoS: cores of its own)")
             if not str(limits.get("cpu", "")).isdigit():
                 problem(f"{name}: on CPU, limits.cpu must be whole CPUs, got {limits.get('cpu')!r}")
-        elif component != "gateway":
+        else:
             if str(limits.get(GPU)) != "1" or str(requests.get(GPU, limits.get(GPU))) != "1":
                 problem(f"{name}: must request exactly one {GPU}")
             node_selector = spec.get("nodeSelector", {})

@@ -27,12 +27,17 @@ class MedusaRecipe(FeatureRecipe):
     num_heads: int = 3
     num_layers: int = 1
     next_token_input: bool = False  # heads also read the row's own next token (verify_service/medusa.py)
+    chained_input: bool = False  # ... and head k the earlier heads' tokens too (Hydra)
 
 
 MEDUSA_RECIPES = {
     "medusa-tiny": MedusaRecipe(
         gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
         draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3,
+    ),
+    "medusa-chain-tiny": MedusaRecipe(  # a test of the chained heads' whole run
+        gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
+        draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3, next_token_input=True, chained_input=True,
     ),
     # Trains on the committed corpus (feature rows shared with the feature-corpus recipe's work dir layout).
     "medusa-corpus": MedusaRecipe(
@@ -43,20 +48,26 @@ MEDUSA_RECIPES = {
         use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
         epochs=2, batch_tokens=8192, lr=2e-3, next_token_input=True,
     ),
+    "medusa-chain-corpus": MedusaRecipe(
+        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
+        epochs=2, batch_tokens=8192, lr=2e-3, next_token_input=True, chained_input=True,
+    ),
 }
 
 
 def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per head k = 1..heads: (inputs [N_k, H], next tokens [N_k], sources [N_k, H]) over every
-    record's answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, next tokens x_{t+1}, sources f_{t+k}
-    (the row whose target scores are x_{t+1+k}'s)."""
+    """Per head k = 1..heads: (inputs [N_k, H], tokens [N_k, k], sources [N_k, H]) over every
+    record's answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, tokens x_{t+1}..x_{t+k} (the row's
+    own next token, then what a chained head reads in place of the earlier heads' proposals: the
+    answer's own tokens, i.e. teacher forcing), sources f_{t+k} (the row whose target scores are
+    x_{t+1+k}'s)."""
     out = []
     for k in range(1, heads + 1):
         kept = [r for r in records if len(r["tokens"]) - k > r["start"] - 1]
         inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r in kept]
-        next_tokens = [r["tokens"][r["start"] : len(r["tokens"]) - k + 1] for r in kept]
+        tokens = [torch.stack([r["tokens"][r["start"] + c : len(r["tokens"]) - k + 1 + c] for c in range(k)], dim=1) for r in kept]
         sources = [r["features"][r["start"] - 1 + k :] for r in kept]
-        out.append((torch.cat(inputs).float(), torch.cat(next_tokens).long(), torch.cat(sources).float()))
+        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources).float()))
     return out
 
 
@@ -64,9 +75,9 @@ def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.T
     """Mean over heads of the soft cross-entropy between each head's scores at row t and the target's
     scores from row t + k (both over the heads' vocabulary). Returns (loss, head 1's argmax agreement)."""
     total, agreement = 0.0, None
-    for index, (inputs, next_tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
-        inputs, next_tokens, sources = inputs.to(device), next_tokens.to(device), sources.to(device)  # [N, H], [N], [N, H]
-        log_q = torch.log_softmax(heads.head_output(index, inputs, next_tokens) @ heads.head_columns, dim=-1)  # [N, V']
+    for index, (inputs, tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
+        inputs, tokens, sources = inputs.to(device), tokens.to(device), sources.to(device)  # [N, H], [N, k], [N, H]
+        log_q = torch.log_softmax(heads.head_output(index, inputs, tokens) @ heads.head_columns, dim=-1)  # [N, V']
         with torch.no_grad():
             p = torch.softmax(sources @ heads.head_columns, dim=-1)  # [N, V']
         total = total + (-(p * log_q).sum(dim=-1).mean()) / heads.config.num_heads
@@ -132,21 +143,42 @@ def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: Medus
     model = target.model
     config = MedusaConfig(hidden_size=model.config.hidden_size, num_heads=recipe.num_heads, vocab_size=model.config.vocab_size,
                           draft_vocab_size=len(vocab_ids), num_layers=recipe.num_layers,
-                          next_token_input=recipe.next_token_input, target=target_spec, vocab_digest=vocab_digest(target.tokenizer))
+                          next_token_input=recipe.next_token_input, chained_input=recipe.chained_input, target=target_spec,
+                          vocab_digest=vocab_digest(target.tokenizer))
     return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids, model.get_input_embeddings().weight)
+
+
+def chained_from(heads, target_model):
+    """Chained (Hydra) heads that compute exactly what `heads` (token input, unchained) do until
+    trained: each first block's weights gain zero columns for the earlier heads' tokens, so a chain
+    run starts from trained heads instead of from scratch."""
+    from verify_service.medusa import MedusaHeads
+
+    chained = MedusaHeads(replace(heads.config, chained_input=True), target_model.get_output_embeddings().weight,
+                          heads.vocab_ids, target_model.get_input_embeddings().weight)
+    state = heads.state_dict()
+    for name, weight in chained.state_dict().items():
+        old = state[name]
+        state[name] = torch.cat((old, weight.new_zeros(old.shape[0], weight.shape[1] - old.shape[1])), dim=1) if weight.shape != old.shape else old
+    chained.load_state_dict(state)
+    return chained
 
 
 def starting_heads(target, folder: Path, recipe: MedusaRecipe):
     """Saved heads to train further (weights and vocabulary), after checking they fit this target and
-    this recipe's shape: a warm start costs a fraction of training from scratch on a CPU."""
+    this recipe's shape (token-input heads may go on as chained ones): a warm start costs a fraction
+    of training from scratch on a CPU."""
     from specd_common.models import vocab_digest
     from verify_service.medusa import load_heads
 
     heads = load_heads(folder, target.model, vocab_digest(target.tokenizer))
-    shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input)
-    if shape != (recipe.num_heads, recipe.num_layers, recipe.next_token_input):
-        raise ValueError(f"the heads in {folder} have (heads, layers, token input) {shape}; the recipe wants "
-                         f"{(recipe.num_heads, recipe.num_layers, recipe.next_token_input)}: pick the matching recipe")
+    if recipe.chained_input and heads.config.next_token_input and not heads.config.chained_input:
+        heads = chained_from(heads, target.model)
+    shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input, heads.config.chained_input)
+    wanted = (recipe.num_heads, recipe.num_layers, recipe.next_token_input, recipe.chained_input)
+    if shape != wanted:
+        raise ValueError(f"the heads in {folder} have (heads, layers, token input, chained) {shape}; the recipe wants "
+                         f"{wanted}: pick the matching recipe")
     log.info("train: starting from the heads in %s (%d-token vocabulary)", folder, heads.config.draft_vocab_size)
     return heads.train()
 

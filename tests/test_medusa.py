@@ -126,9 +126,56 @@ def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
     record = {"tokens": torch.arange(100, 108), "features": features, "start": 3}
     (in1, next1, out1), (in2, next2, out2) = medusa_rows([record], 2)
     assert in1[:, 0].tolist() == [2, 3, 4, 5, 6] and out1[:, 0].tolist() == [3, 4, 5, 6, 7]
-    assert next1.tolist() == [103, 104, 105, 106, 107]
+    assert next1.tolist() == [[103], [104], [105], [106], [107]]
     assert in2[:, 0].tolist() == [2, 3, 4, 5] and out2[:, 0].tolist() == [4, 5, 6, 7]
-    assert next2.tolist() == [103, 104, 105, 106]
+    assert next2.tolist() == [[103, 104], [104, 105], [105, 106], [106, 107]]  # x_{t+1}, x_{t+2}: what head 2 may read
+
+
+def random_token_heads(tiny, chained: bool, seed: int = 0):
+    """Token-input heads over the tiny target's whole vocabulary with random (not identity) blocks, so
+    that every input column changes their proposals; with the loaded target."""
+    from draft_training.medusa_training import MedusaRecipe, build_heads
+    from specd_common.models import load_causal_lm
+
+    loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+    heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "",
+                        MedusaRecipe(num_heads=HEADS, next_token_input=True, chained_input=chained))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return heads.eval(), loaded
+
+
+def test_chained_heads_served_read_what_they_were_trained_on(tiny):
+    """A chained head k reads x_{t+1}..x_{t+k}: in training the answer's own tokens (medusa_rows), when
+    serving the earlier heads' proposals (propose). On an answer whose tokens are the proposals
+    themselves, the training rows must give each head the same input and so the same proposal; an
+    off-by-one column in either place changes the random heads' argmax."""
+    heads, loaded = random_token_heads(tiny, chained=True)
+    features = torch.randn(1, loaded.model.config.hidden_size)  # [1, H]: row t
+    proposals = heads.propose(features, torch.tensor([7]))[0]  # [K]
+    assert len(set(proposals.tolist())) > 1  # the check below can tell the heads' inputs apart
+    tokens = torch.tensor([3, 7] + proposals.tolist())  # row t = 0 (start 1): x_1 = 7, then the proposals
+    record = {"tokens": tokens, "features": features.expand(len(tokens), -1), "start": 1}
+    with torch.inference_mode():
+        for index, (inputs, read, _) in enumerate(medusa_rows([record], HEADS)):
+            scores = heads.head_output(index, inputs[:1], read[:1]) @ heads.head_columns  # [1, V]
+            assert read[0].tolist() == [7] + proposals[:index].tolist()
+            assert int(scores.argmax()) == int(proposals[index])
+
+
+def test_chained_heads_start_as_the_heads_they_were_made_from(tiny):
+    """chained_from: a chain run warm-started from unchained token heads proposes exactly what they did
+    (the new input columns are zero), and then every head's input is wider by one token per earlier head."""
+    from draft_training.medusa_training import chained_from
+
+    heads, loaded = random_token_heads(tiny, chained=False)
+    chained = chained_from(heads, loaded.model).eval()
+    features, next_tokens = torch.randn(6, loaded.model.config.hidden_size), torch.randint(0, 50, (6,))
+    assert torch.equal(chained.propose(features, next_tokens), heads.propose(features, next_tokens))
+    h = loaded.model.config.hidden_size
+    assert [head[0].linear.in_features for head in chained.heads] == [2 * h, 3 * h, 4 * h]
 
 
 def test_simulated_rounds_with_perfect_proposals():
@@ -169,21 +216,23 @@ def test_heads_give_way_to_a_draft_that_promises_more():
     assert generation._head_drafts == []  # proposals are used once
 
 
-def test_training_medusa_heads_end_to_end(tmp_path):
-    """`specd train-draft --recipe medusa-tiny` on a tiny random target: saves heads that load, and
-    that predict the held-out answers better than untrained (identity) heads."""
-    from draft_training.medusa_training import MedusaRecipe, build_heads, medusa_evaluation
+@pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny"])
+def test_training_medusa_heads_end_to_end(tmp_path, recipe):
+    """`specd train-draft --recipe medusa-tiny` (and its chained heads) on a tiny random target: saves
+    heads that load, and that predict the held-out answers better than untrained (identity) heads."""
+    from draft_training.medusa_training import MEDUSA_RECIPES, build_heads, medusa_evaluation
     from specd_common.models import load_causal_lm
     from tests.test_train_feature_head import train_on_a_tiny_target
     from verify_service.medusa import load_heads
 
-    run = train_on_a_tiny_target(tmp_path, "medusa-tiny", head_scale=10.0)  # peaked: the soft targets carry signal
+    run = train_on_a_tiny_target(tmp_path, recipe, head_scale=10.0)  # peaked: the soft targets carry signal
     folder = run["root"] / "work" / "medusa"
     for name in ("medusa_heads.safetensors", "medusa_heads.json", "recipe.json", "eval.json", "training.json"):
         assert (folder / name).exists()
     target = load_causal_lm(str(run["target"]))
     trained = load_heads(folder, target.model)
-    untrained = build_heads(target, trained.vocab_ids, "", MedusaRecipe(num_heads=trained.config.num_heads)).eval()
+    assert trained.config.chained_input == MEDUSA_RECIPES[recipe].chained_input
+    untrained = build_heads(target, trained.vocab_ids, "", MEDUSA_RECIPES[recipe]).eval()
     before = medusa_evaluation(untrained, target, run["root"] / "work", 0)["top1_by_head"]
     after = json.loads((folder / "eval.json").read_text())["top1_by_head"]
     assert after[0] > before[0] + 0.1, (before, after)

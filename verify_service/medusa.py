@@ -19,6 +19,14 @@ tokens before its own): what EAGLE's first drafting step knows, without its atte
 passes the target's argmax at the row (the round's token itself when greedy; a guess when sampling,
 which only costs acceptance, never exactness).
 
+With chained_input as well, head k's first block reads every token between the row and its own:
+x_{t+1} and heads 1..k-1's proposals for x_{t+2}..x_{t+k} (Hydra: Ankner et al., 2024). Medusa heads
+guess x_{t+3} without knowing what head 1 guessed for x_{t+2}; a chain of drafts is only accepted
+where every earlier guess was right, so what counts is head k's accuracy *given* the earlier heads
+were right, which is what a head reading their tokens learns (trained on the answer's own tokens:
+teacher forcing). The cost: the heads score one after another (K products over the V' × H rows
+instead of one).
+
 Only the residual blocks are trained and saved (~0.7 MB a block in bf16, twice that with the token
 input); the LM head rows and the embedding are the target's and are read from it at load time. Drafts are each head's argmax: deterministic, so a
 sampling round treats them like prompt-lookup copies (q = one-hot), which the ordinary rejection
@@ -52,6 +60,7 @@ class MedusaConfig:
     draft_vocab_size: int  # V': ids the heads score
     num_layers: int = 1  # residual blocks per head
     next_token_input: bool = False  # the first block also reads the embedding of the row's own next token
+    chained_input: bool = False  # ... and head k also the earlier heads' proposals (Hydra; needs next_token_input)
     target: str = ""
     vocab_digest: str = ""  # the target tokenizer's digest, checked at load
 
@@ -77,12 +86,13 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig, lm_head: torch.Tensor, vocab_ids: torch.Tensor, embedding: Optional[torch.Tensor] = None):
         """lm_head [V, H] and embedding [V, H] (needed with next_token_input) are the target's; vocab_ids [V'] the ids scored."""
         super().__init__()
+        if config.chained_input and not config.next_token_input:
+            raise ValueError("Medusa heads with chained_input read the tokens after the row's own next token: they need next_token_input too")
         self.config = config
         h = config.hidden_size
-        extra = h if config.next_token_input else 0
         self.heads = nn.ModuleList(
-            nn.ModuleList(ResidualBlock(h, extra if layer == 0 else 0) for layer in range(config.num_layers))
-            for _ in range(config.num_heads)
+            nn.ModuleList(ResidualBlock(h, h * self.token_inputs(index) if layer == 0 else 0) for layer in range(config.num_layers))
+            for index in range(config.num_heads)
         )
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
         # the target's LM-head rows of the heads' vocabulary, stored as contiguous columns [H, V']:
@@ -95,17 +105,32 @@ class MedusaHeads(nn.Module):
                 raise ValueError("Medusa heads with next_token_input need the target's input embedding")
             self.register_buffer("embedding", embedding.detach().float(), persistent=False)  # [V, H]
 
-    def head_output(self, index: int, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Head index + 1's residual stream: features [..., H] (and next_tokens [...] with the token input) → [..., H]."""
+    def token_inputs(self, index: int) -> int:
+        """How many tokens after the row head index + 1's first block reads: none, the row's own next
+        token, or (chained) that and the earlier heads' proposals."""
+        if not self.config.next_token_input:
+            return 0
+        return index + 1 if self.config.chained_input else 1
+
+    def head_output(self, index: int, features: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head index + 1's residual stream: features [..., H] → [..., H]. tokens [..., m] (or [...] for
+        m = 1): column c is the token c + 1 positions after the row (column 0 the row's own next
+        token); the head reads the first token_inputs(index) columns."""
         x = features.to(self.head_columns.dtype)
-        extra = self.embedding[next_tokens] if self.config.next_token_input else None
+        extra = None
+        if self.config.next_token_input:
+            tokens = tokens if tokens.dim() == features.dim() else tokens[..., None]  # [..., m]
+            extra = self.embedding[tokens[..., : self.token_inputs(index)]].flatten(-2)  # [..., n·H]
         for layer, block in enumerate(self.heads[index]):
             x = block(x, extra if layer == 0 else None)
         return x
 
     def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """features [..., H] (next_tokens [...]: each row's own next token, with the token input) →
-        scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1)."""
+        scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1). Unchained heads only:
+        chained ones need each other's proposals (propose)."""
+        if self.config.chained_input:
+            raise ValueError("chained Medusa heads score one after another: use propose")
         outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, ..., H]
         return (outputs @ self.head_columns).float()  # one product: the V' × H rows are read once for all heads
 
@@ -113,8 +138,14 @@ class MedusaHeads(nn.Module):
     def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """features [N, H] (next_tokens [N]) → token ids [N, K]: row n holds heads 1..K's argmax, the
         drafts after row n's next token."""
-        scores = self(features, next_tokens)  # [K, N, V']
-        return self.vocab_ids[scores.argmax(dim=-1)].T  # [N, K]
+        if not self.config.chained_input:
+            scores = self(features, next_tokens)  # [K, N, V']
+            return self.vocab_ids[scores.argmax(dim=-1)].T  # [N, K]
+        tokens = next_tokens[:, None]  # [N, 1 + proposals so far]
+        for index in range(len(self.heads)):
+            scores = self.head_output(index, features, tokens) @ self.head_columns  # [N, V']
+            tokens = torch.cat((tokens, self.vocab_ids[scores.argmax(dim=-1)][:, None]), dim=1)
+        return tokens[:, 1:]  # [N, K]
 
 
 def save_heads(heads: MedusaHeads, folder: Path) -> int:

@@ -30,28 +30,21 @@ class MedusaRecipe(FeatureRecipe):
     chained_input: bool = False  # ... and head k the earlier heads' tokens too (Hydra)
 
 
+_TINY = MedusaRecipe(  # a test of a whole run
+    gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
+    draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3,
+)
+# Trains on the committed corpus (feature rows shared with the feature-corpus recipe's work dir layout).
+_CORPUS = MedusaRecipe(
+    use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
+    epochs=2, batch_tokens=8192, lr=2e-3,
+)
 MEDUSA_RECIPES = {
-    "medusa-tiny": MedusaRecipe(
-        gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
-        draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3,
-    ),
-    "medusa-chain-tiny": MedusaRecipe(  # a test of the chained heads' whole run
-        gen_per_kind={kind: 4 for kind in KINDS}, eval_per_kind=2, max_new_tokens=24, gen_batch=8, reference_rows=8,
-        draft_vocab=0, epochs=80, batch_tokens=256, lr=1e-2, warmup_steps=3, next_token_input=True, chained_input=True,
-    ),
-    # Trains on the committed corpus (feature rows shared with the feature-corpus recipe's work dir layout).
-    "medusa-corpus": MedusaRecipe(
-        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
-        epochs=2, batch_tokens=8192, lr=2e-3,
-    ),
-    "medusa-token-corpus": MedusaRecipe(
-        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
-        epochs=2, batch_tokens=8192, lr=2e-3, next_token_input=True,
-    ),
-    "medusa-chain-corpus": MedusaRecipe(
-        use_corpus=True, reference_rows=8000, max_new_tokens=192, feature_batch=16, generated_repeats=2,
-        epochs=2, batch_tokens=8192, lr=2e-3, next_token_input=True, chained_input=True,
-    ),
+    "medusa-tiny": _TINY,
+    "medusa-chain-tiny": replace(_TINY, next_token_input=True, chained_input=True),
+    "medusa-corpus": _CORPUS,
+    "medusa-token-corpus": replace(_CORPUS, next_token_input=True),
+    "medusa-chain-corpus": replace(_CORPUS, next_token_input=True, chained_input=True),
 }
 
 
@@ -158,8 +151,8 @@ def chained_from(heads, target_model):
                           heads.vocab_ids, target_model.get_input_embeddings().weight)
     state = heads.state_dict()
     for name, weight in chained.state_dict().items():
-        old = state[name]
-        state[name] = torch.cat((old, weight.new_zeros(old.shape[0], weight.shape[1] - old.shape[1])), dim=1) if weight.shape != old.shape else old
+        if weight.shape != state[name].shape:  # a first block's weight [H, H + n·H]: zero columns for the new tokens
+            state[name] = torch.cat((state[name], weight.new_zeros(weight.shape[0], weight.shape[1] - state[name].shape[1])), dim=1)
     chained.load_state_dict(state)
     return chained
 

@@ -14,39 +14,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from specd_common.config import DEFAULT_TARGET
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", required=True, help="a train-draft work dir with held-out answers (data/gen-eval shards)")
     parser.add_argument("--heads", action="append", required=True, help="NAME=DIR, repeatable")
-    parser.add_argument("--target", default="embedded:smollm2-135m-instruct")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--output", default="")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
-    from dataclasses import replace
-
     from draft_training.medusa_training import medusa_evaluation
+    from specd_app.bench import machine_facts
     from specd_common.models import load_causal_lm, vocab_digest
     from verify_service.medusa import load_heads
 
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
-    report = {"command": " ".join(["python", "scripts/medusa_compare.py", *argv]), "machine": platform.processor() or platform.machine(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "heads": {}}
+    report = {"command": " ".join(["python", "scripts/medusa_compare.py", *argv]), "machine": machine_facts(), "heads": {}}
     for spec in args.heads:
         name, _, folder = spec.partition("=")
         heads = load_heads(Path(folder), target.model, vocab_digest(target.tokenizer))
         report["heads"][name] = {"folder": folder, "config": vars(heads.config),
-                                 **medusa_evaluation(heads, replace(target, device=torch.device("cpu")), Path(args.work_dir), 0)}
+                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0)}
     text = json.dumps(report, indent=1)
     if args.output:
         Path(args.output).write_text(text + "\n")

@@ -45,6 +45,7 @@ MEDUSA_RECIPES = {
     "medusa-corpus": _CORPUS,
     "medusa-token-corpus": replace(_CORPUS, next_token_input=True),
     "medusa-chain-corpus": replace(_CORPUS, next_token_input=True, chained_input=True),
+    "medusa-chain2-corpus": replace(_CORPUS, next_token_input=True, chained_input=True, num_layers=2),
 }
 
 
@@ -141,38 +142,47 @@ def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: Medus
     return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids, model.get_input_embeddings().weight)
 
 
-def chained_from(heads, target_model):
-    """Chained (Hydra) heads that compute exactly what `heads` (token input, unchained) do until
-    trained: each first block's weights gain zero columns for the earlier heads' tokens, so a chain
-    run starts from trained heads instead of from scratch."""
+def reshaped_from(heads, target_model, **changes):
+    """Heads of the config `heads.config` with `changes` (chained_input=True, a larger num_layers) that
+    compute exactly what `heads` do until trained: a first block that reads more tokens gains zero
+    weight columns for them, and an added block starts as the identity (ResidualBlock's zero init),
+    so a run with the new shape starts from trained heads instead of from scratch."""
     from verify_service.medusa import MedusaHeads
 
-    chained = MedusaHeads(replace(heads.config, chained_input=True), target_model.get_output_embeddings().weight,
-                          heads.vocab_ids, target_model.get_input_embeddings().weight)
-    state = heads.state_dict()
-    for name, weight in chained.state_dict().items():
+    reshaped = MedusaHeads(replace(heads.config, **changes), target_model.get_output_embeddings().weight,
+                           heads.vocab_ids, target_model.get_input_embeddings().weight)
+    state = reshaped.state_dict()  # the new shape's zero-initialized blocks, overwritten where `heads` has weights
+    for name, weight in heads.state_dict().items():
         if weight.shape != state[name].shape:  # a first block's weight [H, H + n·H]: zero columns for the new tokens
-            state[name] = torch.cat((state[name], weight.new_zeros(weight.shape[0], weight.shape[1] - state[name].shape[1])), dim=1)
-    chained.load_state_dict(state)
-    return chained
+            weight = torch.cat((weight, weight.new_zeros(weight.shape[0], state[name].shape[1] - weight.shape[1])), dim=1)
+        state[name] = weight
+    reshaped.load_state_dict(state)
+    return reshaped
 
 
 def starting_heads(target, folder: Path, recipe: MedusaRecipe):
     """Saved heads to train further (weights and vocabulary), after checking they fit this target and
-    this recipe's shape (token-input heads may go on as chained ones): a warm start costs a fraction
-    of training from scratch on a CPU."""
+    this recipe's shape (token-input heads may go on as chained ones, and heads may gain blocks): a
+    warm start costs a fraction of training from scratch on a CPU."""
     from specd_common.models import vocab_digest
     from verify_service.medusa import load_heads
 
     heads = load_heads(folder, target.model, vocab_digest(target.tokenizer))
-    if recipe.chained_input and heads.config.next_token_input and not heads.config.chained_input:
-        heads = chained_from(heads, target.model)
+    config = heads.config
+    changes = {}
+    if recipe.chained_input and config.next_token_input and not config.chained_input:
+        changes["chained_input"] = True
+    if recipe.num_layers > config.num_layers:
+        changes["num_layers"] = recipe.num_layers
+    if changes:
+        heads = reshaped_from(heads, target.model, **changes)
     shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input, heads.config.chained_input)
     wanted = (recipe.num_heads, recipe.num_layers, recipe.next_token_input, recipe.chained_input)
     if shape != wanted:
         raise ValueError(f"the heads in {folder} have (heads, layers, token input, chained) {shape}; the recipe wants "
                          f"{wanted}: pick the matching recipe")
-    log.info("train: starting from the heads in %s (%d-token vocabulary)", folder, heads.config.draft_vocab_size)
+    log.info("train: starting from the heads in %s (%d-token vocabulary%s)", folder, heads.config.draft_vocab_size,
+             f"; reshaped: {changes}" if changes else "")
     return heads.train()
 
 

@@ -165,17 +165,21 @@ def test_chained_heads_served_read_what_they_were_trained_on(tiny):
             assert int(scores.argmax()) == int(proposals[index])
 
 
-def test_chained_heads_start_as_the_heads_they_were_made_from(tiny):
-    """chained_from: a chain run warm-started from unchained token heads proposes exactly what they did
-    (the new input columns are zero), and then every head's input is wider by one token per earlier head."""
-    from draft_training.medusa_training import chained_from
+def test_reshaped_heads_start_as_the_heads_they_were_made_from(tiny):
+    """reshaped_from: a run warm-started from unchained one-block token heads, made chained and two
+    blocks deep, proposes exactly what they did (the new input columns are zero, the new blocks the
+    identity); then every head's input is wider by one token per earlier head and has two blocks."""
+    from draft_training.medusa_training import reshaped_from
 
     heads, loaded = random_token_heads(tiny, chained=False)
-    chained = chained_from(heads, loaded.model).eval()
     features, next_tokens = torch.randn(6, loaded.model.config.hidden_size), torch.randint(0, 50, (6,))
-    assert torch.equal(chained.propose(features, next_tokens), heads.propose(features, next_tokens))
+    chained = reshaped_from(heads, loaded.model, chained_input=True).eval()
+    deeper = reshaped_from(chained, loaded.model, num_layers=2).eval()
+    for reshaped in (chained, deeper):
+        assert torch.equal(reshaped.propose(features, next_tokens), heads.propose(features, next_tokens))
     h = loaded.model.config.hidden_size
-    assert [head[0].linear.in_features for head in chained.heads] == [2 * h, 3 * h, 4 * h]
+    assert [head[0].linear.in_features for head in deeper.heads] == [2 * h, 3 * h, 4 * h]
+    assert [len(head) for head in deeper.heads] == [2, 2, 2] and deeper.config.num_layers == 2
 
 
 def test_simulated_rounds_with_perfect_proposals():

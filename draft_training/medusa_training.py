@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from draft_training.feature_training import FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data
 from draft_training.train_prompts import KINDS
@@ -49,34 +50,45 @@ MEDUSA_RECIPES = {
 }
 
 
+def answer_rows(records: list[dict]) -> torch.Tensor:
+    """The rows whose target scores the heads learn, every record's f_start..f_{T-1} concatenated:
+    [R, H]. Head k's targets are a suffix of each record's (medusa_rows' sources index them), so the
+    target's distribution is computed once a row instead of once a head."""
+    return torch.cat([r["features"][r["start"] :] for r in records]).float()
+
+
 def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per head k = 1..heads: (inputs [N_k, H], tokens [N_k, k], sources [N_k, H]) over every
-    record's answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, tokens x_{t+1}..x_{t+k} (the row's
-    own next token, then what a chained head reads in place of the earlier heads' proposals: the
-    answer's own tokens, i.e. teacher forcing), sources f_{t+k} (the row whose target scores are
-    x_{t+1+k}'s)."""
+    """Per head k = 1..heads: (inputs [N_k, H], tokens [N_k, k], sources [N_k]) over every record's
+    answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, tokens x_{t+1}..x_{t+k} (the row's own next
+    token, then what a chained head reads in place of the earlier heads' proposals: the answer's own
+    tokens, i.e. teacher forcing), sources the index in answer_rows(records) of f_{t+k} (the row
+    whose target scores are x_{t+1+k}'s)."""
+    offsets = [0]
+    for r in records:
+        offsets.append(offsets[-1] + len(r["tokens"]) - r["start"])
     out = []
     for k in range(1, heads + 1):
-        kept = [r for r in records if len(r["tokens"]) - k > r["start"] - 1]
-        inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r in kept]
-        tokens = [torch.stack([r["tokens"][r["start"] + c : len(r["tokens"]) - k + 1 + c] for c in range(k)], dim=1) for r in kept]
-        sources = [r["features"][r["start"] - 1 + k :] for r in kept]
-        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources).float()))
+        kept = [(r, offset) for r, offset in zip(records, offsets) if len(r["tokens"]) - k > r["start"] - 1]
+        inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r, _ in kept]
+        tokens = [torch.stack([r["tokens"][r["start"] + c : len(r["tokens"]) - k + 1 + c] for c in range(k)], dim=1) for r, _ in kept]
+        sources = [torch.arange(offset + k - 1, offset + len(r["tokens"]) - r["start"]) for r, offset in kept]
+        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources)))
     return out
 
 
 def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over heads of the soft cross-entropy between each head's scores at row t and the target's
     scores from row t + k (both over the heads' vocabulary). Returns (loss, head 1's argmax agreement)."""
+    with torch.no_grad():
+        targets = torch.softmax(answer_rows(batch).to(device) @ heads.head_columns, dim=-1)  # [R, V']
     total, agreement = 0.0, None
     for index, (inputs, tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
-        inputs, tokens, sources = inputs.to(device), tokens.to(device), sources.to(device)  # [N, H], [N, k], [N, H]
-        log_q = torch.log_softmax(heads.head_output(index, inputs, tokens) @ heads.head_columns, dim=-1)  # [N, V']
-        with torch.no_grad():
-            p = torch.softmax(sources @ heads.head_columns, dim=-1)  # [N, V']
-        total = total + (-(p * log_q).sum(dim=-1).mean()) / heads.config.num_heads
+        inputs, tokens = inputs.to(device), tokens.to(device)  # [N, H], [N, k]
+        scores = heads.head_output(index, inputs, tokens) @ heads.head_columns  # [N, V']
+        p = targets[sources.to(device)]  # [N, V']
+        total = total + F.cross_entropy(scores, p) / heads.config.num_heads  # soft targets: −Σ p log softmax(scores), averaged
         if agreement is None:
-            agreement = (log_q.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
+            agreement = (scores.argmax(dim=-1) == p.argmax(dim=-1)).float().mean()
     return total, agreement
 
 

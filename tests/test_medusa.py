@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draft_training.medusa_training import medusa_rows, simulate_chain
+from draft_training.medusa_training import answer_rows, medusa_rows, simulate_chain
 from gateway.adaptive import StepCosts
 from gateway.features import head_drafts_at
 from specd.v1 import common_pb2
@@ -124,11 +124,19 @@ def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
     """medusa_rows: head k reads f_t and x_{t+1} and learns the target's scores from f_{t+k}, for answer rows t ≥ start - 1."""
     features = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t
     record = {"tokens": torch.arange(100, 108), "features": features, "start": 3}
+    rows = answer_rows([record])  # f_3..f_7
     (in1, next1, out1), (in2, next2, out2) = medusa_rows([record], 2)
+    out1, out2 = rows[out1], rows[out2]
     assert in1[:, 0].tolist() == [2, 3, 4, 5, 6] and out1[:, 0].tolist() == [3, 4, 5, 6, 7]
     assert next1.tolist() == [[103], [104], [105], [106], [107]]
     assert in2[:, 0].tolist() == [2, 3, 4, 5] and out2[:, 0].tolist() == [4, 5, 6, 7]
     assert next2.tolist() == [[103, 104], [104, 105], [105, 106], [106, 107]]  # x_{t+1}, x_{t+2}: what head 2 may read
+    # a second record in the batch: its rows are found past the first one's in answer_rows
+    other = {"tokens": torch.arange(200, 205), "features": features[:5] + 10, "start": 2}
+    rows = answer_rows([record, other])  # f_3..f_7, then the other's f_2..f_4
+    (in1, _, out1), (in2, _, out2) = medusa_rows([record, other], 2)
+    assert in1[:, 0].tolist() == [2, 3, 4, 5, 6, 11, 12, 13] and rows[out1][:, 0].tolist() == [3, 4, 5, 6, 7, 12, 13, 14]
+    assert in2[:, 0].tolist() == [2, 3, 4, 5, 11, 12] and rows[out2][:, 0].tolist() == [4, 5, 6, 7, 13, 14]
 
 
 def random_token_heads(tiny, chained: bool, seed: int = 0):

@@ -9,6 +9,8 @@ Modes (keys of the JSON report):
   specd_k<N>    speculation on with a fixed k = N (each N in --fixed-k), to compare with adaptive
   specd_tree<B> adaptive, the draft's trees of B candidates a position (each B in --branches)
   specd_overlap / specd_medusa   second gateways: overlapped drafting; no draft service (--medusa)
+  specd_heads_<NAME>  the default request on a verify serving other Medusa heads (--heads NAME=DIR),
+                behind a gateway with no draft service: heads of different runs through the services
   hf_target     transformers `generate`, the target alone, in this process
   hf_assisted   transformers `generate` with the same kind of draft: the same draft model, or its
                 prompt-lookup assistant for the n-gram drafter

@@ -17,10 +17,12 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 from specd_common import autotune
@@ -131,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "gateway of its own whose --max-speculative-requests is fixed at N, side by side with the measured cap")
     bench.add_argument("--medusa", action="store_true", help="also run specd_medusa: a second gateway with no draft service, "
                        "drafting with the verify's Medusa heads (and lookup copies) alone")
+    bench.add_argument("--heads", nargs="*", default=[], metavar="NAME=DIR",
+                       help="also run specd_heads_NAME for each: the default request on a verify of its own serving the Medusa "
+                       "heads in DIR, behind a gateway with no draft service (heads from different training runs side by side "
+                       "through the services)")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
@@ -407,6 +413,9 @@ def run_bench(args: argparse.Namespace) -> int:
                          "and bench it alone")
     if any(cap < 0 for cap in args.cap):
         raise SystemExit("--cap values are speculation caps: 0 (none) or more running requests")
+    heads = parse_heads_flags(args.heads)
+    if heads and args.gateway:
+        raise SystemExit("--heads starts a verify and a gateway for each heads folder next to the local stack; with --gateway there is none")
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     heads_default = args.drafter == HEADS_ONLY and not args.gateway  # a given gateway is benched as it is
     if heads_default:  # specd runs on the no-draft gateway; the draft service serves the modes that need one
@@ -415,7 +424,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes, mode_gateway = bench_service_modes(
         args.num_draft_tokens, args.fixed_k, args.branches, args.overlap, args.medusa,
-        args.drafter if heads_default else "", args.cap,
+        args.drafter if heads_default else "", args.cap, list(heads),
     )
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
@@ -427,7 +436,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not address:
         address, extra_gateways, children, addresses = start_local_stack(
             args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa,
-            caps=args.cap, caps_without_draft=heads_default,
+            caps=args.cap, caps_without_draft=heads_default, heads=heads,
         )
         runtime = bench.stack_runtime(addresses)
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
@@ -471,7 +480,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa,
+        "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
     }
     if args.output:
         with open(args.output, "w") as out:
@@ -483,13 +492,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def bench_service_modes(
     num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], overlap: bool, medusa: bool, heads_beside: str,
-    caps: Sequence[int] = (),
+    caps: Sequence[int] = (), heads: Sequence[str] = (),
 ) -> tuple[list, dict]:
     """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
     mode → the second gateway serving it ("overlap", "medusa", "capN"; the others use the main one).
     heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
     specd runs on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
-    again on a gateway whose speculation cap is fixed at each N (specd_capN)."""
+    again on a gateway whose speculation cap is fixed at each N (specd_capN). heads: names of heads
+    folders, each served by a verify and a gateway of its own with no draft service (specd_heads_NAME)."""
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
     default = {"num_draft_tokens": num_draft_tokens}
     modes = [("target_only", {"disable_speculation": True}), ("specd", default)]
@@ -507,7 +517,32 @@ def bench_service_modes(
     for cap in caps:
         modes.append((f"specd_cap{cap}", default))
         gateway[f"specd_cap{cap}"] = f"cap{cap}"
+    for name in heads:
+        modes.append((f"specd_heads_{name}", default))
+        gateway[f"specd_heads_{name}"] = f"heads-{name}"
     return modes, gateway
+
+
+HEADS_NAME = re.compile(r"[a-z0-9_]+")
+
+
+def parse_heads_flags(values: Sequence[str]) -> dict:
+    """`--heads NAME=DIR ...` → {name: folder}, refusing what could not be served: a name that is not
+    lowercase letters, digits and _ (it becomes a mode name), a repeated name, a folder without
+    Medusa heads."""
+    from verify_service.medusa import CONFIG_FILE
+
+    heads: dict = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not HEADS_NAME.fullmatch(name) or not folder:
+            raise SystemExit(f"--heads takes NAME=DIR with NAME of lowercase letters, digits and _; got {value!r}")
+        if name in heads:
+            raise SystemExit(f"--heads names each folder once; {name!r} is given twice")
+        if not (Path(folder) / CONFIG_FILE).is_file():
+            raise SystemExit(f"--heads {value}: {folder} holds no Medusa heads ({CONFIG_FILE} is missing)")
+        heads[name] = str(Path(folder).resolve())
+    return heads
 
 
 def stop_children(children: dict, timeout_s: float = 60.0) -> None:
@@ -528,13 +563,14 @@ def stop_children(children: dict, timeout_s: float = 60.0) -> None:
 
 def start_local_stack(
     target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False,
-    caps: Sequence[int] = (), caps_without_draft: bool = False,
+    caps: Sequence[int] = (), caps_without_draft: bool = False, heads: Optional[dict] = None,
 ) -> tuple[str, dict, dict, dict]:
     """The three services as child processes on free ports, plus more gateways sharing the draft and
     verify when asked: "overlap" (--overlap), "medusa" (no draft service: the verify's Medusa heads
     and lookup copies draft) and "capN" for each of `caps` (speculation cap fixed at N; with no draft
-    service when caps_without_draft, as the gateway specd runs on then). Returns the gateway address,
-    name → extra gateway address, the children and service name → address."""
+    service when caps_without_draft, as the gateway specd runs on then); and for each name → folder of
+    `heads`, a verify serving those heads with a gateway "heads-NAME" (no draft service) in front.
+    Returns the gateway address, name → extra gateway address, the children and service name → address."""
     import socket
 
     flags = {"overlap": ("--overlap", "true")} if overlap else {}
@@ -542,8 +578,9 @@ def start_local_stack(
         flags["medusa"] = ("--draft-address", "")
     for cap in caps:
         flags[f"cap{cap}"] = ("--max-speculative-requests", str(cap)) + (("--draft-address", "") if caps_without_draft else ())
+    heads = heads or {}
     ports = []
-    for _ in range(3 + len(flags)):
+    for _ in range(3 + len(flags) + 2 * len(heads)):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
@@ -555,12 +592,27 @@ def start_local_stack(
         children[f"gateway-{name}"] = subprocess.Popen(
             gateway_command("127.0.0.1", {**named, "gateway": port}, num_draft_tokens, *gateway_flags, "--metrics-port", "-1")
         )
+    for index, (name, folder) in enumerate(heads.items()):
+        verify_port, gateway_port = ports[3 + len(flags) + 2 * index : 5 + len(flags) + 2 * index]
+        own = {**named, "verify": verify_port, "gateway": gateway_port}
+        verify = service_commands("127.0.0.1", own, target, drafter, draft_model, threads, num_draft_tokens)["verify"]
+        children[f"verify-heads-{name}"] = subprocess.Popen([*verify, "--medusa-heads", folder])  # one at a time: each measures its passes at start-up
+        if not wait_until_serving(f"127.0.0.1:{verify_port}", children, {"requested": False}):
+            abandon_stack(children)
+        extra[f"heads-{name}"] = f"127.0.0.1:{gateway_port}"
+        children[f"gateway-heads-{name}"] = subprocess.Popen(
+            gateway_command("127.0.0.1", own, num_draft_tokens, "--draft-address", "", "--metrics-port", "-1"))
     for gateway in (address, *extra.values()):
         if not wait_until_serving(gateway, children, {"requested": False}):
-            for child in children.values():  # leave nothing running behind
-                child.kill()
-            raise SystemExit("the local stack did not start; see the log above")
+            abandon_stack(children)
     return address, extra, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
+
+
+def abandon_stack(children: dict) -> None:
+    """A local stack that did not start: kill what runs of it (leave nothing behind) and exit."""
+    for child in children.values():
+        child.kill()
+    raise SystemExit("the local stack did not start; see the log above")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -525,3 +525,24 @@ def test_bench_runs_specd_on_the_heads_gateway_when_they_are_the_default():
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_cap0", "specd_cap4"]
     assert gateways == {"specd": "medusa", "specd_cap0": "cap0", "specd_cap4": "cap4"}
     assert dict(modes)["specd_cap4"] == dict(modes)["specd"]
+    # heads from other runs, each on a verify and gateway of its own, with the default request
+    modes, gateways = bench_service_modes(3, [], [], overlap=False, medusa=True, heads_beside="feature", heads=["old", "new"])
+    assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_heads_old", "specd_heads_new"]
+    assert gateways == {"specd": "medusa", "specd_heads_old": "heads-old", "specd_heads_new": "heads-new"}
+    assert dict(modes)["specd_heads_new"] == dict(modes)["specd"]
+
+
+def test_bench_heads_flags_name_real_heads_folders(tmp_path):
+    """`specd bench --heads NAME=DIR`: folders with a heads config are taken (resolved), and each
+    mistake is refused with what to fix: no '=', a name that cannot be a mode name, a name twice,
+    a folder without heads."""
+    from specd_app.cli import parse_heads_flags
+    from verify_service.medusa import CONFIG_FILE
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / CONFIG_FILE).write_text("{}")
+    assert parse_heads_flags([f"old_1={tmp_path / 'a'}"]) == {"old_1": str((tmp_path / "a").resolve())}
+    for values, says in ([str(tmp_path / "a")], "NAME=DIR"), ([f"Old-1={tmp_path / 'a'}"], "lowercase"), \
+            ([f"x={tmp_path / 'a'}", f"x={tmp_path / 'a'}"], "twice"), ([f"x={tmp_path}"], CONFIG_FILE):
+        with pytest.raises(SystemExit, match=says):
+            parse_heads_flags(values)

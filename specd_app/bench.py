@@ -14,7 +14,7 @@ Modes (keys of the JSON report):
   hf_target     transformers `generate`, the target alone, in this process
   hf_assisted   transformers `generate` with the same kind of draft: the same draft model, or its
                 prompt-lookup assistant for the n-gram drafter
-Greedy. Reports tokens/s, speedup (services modes over target_only, hf modes over hf_target),
+Greedy, or with --temperature every mode samples at the same temperature and top-p. Reports tokens/s, speedup (services modes over target_only, hf modes over hf_target),
 acceptance overall and per draft position, tokens per target pass against (1 − α^(k+1)) / (1 − α),
 time to first token, p50/p95 inter-token latency, bytes on the wire per round and the share of a
 round spent outside the two models; overall and per task kind (the prompt file's `category`).
@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Optional
 import grpc
 
 from gateway.rejection import expected_tokens_per_pass
-from specd.v1 import generate_pb2, generate_pb2_grpc
+from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +98,47 @@ def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concur
         return samples, time.perf_counter() - started
 
 
-class HFRunner:
-    """transformers `generate` in this process, greedy, one prompt at a time: the target alone, or
-    assisted (k > 0) by the draft model (draft_spec) or, without one, by transformers' prompt lookup."""
+@dataclass(frozen=True)
+class Sampling:
+    """How every mode of a bench run picks tokens: greedy (temperature 0) or sampled. A seed makes
+    each prompt's sample reproducible, but it also fixes the gateway's draft length (a seeded request
+    gets DRAFT_LENGTH_POLICY_FIXED by default), so by default there is none, as for most users."""
 
-    def __init__(self, target_spec: str, draft_spec: str, warm_prompt: str):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def request_fields(self) -> dict:
+        """GenerateRequest fields: none when greedy (the gateway's default)."""
+        if self.greedy:
+            return {}
+        seed = {} if self.seed is None else {"seed": self.seed}
+        return {"sampling": common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p), **seed}
+
+    def generate_kwargs(self) -> dict:
+        """transformers `generate` arguments for the same choice."""
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+class HFRunner:
+    """transformers `generate` in this process, one prompt at a time (greedy, or sampled as `sampling`
+    says): the target alone, or assisted (k > 0) by the draft model (draft_spec) or,
+    without one, by transformers' prompt lookup."""
+
+    def __init__(self, target_spec: str, draft_spec: str, warm_prompt: str, sampling: Sampling = Sampling()):
         import torch
 
         from gateway.tokenizer import GatewayTokenizer
         from specd_common.models import describe_model, load_causal_lm
 
         self.torch = torch
+        self.sampling = sampling
         self.loaded = load_causal_lm(target_spec)
         self.tokenizer = GatewayTokenizer(describe_model(self.loaded))
         self.assistant = load_causal_lm(draft_spec).model if draft_spec else None
@@ -124,9 +154,11 @@ class HFRunner:
         elif k:
             extra = {"prompt_lookup_num_tokens": k}
         ids = self.torch.tensor([self.tokenizer.encode_prompt(row["prompt"], raw=False)])
+        if self.sampling.seed is not None:
+            self.torch.manual_seed(self.sampling.seed)
         started = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.loaded.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            out = self.loaded.model.generate(ids, max_new_tokens=max_new_tokens, **self.sampling.generate_kwargs(), **extra)
         return Sample(category=row.get("category", "all"), tokens=out.shape[1] - ids.shape[1], seconds=time.perf_counter() - started)
 
 

@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run specd_heads_NAME for each: the default request on a verify of its own serving the Medusa "
                        "heads in DIR, behind a gateway with no draft service (heads from different training runs side by side "
                        "through the services)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0 every mode samples at this "
+                       "temperature (and --top-p), the transformers modes too")
+    bench.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (1: off)")
+    bench.add_argument("--seed", type=int, default=None, help="seed every sampled prompt (reproducible samples; a seeded request "
+                       "drafts a fixed k by default, so the default is no seed, as most users send)")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
@@ -413,6 +418,9 @@ def run_bench(args: argparse.Namespace) -> int:
                          "and bench it alone")
     if any(cap < 0 for cap in args.cap):
         raise SystemExit("--cap values are speculation caps: 0 (none) or more running requests")
+    if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1):
+        raise SystemExit(f"--temperature must be in [0, 2] and --top-p in (0, 1]; got {args.temperature} and {args.top_p}")
+    sampling = bench.Sampling(args.temperature, args.top_p, args.seed)
     heads = parse_heads_flags(args.heads)
     if heads and args.gateway:
         raise SystemExit("--heads starts a verify and a gateway for each heads folder next to the local stack; with --gateway there is none")
@@ -426,6 +434,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.num_draft_tokens, args.fixed_k, args.branches, args.overlap, args.medusa,
         args.drafter if heads_default else "", args.cap, list(heads),
     )
+    service_modes = [(mode, {**fields, **sampling.request_fields()}) for mode, fields in service_modes]
     hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
     if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
         raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 (one stream already interleaves every prompt)")
@@ -444,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
         # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
-        hf = None if args.no_hf else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"])
+        hf = None if args.no_hf else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"], sampling)
         if args.concurrency == 1:  # side by side: every prompt through every mode in turn
             with contextlib.ExitStack() as stack:
                 modes = {}
@@ -481,6 +490,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
         "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
     }
     if args.output:
         with open(args.output, "w") as out:

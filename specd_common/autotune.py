@@ -63,6 +63,7 @@ class RuntimeChoice:
     source: str = "measured"  # measured | flags | default
     kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
     batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
+    heads_product: dict = field(default_factory=dict)  # rows → the Medusa heads' product precision and its timings (verify)
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""

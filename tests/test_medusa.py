@@ -190,6 +190,44 @@ def test_reshaped_heads_start_as_the_heads_they_were_made_from(tiny):
     assert [len(head) for head in deeper.heads] == [2, 2, 2] and deeper.config.num_layers == 2
 
 
+def test_bfloat16_products_propose_what_float32_does(tiny):
+    """best_columns in bfloat16 rescores its best candidates in float32: two vocabulary columns whose
+    scores differ by less than bfloat16 can tell apart still give float32's argmax (without the
+    rescoring the rounded scores tie and the first column wins), and chained random heads propose
+    the same tokens in either precision."""
+    heads, loaded = random_token_heads(tiny, chained=True)
+    h = loaded.model.config.hidden_size
+    with torch.no_grad():
+        heads.head_columns[:, 0] = 1.0  # for x = 1 a score of H, far above every other column's
+        heads.head_columns[:, 1] = 1.0 + 1e-3  # 0.1% above column 0's: bfloat16 resolves 0.4%
+    heads.bf16_columns = heads.head_columns.to(torch.bfloat16)
+    ones = torch.ones(3, h)
+    assert ((ones.to(torch.bfloat16) @ heads.bf16_columns).argmax(dim=-1) == 0).all()  # the rounding ties them
+    assert heads.best_columns(ones, "bfloat16").tolist() == heads.best_columns(ones, "float32").tolist() == [1, 1, 1]
+    features, next_tokens = torch.randn(8, h), torch.randint(0, 50, (8,))
+    in_float32 = heads.propose(features, next_tokens)
+    heads.product_dtypes = {1: "bfloat16"}
+    assert torch.equal(heads.propose(features, next_tokens), in_float32)
+
+
+def test_heads_product_precision_chosen_from_fake_timings(tiny, monkeypatch):
+    """tune_product: bfloat16 for the row counts where it measured BF16_MARGIN faster, float32 elsewhere
+    (and no bfloat16 copy of the columns kept when no size uses it); the record names the timings."""
+    from specd_common import autotune
+    from verify_service import medusa
+
+    heads, _ = random_token_heads(tiny, chained=True)
+    ms = {(1, "float32"): 0.50, (1, "bfloat16"): 0.69, (4, "float32"): 2.42, (4, "bfloat16"): 0.81, (8, "float32"): 3.0, (8, "bfloat16"): 2.9}
+    monkeypatch.setattr(autotune, "measure_interleaved", lambda runs, repeats: {key: ms[key[1:]] / 1e3 for key in runs})
+    record = heads.tune_product(rows=(1, 4, 8))
+    assert heads.product_dtypes == {1: "float32", 4: "bfloat16", 8: "float32"}  # 8 rows: 3% faster is within the margin
+    assert record[4] == "bfloat16 (2.42 ms float32, 0.81 ms bfloat16)" and heads.bf16_columns is not None
+    assert medusa.BF16_MARGIN > 3.0 / 2.9
+    ms[(4, "bfloat16")] = 2.5
+    heads.tune_product(rows=(1, 4, 8))
+    assert set(heads.product_dtypes.values()) == {"float32"} and heads.bf16_columns is None
+
+
 def test_simulated_rounds_with_perfect_proposals():
     """An oracle (row t proposes x_{t+2}..x_{t+1+k}) is accepted in full: 1 + (k + 1) tokens a pass after the first."""
     tokens = list(range(100, 130))
@@ -301,3 +339,5 @@ def test_the_verify_reports_its_heads(medusa_cluster, tiny):
     assert info.medusa_heads == HEADS
     batch_costs = json.loads(info.runtime_config)["batch_costs_ms"]  # timed at start-up with the heads' proposals
     assert set(batch_costs) == {"2", "4", "8"} and all(ms > 0 for by_n in batch_costs.values() for ms in by_n.values())
+    product = json.loads(info.runtime_config)["heads_product"]  # the heads' product precision, measured at start-up per row count
+    assert set(product) == {"1", "2", "4", "8"} and all(choice.split()[0] in ("float32", "bfloat16") for choice in product.values())

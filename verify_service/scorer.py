@@ -68,6 +68,8 @@ class Scorer:
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
         runtime = self.lm.tune(threads, max_threads)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
+        if self.medusa is not None:
+            runtime.heads_product = self.lm.run(self.medusa.tune_product)  # on the model thread, at its thread count
         self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
             runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))

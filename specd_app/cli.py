@@ -447,7 +447,6 @@ def run_bench(args: argparse.Namespace) -> int:
             args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa,
             caps=args.cap, caps_without_draft=heads_default, heads=heads,
         )
-        runtime = bench.stack_runtime(addresses)
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
     results, by_repeat = {}, {}  # by_repeat: mode → tokens/s of each repeat (concurrency > 1)
     try:
@@ -477,6 +476,8 @@ def run_bench(args: argparse.Namespace) -> int:
             for mode, k in hf_modes:  # one stream: what one user of transformers gets
                 progress.stage(mode)
                 results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
+        if children:  # after the runs: what start-up chose and what serving trials settled since
+            runtime = bench.stack_runtime(addresses)
     finally:
         stop_children(children)
     progress.close()

@@ -64,6 +64,7 @@ class RuntimeChoice:
     kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
     batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
     heads_product: dict = field(default_factory=dict)  # rows → the Medusa heads' product precision and its timings (verify)
+    settled_in_serving: dict = field(default_factory=dict)  # size → what ServingTrials chose there and the medians that chose it
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
@@ -72,6 +73,19 @@ class RuntimeChoice:
     def threads_for(self, positions: int) -> int:
         """Torch threads for a forward over `positions` rows (0 = leave them as they are)."""
         return by_size(self.threads_by_size, positions, self.threads)
+
+    def settle(self, size: int, threads: int, layout: str, why: str = "") -> None:
+        """Run forwards of exactly `size` positions with (threads, layout) from now on (ServingTrials),
+        other sizes as they were; `why` is recorded in settled_in_serving."""
+        self.settled_in_serving = {**self.settled_in_serving, size: why or f"{threads} threads ({layout})"}  # a new dict: GetModelInfo may be reading
+        all_sizes = sorted(set(sizes()) | {size})
+        threads_at = {n: self.threads_for(n) for n in all_sizes}
+        layouts = {n: self.layout_for(n) for n in all_sizes}
+        threads_at[size], layouts[size] = threads, layout
+        self.threads = threads_at[all_sizes[0]]
+        self.layouts = compress(layouts)
+        per_size = compress(threads_at)
+        self.threads_by_size = per_size if len(set(per_size.values())) > 1 else {}
 
     @property
     def needs(self) -> set[str]:
@@ -126,16 +140,76 @@ def choose_runtime(costs: Costs, device: str = "cpu") -> RuntimeChoice:
     At each size fewer threads win unless more are `THREAD_TOLERANCE` faster there (they are then free
     for the rest of the stack). A layout that wins at no position count is dropped, so its weights
     need not be kept."""
-    sizes = sorted(set(ROUND_POSITIONS) | set(MEASURED_POSITIONS))
-    best = {t: best_layouts(by_layout, sizes) for t, by_layout in costs.items()}  # threads → {n: layout}
+    measured_sizes = sizes()
+    best = {t: best_layouts(by_layout, measured_sizes) for t, by_layout in costs.items()}  # threads → {n: layout}
     threads_at = {
-        n: fewest_threads({t: interpolate(costs[t][best[t][n]], n) for t in costs}) for n in sizes
+        n: fewest_threads({t: interpolate(costs[t][best[t][n]], n) for t in costs}) for n in measured_sizes
     }
-    layouts = compress({n: best[threads_at[n]][n] for n in sizes})
+    layouts = compress({n: best[threads_at[n]][n] for n in measured_sizes})
     per_size = compress(threads_at)
     table = {t: {layout: {n: round(s * 1000, 2) for n, s in timings.items()} for layout, timings in by_layout.items()} for t, by_layout in costs.items()}
-    return RuntimeChoice(device=device, threads=threads_at[sizes[0]], layouts=layouts,
+    return RuntimeChoice(device=device, threads=threads_at[measured_sizes[0]], layouts=layouts,
                          threads_by_size=per_size if len(set(per_size.values())) > 1 else {}, costs_ms=table)
+
+
+# Passes timed per candidate while serving before a size's thread count is settled (ServingTrials).
+TRIAL_PASSES = 8
+Candidate = tuple[int, str]  # (threads, layout) of a forward
+
+
+class ServingTrials:
+    """Start-up timings are taken on an idle machine in a few seconds; serving passes settle what
+    they left close. On the 2-core AMD EPYC VM the start-up medians of a 4-position pass on 1 and 2
+    threads came out within 4% of each other in one start (64 vs 62 ms: 1 thread chosen) and 25%
+    apart in another (64 vs 51: 2 chosen), and the first start served its speculative rounds in
+    74 ms against the second's 57. So for each size of a single session's forward (sizes() up to
+    MEASURED_POSITIONS[-1], where more than one thread count was measured), the first passes of
+    that size alternate between the start-up choice and the best kept layout of each other thread
+    count, TRIAL_PASSES timed each, and the lower median while serving wins; every later pass of
+    that size runs with it. Alternating passes see the same load and context lengths, so the
+    comparison is side by side. Pure bookkeeping: CausalLM times its passes and applies the result."""
+
+    def __init__(self, candidates: dict[int, list[Candidate]], passes: int = TRIAL_PASSES):
+        self.candidates = {n: list(c) for n, c in candidates.items() if len(c) > 1}  # size → candidates, the start-up choice first
+        self.passes = passes
+        self.samples: dict[tuple[int, Candidate], list[float]] = {}
+
+    @classmethod
+    def from_costs(cls, choice: RuntimeChoice, costs: "Costs", passes: int = TRIAL_PASSES) -> "ServingTrials":
+        """Candidates from the start-up measurements: at each size, the chosen (threads, layout), then
+        for every other measured thread count its cheapest layout among those the choice keeps."""
+        kept = choice.needs
+        candidates = {}
+        for n in sizes():
+            chosen = (choice.threads_for(n), choice.layout_for(n))
+            others = [(t, min(sorted(kept & set(by_layout)), key=lambda layout: interpolate(by_layout[layout], n)))
+                      for t, by_layout in sorted(costs.items()) if t != chosen[0] and kept & set(by_layout)]
+            candidates[n] = [chosen, *others]
+        return cls(candidates, passes)
+
+    def next(self, size: int) -> Optional[Candidate]:
+        """The candidate the next pass of `size` positions should be timed with, None when there is
+        nothing to try at that size (settled, or a single candidate)."""
+        open_ = self.candidates.get(size)
+        if not open_:
+            return None
+        return min(open_, key=lambda candidate: len(self.samples.get((size, candidate), [])))
+
+    def record(self, size: int, candidate: Candidate, seconds: float) -> Optional[tuple[Candidate, dict[Candidate, float]]]:
+        """Add one timed pass; once every candidate of `size` has `passes` of them, settle the size:
+        returns (the winner, candidate → median seconds) and stops trying there; else None."""
+        self.samples.setdefault((size, candidate), []).append(seconds)
+        open_ = self.candidates.get(size, [])
+        if not open_ or any(len(self.samples.get((size, c), [])) < self.passes for c in open_):
+            return None
+        medians = {c: statistics.median(self.samples[(size, c)]) for c in open_}
+        del self.candidates[size]
+        return min(open_, key=lambda c: (medians[c], c[0])), medians
+
+
+def sizes() -> list[int]:
+    """The forward sizes a runtime is chosen for (positions; others use the nearest below)."""
+    return sorted(set(ROUND_POSITIONS) | set(MEASURED_POSITIONS))
 
 
 def compress(layouts: dict[int, str]) -> dict[int, str]:

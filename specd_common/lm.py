@@ -8,7 +8,9 @@ whose cache is a transformers DynamicCache; `forward` feeds the pending tokens p
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -20,6 +22,8 @@ from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt positions per prefill pass (CausalLM._prefill)
 
@@ -172,6 +176,7 @@ class CausalLM:
             make_linears_switchable(loaded.model, self.switch, set(layouts))
         self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
         self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
+        self.trials: Optional[autotune.ServingTrials] = None  # sizes still settled by timing serving passes (tune)
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()
@@ -194,7 +199,7 @@ class CausalLM:
         return self.model_thread.run(fn, *args, **kwargs)
 
     @on_model_thread
-    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> autotune.RuntimeChoice:
+    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5, serving_trials: bool = True) -> autotune.RuntimeChoice:
         """Measure this model's forward passes on this machine and adopt the fastest runtime
         (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
         `max_threads` > 0) and the weight layout per forward size (among self.layouts). Not on
@@ -224,6 +229,7 @@ class CausalLM:
         torch.set_num_threads(choice.threads)
         self.use_only(choice.needs)
         self.runtime = choice
+        self.trials = autotune.ServingTrials.from_costs(choice, costs) if serving_trials else None
         return choice
 
     def use_only(self, layouts: set[str]) -> None:
@@ -350,11 +356,35 @@ class CausalLM:
 
     def _configure(self, rows: int) -> None:
         """The measured runtime for a forward over `rows` positions: its weight layout, and its thread
-        count where that varies by size (set only when it changes: the call resizes OpenMP's team)."""
-        self.switch.layout = self.runtime.layout_for(rows)
-        threads = self.runtime.threads_for(rows)
+        count where that varies by size."""
+        self._apply(self.runtime.threads_for(rows), self.runtime.layout_for(rows))
+
+    def _apply(self, threads: int, layout: str) -> None:
+        """Use `layout`'s weights and `threads` torch threads (set only when it changes: the call
+        resizes OpenMP's team; 0 leaves them)."""
+        self.switch.layout = layout
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+
+    def _timed_trial(self, rows: int) -> Optional[autotune.Candidate]:
+        """While serving trials are open at this size (autotune.ServingTrials), the candidate this
+        pass runs with, applied; None otherwise."""
+        trial = self.trials.next(rows) if self.trials is not None else None
+        if trial is not None:
+            self._apply(*trial)
+        return trial
+
+    def _settle_trial(self, rows: int, trial: autotune.Candidate, seconds: float) -> None:
+        """Record a timed trial pass; when its size settles, run that size with the winner from now on
+        and say so in one log line."""
+        settled = self.trials.record(rows, trial, seconds)
+        if settled is None:
+            return
+        (threads, layout), medians = settled
+        why = f"{threads} threads ({layout}); medians of {self.trials.passes} passes each: " + ", ".join(
+            f"{t} threads ({lay}) {seconds * 1e3:.1f} ms" for (t, lay), seconds in medians.items())
+        self.runtime.settle(rows, threads, layout, why)
+        log.info("serving trials: %d-position forwards run on %s", rows, why)
 
     @on_model_thread
     @torch.inference_mode()
@@ -374,10 +404,14 @@ class CausalLM:
         }
         with self._forward_lock, model_forward(len(token_ids)):
             self._configure(len(token_ids))
+            trial = self._timed_trial(len(token_ids))
             self._keep_hidden = session.keep_features
+            started = time.perf_counter()
             output = self.loaded.model(
                 input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=0 if all_logits else 1, **custom,
             )
+            if trial is not None:
+                self._settle_trial(len(token_ids), trial, time.perf_counter() - started)
             if session.keep_features:
                 session.fed_start, session.fed_features = start, self._last_hidden[0]  # [n, H], after the final norm
             self._last_hidden = None

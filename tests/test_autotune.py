@@ -7,7 +7,8 @@ import json
 import pytest
 
 from specd_common.autotune import (
-    PLAIN, PREPACKED, TALL, RuntimeChoice, available_cores, choose_runtime, compress, fewest_threads, interpolate, thread_candidates,
+    PLAIN, PREPACKED, TALL, RuntimeChoice, ServingTrials, available_cores, choose_runtime, compress, fewest_threads, interpolate,
+    thread_candidates,
 )
 
 MS = 1e-3
@@ -81,6 +82,46 @@ def test_interpolation_and_helpers():
     assert RuntimeChoice("cuda", 0).layout_for(4) == PLAIN
 
 
+def test_serving_trials_settle_what_start_up_left_close():
+    """ServingTrials from the start-up costs of the 2-core EPYC VM where 1 thread came within the
+    tolerance at 4 positions: every size with two thread counts alternates between the start-up
+    choice and the other count's best kept layout; once both have their passes, the lower serving
+    median wins and the runtime runs that size with it, other sizes unchanged."""
+    start_up = {
+        1: {PLAIN: {n: v * MS for n, v in {1: 50, 2: 74, 4: 64, 8: 98}.items()},
+            TALL: {n: v * MS for n, v in {1: 59, 2: 66, 4: 62, 8: 98}.items()}},
+        2: {PLAIN: {n: v * MS for n, v in {1: 57, 2: 89, 4: 112, 8: 120}.items()},
+            TALL: {n: v * MS for n, v in {1: 63, 2: 58, 4: 58, 8: 97}.items()}},
+    }
+    choice = choose_runtime(start_up)
+    assert choice.threads_for(4) == 1 and choice.layout_for(4) == TALL  # 58 ms on 2 threads is within 10% of 62
+    trials = ServingTrials.from_costs(choice, start_up, passes=3)
+    assert trials.candidates[4] == [(1, TALL), (2, TALL)] and set(trials.candidates) == {1, 2, 3, 4, 5, 8}
+    serving_ms = {(1, TALL): 74.0, (2, TALL): 57.0}  # what the passes take once the stack serves
+    settled = None
+    for _ in range(6):
+        candidate = trials.next(4)
+        assert candidate in serving_ms
+        settled = trials.record(4, candidate, serving_ms[candidate] * MS)
+        assert (settled is None) == (_ < 5)  # settles only when both have three passes
+    winner, medians = settled
+    assert winner == (2, TALL) and medians[(1, TALL)] == pytest.approx(74 * MS)
+    assert trials.next(4) is None and trials.next(2) is not None  # settled there, still open elsewhere
+    before = {n: (choice.threads_for(n), choice.layout_for(n)) for n in (1, 2, 3, 5, 8)}
+    choice.settle(4, *winner, why="test")
+    assert (choice.threads_for(4), choice.layout_for(4)) == winner and choice.settled_in_serving == {4: "test"}
+    assert {n: (choice.threads_for(n), choice.layout_for(n)) for n in (1, 2, 3, 5, 8)} == before
+    assert json.loads(choice.summary())["settled_in_serving"] == {"4": "test"}
+
+
+def test_serving_trials_keep_the_start_up_choice_on_a_tie_of_thread_counts():
+    """Equal medians: the fewer threads win (a core left for the rest of the stack); one candidate: no trial."""
+    trials = ServingTrials({1: [(2, PLAIN), (1, PLAIN)], 8: [(1, PLAIN)]}, passes=1)
+    assert trials.next(8) is None and trials.next(3) is None
+    trials.record(1, (2, PLAIN), 0.05)
+    assert trials.record(1, (1, PLAIN), 0.05)[0] == (1, PLAIN)
+
+
 def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
     torch = pytest.importorskip("torch")
     from specd_common.lm import CausalLM
@@ -101,6 +142,12 @@ def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
         assert lm.layouts == choice.needs
         got = lm.forward(lm.new_session(prompt), drafts)
         assert torch.allclose(got, expected, atol=1e-4)
+        # serving trials: passes of one size alternate candidates until that size settles; logits unchanged
+        lm.trials = ServingTrials({2: [(choice.threads_for(2), choice.layout_for(2)), (1, PLAIN)]}, passes=2)
+        for token in range(4):
+            logits = lm.forward(lm.new_session(prompt), [20 + token])  # a pass over 2 positions: the prompt's last token + one draft
+        assert 2 in choice.settled_in_serving and lm.trials.next(2) is None
+        assert torch.allclose(logits, reference.forward(reference.new_session(prompt), [23]), atol=1e-4)
     finally:
         lm.run(torch.set_num_threads, threads)
 

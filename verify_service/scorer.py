@@ -126,6 +126,8 @@ class Scorer:
         return autotune.kv_token_budget(per_token, autotune.available_memory_bytes(str(loaded.device)))
 
     def info(self) -> common_pb2.GetModelInfoResponse:
+        """What this verify serves, with its runtime as it stands (serving trials settle sizes after start-up)."""
+        self._info.runtime_config = self.lm.runtime.summary()
         return self._info
 
     def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False) -> VerifySession:

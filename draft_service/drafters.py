@@ -17,12 +17,12 @@ from specd_common.lookup import prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.autotune import kv_bytes_per_token
 from specd_common.batching import BatchPolicy, make_batcher
-from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
+from specd_common.distributions import decode_distribution, one_hot, sample_from
 from specd_common.lm import CausalLM
 from specd_common.models import LoadedModel, describe_model
 from specd_common.sequence import TokenSequence
 from specd_common.params import Warp
-from specd_common.warping import warp_probs
+from specd_common.warping import encode_rows, warp_probs
 
 NGRAM_MAX_LENGTH = 1 << 20  # a model-free drafter has no context limit of its own; the target's applies
 
@@ -88,7 +88,7 @@ class ModelDrafter:
             if session.warp.greedy:
                 token = int(torch.argmax(logits[-1]))
             else:
-                q = encode_distribution(warp_probs(logits, session.warp)[-1].cpu().numpy())
+                q = encode_rows(warp_probs(logits, session.warp)[-1:])[0]
                 token = sample_from(decode_distribution(q), rng)
                 proposal.draft_probs.append(q)
             proposal.token_ids.append(token)

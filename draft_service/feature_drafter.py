@@ -23,14 +23,14 @@ from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
 from specd_common.lookup import prompt_lookup
 from specd.v1 import common_pb2
-from specd_common.distributions import decode_distribution, encode_distribution, one_hot, sample_from
+from specd_common.distributions import decode_distribution, one_hot, sample_from
 from specd_common.errors import FailedPrecondition, InvalidArgument
 from specd_common.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
 from specd_common.tree import ROOT
-from specd_common.warping import warp_probs
+from specd_common.warping import encode_rows, warp_probs
 
 
 @dataclass
@@ -193,6 +193,6 @@ class FeatureDrafter:
             return int(vocab_ids[int(torch.argmax(scores))])
         full = torch.full((self._info.vocab_size,), float("-inf"))  # [V]
         full[vocab_ids] = scores.float()
-        q = encode_distribution(warp_probs(full[None], warp)[0].cpu().numpy())
+        q = encode_rows(warp_probs(full[None], warp))[0]
         proposal.draft_probs.append(q)
         return sample_from(decode_distribution(q), rng)

@@ -12,13 +12,12 @@ from specd.v1 import common_pb2
 from specd_common import autotune, tree
 from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
-from specd_common.distributions import encode_distribution
 from specd_common.features import encode_features
 from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_common.warping import warp_probs
+from specd_common.warping import encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -195,5 +194,4 @@ class Scorer:
                  "head_drafts": self.head_drafts(session, own, draft_token_ids) if head_drafts else None}
         if session.warp.greedy:
             return Scores(argmax_token_ids=own.tolist(), **extra)
-        probs = warp_probs(logits, session.warp).cpu().numpy()  # [k + 1, V]
-        return Scores(target_probs=[encode_distribution(row) for row in probs], **extra)
+        return Scores(target_probs=encode_rows(warp_probs(logits, session.warp)), **extra)  # a row per position, [k + 1, V]

@@ -50,7 +50,7 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
         threads.setdefault(what, set()).add(threading.get_ident())
 
     loaded.model.register_forward_pre_hook(lambda module, args: record("pass"))
-    heads.register_forward_pre_hook(lambda module, args: record("heads"))
+    heads.heads[0][0].register_forward_pre_hook(lambda module, args: record("heads"))  # head 1's block: every proposal runs it
     for name in ("encode_features", "warp_probs"):
         real = getattr(scorer_module, name)
         monkeypatch.setattr(scorer_module, name, lambda *args, _real=real, _name=name: (record(_name), _real(*args))[1])

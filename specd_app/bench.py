@@ -36,6 +36,7 @@ import grpc
 
 from gateway.rejection import expected_tokens_per_pass
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from specd_common.params import Warp
 
 log = logging.getLogger(__name__)
 
@@ -100,30 +101,25 @@ def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concur
 
 @dataclass(frozen=True)
 class Sampling:
-    """How every mode of a bench run picks tokens: greedy (temperature 0) or sampled. A seed makes
-    each prompt's sample reproducible, but it also fixes the gateway's draft length (a seeded request
-    gets DRAFT_LENGTH_POLICY_FIXED by default), so by default there is none, as for most users."""
+    """How every mode of a bench run picks tokens: greedy or sampled as `warp` says. A seed makes each
+    prompt's sample reproducible, but it also fixes the gateway's draft length (a seeded request gets
+    DRAFT_LENGTH_POLICY_FIXED by default), so by default there is none, as for most users."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
+    warp: Warp = Warp()
     seed: Optional[int] = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
 
     def request_fields(self) -> dict:
         """GenerateRequest fields: none when greedy (the gateway's default)."""
-        if self.greedy:
+        if self.warp.greedy:
             return {}
         seed = {} if self.seed is None else {"seed": self.seed}
-        return {"sampling": common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p), **seed}
+        return {"sampling": self.warp.to_proto(common_pb2.SamplingParams), **seed}
 
     def generate_kwargs(self) -> dict:
         """transformers `generate` arguments for the same choice."""
-        if self.greedy:
+        if self.warp.greedy:
             return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        return {"do_sample": True, "temperature": self.warp.temperature, "top_p": self.warp.top_p, "top_k": self.warp.top_k}
 
 
 class HFRunner:

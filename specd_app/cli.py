@@ -411,6 +411,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from specd.v1 import generate_pb2_grpc
     from specd_app import bench
+    from specd_common.params import Warp
 
     if (args.overlap or args.medusa or args.cap) and args.gateway:
         raise SystemExit("--overlap, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
@@ -420,7 +421,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("--cap values are speculation caps: 0 (none) or more running requests")
     if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1):
         raise SystemExit(f"--temperature must be in [0, 2] and --top-p in (0, 1]; got {args.temperature} and {args.top_p}")
-    sampling = bench.Sampling(args.temperature, args.top_p, args.seed)
+    sampling = bench.Sampling(Warp(temperature=args.temperature, top_p=args.top_p), args.seed)
     heads = parse_heads_flags(args.heads)
     if heads and args.gateway:
         raise SystemExit("--heads starts a verify and a gateway for each heads folder next to the local stack; with --gateway there is none")
@@ -603,11 +604,12 @@ def start_local_stack(
         children[f"gateway-{name}"] = subprocess.Popen(
             gateway_command("127.0.0.1", {**named, "gateway": port}, num_draft_tokens, *gateway_flags, "--metrics-port", "-1")
         )
-    for index, (name, folder) in enumerate(heads.items()):
-        verify_port, gateway_port = ports[3 + len(flags) + 2 * index : 5 + len(flags) + 2 * index]
+    spare = iter(ports[3 + len(flags) :])  # two ports for each heads folder
+    for name, folder in heads.items():
+        verify_port, gateway_port = next(spare), next(spare)
         own = {**named, "verify": verify_port, "gateway": gateway_port}
         verify = service_commands("127.0.0.1", own, target, drafter, draft_model, threads, num_draft_tokens)["verify"]
-        children[f"verify-heads-{name}"] = subprocess.Popen([*verify, "--medusa-heads", folder])  # one at a time: each measures its passes at start-up
+        children[f"verify-heads-{name}"] = subprocess.Popen([*verify, "--medusa-heads", folder, "--metrics-port", "-1"])  # one at a time: each measures its passes at start-up; /metrics port is the main verify's
         if not wait_until_serving(f"127.0.0.1:{verify_port}", children, {"requested": False}):
             abandon_stack(children)
         extra[f"heads-{name}"] = f"127.0.0.1:{gateway_port}"

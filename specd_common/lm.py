@@ -199,7 +199,7 @@ class CausalLM:
         return self.model_thread.run(fn, *args, **kwargs)
 
     @on_model_thread
-    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5, serving_trials: bool = True) -> autotune.RuntimeChoice:
+    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> autotune.RuntimeChoice:
         """Measure this model's forward passes on this machine and adopt the fastest runtime
         (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
         `max_threads` > 0) and the weight layout per forward size (among self.layouts). Not on
@@ -229,7 +229,7 @@ class CausalLM:
         torch.set_num_threads(choice.threads)
         self.use_only(choice.needs)
         self.runtime = choice
-        self.trials = autotune.ServingTrials.from_costs(choice, costs) if serving_trials else None
+        self.trials = autotune.ServingTrials.from_costs(choice, costs)
         return choice
 
     def use_only(self, layouts: set[str]) -> None:
@@ -366,14 +366,6 @@ class CausalLM:
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
-    def _timed_trial(self, rows: int) -> Optional[autotune.Candidate]:
-        """While serving trials are open at this size (autotune.ServingTrials), the candidate this
-        pass runs with, applied; None otherwise."""
-        trial = self.trials.next(rows) if self.trials is not None else None
-        if trial is not None:
-            self._apply(*trial)
-        return trial
-
     def _settle_trial(self, rows: int, trial: autotune.Candidate, seconds: float) -> None:
         """Record a timed trial pass; when its size settles, run that size with the winner from now on
         and say so in one log line."""
@@ -403,8 +395,11 @@ class CausalLM:
             "attention_mask": mask[None, None].to(device),  # [1, 1, n, cached + n]
         }
         with self._forward_lock, model_forward(len(token_ids)):
-            self._configure(len(token_ids))
-            trial = self._timed_trial(len(token_ids))
+            trial = self.trials.next(len(token_ids)) if self.trials is not None else None  # a serving trial's candidate, timed
+            if trial is not None:
+                self._apply(*trial)
+            else:
+                self._configure(len(token_ids))
             self._keep_hidden = session.keep_features
             started = time.perf_counter()
             output = self.loaded.model(

@@ -14,8 +14,13 @@ from specd_common.autotune import (
 MS = 1e-3
 
 
+def ms(values: dict) -> dict:
+    """positions → milliseconds, as seconds (what the measurements hold)."""
+    return {n: v * MS for n, v in values.items()}
+
+
 def costs(plain: dict, prepacked: dict) -> dict:
-    return {PLAIN: {n: v * MS for n, v in plain.items()}, PREPACKED: {n: v * MS for n, v in prepacked.items()}}
+    return {PLAIN: ms(plain), PREPACKED: ms(prepacked)}
 
 
 # Shapes measured on real machines (ms per forward over n new positions, 2 threads): on the AMD EPYC
@@ -48,10 +53,8 @@ def test_threads_are_chosen_per_forward_size():
     """Measured on the 2-core AMD EPYC VM (tall layout, 2026-11-23): a second thread does nothing for
     a decoding step but makes a 4-position verify pass 1.4x faster."""
     epyc = {
-        1: {PLAIN: {n: v * MS for n, v in {1: 69, 2: 107, 4: 111, 8: 131}.items()},
-            TALL: {n: v * MS for n, v in {1: 68, 2: 96, 4: 112, 8: 161}.items()}},
-        2: {PLAIN: {n: v * MS for n, v in {1: 69, 2: 120, 4: 124, 8: 128}.items()},
-            TALL: {n: v * MS for n, v in {1: 66, 2: 83, 4: 79, 8: 102}.items()}},
+        1: {PLAIN: ms({1: 69, 2: 107, 4: 111, 8: 131}), TALL: ms({1: 68, 2: 96, 4: 112, 8: 161})},
+        2: {PLAIN: ms({1: 69, 2: 120, 4: 124, 8: 128}), TALL: ms({1: 66, 2: 83, 4: 79, 8: 102})},
     }
     choice = choose_runtime(epyc)
     assert choice.threads == 1 and choice.threads_by_size == {1: 1, 2: 2}
@@ -88,10 +91,8 @@ def test_serving_trials_settle_what_start_up_left_close():
     choice and the other count's best kept layout; once both have their passes, the lower serving
     median wins and the runtime runs that size with it, other sizes unchanged."""
     start_up = {
-        1: {PLAIN: {n: v * MS for n, v in {1: 50, 2: 74, 4: 64, 8: 98}.items()},
-            TALL: {n: v * MS for n, v in {1: 59, 2: 66, 4: 62, 8: 98}.items()}},
-        2: {PLAIN: {n: v * MS for n, v in {1: 57, 2: 89, 4: 112, 8: 120}.items()},
-            TALL: {n: v * MS for n, v in {1: 63, 2: 58, 4: 58, 8: 97}.items()}},
+        1: {PLAIN: ms({1: 50, 2: 74, 4: 64, 8: 98}), TALL: ms({1: 59, 2: 66, 4: 62, 8: 98})},
+        2: {PLAIN: ms({1: 57, 2: 89, 4: 112, 8: 120}), TALL: ms({1: 63, 2: 58, 4: 58, 8: 97})},
     }
     choice = choose_runtime(start_up)
     assert choice.threads_for(4) == 1 and choice.layout_for(4) == TALL  # 58 ms on 2 threads is within 10% of 62

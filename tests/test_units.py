@@ -537,13 +537,14 @@ def test_bench_samples_every_mode_alike():
     (transformers' default top-k of 50 switched off, as the gateway has none); greedy sends nothing
     (the gateway's default) and generates greedily; a seed is sent only when given (it would fix k)."""
     from specd_app.bench import Sampling
+    from specd_common.params import Warp
 
     assert Sampling().request_fields() == {} and Sampling().generate_kwargs() == {"do_sample": False}
-    fields = Sampling(0.8, 0.9).request_fields()
+    fields = Sampling(Warp(temperature=0.8, top_p=0.9)).request_fields()
     assert set(fields) == {"sampling"} and fields["sampling"].temperature == pytest.approx(0.8)
     assert fields["sampling"].top_p == pytest.approx(0.9) and fields["sampling"].top_k == 0
-    assert Sampling(0.8, 0.9).generate_kwargs() == {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
-    assert Sampling(0.8, 1.0, seed=7).request_fields()["seed"] == 7
+    assert Sampling(Warp(temperature=0.8, top_p=0.9)).generate_kwargs() == {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert Sampling(Warp(temperature=0.8), seed=7).request_fields()["seed"] == 7
 
 
 def test_bench_heads_flags_name_real_heads_folders(tmp_path):

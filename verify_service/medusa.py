@@ -183,7 +183,8 @@ class MedusaHeads(nn.Module):
             return {}
         self.bf16_columns = self.head_columns.to(torch.bfloat16)  # [H, V']
         threads = torch.get_num_threads()
-        runs = {(threads, n, precision): lambda n=n, precision=precision: self.best_columns(torch.randn(n, self.config.hidden_size), precision)
+        outputs = {n: torch.randn(n, self.config.hidden_size) for n in rows}  # [n, H], made before the timing
+        runs = {(threads, n, precision): lambda n=n, precision=precision: self.best_columns(outputs[n], precision)
                 for n in rows for precision in (FLOAT32, BFLOAT16)}
         costs = {key[1:]: seconds * 1e3 for key, seconds in autotune.measure_interleaved(runs, repeats).items()}  # (rows, precision) → ms
         self.product_dtypes = {n: BFLOAT16 if costs[n, BFLOAT16] * BF16_MARGIN < costs[n, FLOAT32] else FLOAT32 for n in rows}

@@ -195,6 +195,7 @@ class Generation:
         self._lookup_acceptance = AcceptanceEstimate()  # prompt-lookup copies' (they behave differently)
         self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
         self._head_drafts: list[int] = []  # the heads' proposals after the last committed token (from the last Verify)
+        self._heads_declined = False  # the last Verify did not ask for proposals: no head round could pay
         self._rounds_since_draft = 0
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
         self._opened: list[tuple[Pool, Replica, str]] = []  # sessions to release at the end
@@ -409,6 +410,10 @@ class Generation:
         draft service's drafts promise more tokens per second. Under the fixed policy the heads draft
         (num_draft_tokens at most) only where no draft service does."""
         proposals, self._head_drafts = self._head_drafts, []
+        if self._heads_declined:  # not asked for (_ask_head_drafts): declined like proposals that do not pay
+            self._heads_declined = False
+            self._head_acceptance.update(0, 0)
+            return []
         if not proposals or not self._speculation_allowed():
             return []
         cap = max(0, min(len(proposals), self._tokens_left() - 1))
@@ -417,13 +422,34 @@ class Generation:
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
         return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate())
 
-    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0) -> list[int]:
-        """Drafts that cost no draft call, cut to the length that maximizes expected tokens per second by
-        their own acceptance per position and the measured verify cost alone; [] when no length pays or
-        `rival_rate` (tokens/s the draft service promises) is higher. A declined source's estimate
-        forgets toward its prior, so a request tries it again later."""
+    def _ask_head_drafts(self) -> bool:
+        """Whether this round's Verify should return the heads' proposals for the next round: only when a
+        head round could pay by the heads' acceptance so far (the fixed policy: when no draft service
+        drafts). Proposals cost the verify ~3 ms a pass on the 2-core AMD EPYC (three chained products
+        over 8,192 LM-head rows; a batch's sessions share them), paid by every pass that asks, used or
+        not: at 4 streams, asking every pass with head rounds in 5% of rounds, rounds took 6% longer
+        than target-only's (114 vs 108 ms, docs/benchmarks/bench_c4_chain2.json). A round that does
+        not ask counts as declined, so the estimate forgets toward its prior and a request asks again."""
+        self._heads_declined = False
+        if not self.medusa_heads or not self._speculation_allowed():
+            return False
+        if not self.spec.adaptive:
+            return not self.speculate
+        k, rate = self._free_round(self.medusa_heads, self._head_acceptance)
+        self._heads_declined = not k or rate <= self._draft_rate()
+        return not self._heads_declined
+
+    def _free_round(self, length: int, estimate: AcceptanceEstimate) -> tuple[int, float]:
+        """The best number of free drafts (no draft call) out of `length` by their acceptance per position
+        and the measured verify cost alone, and the tokens per second it promises."""
         costs = self.backends.costs
-        k, rate = best_rate(estimate.chain(len(candidates)), len(candidates), lambda k: costs.round_cost_s(k, drafting=False))
+        return best_rate(estimate.chain(length), length, lambda k: costs.round_cost_s(k, drafting=False))
+
+    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0) -> list[int]:
+        """Drafts that cost no draft call, cut to the length that maximizes expected tokens per second
+        (_free_round); [] when no length pays or `rival_rate` (tokens/s the draft service promises) is
+        higher. A declined source's estimate forgets toward its prior, so a request tries it again later."""
+        k, rate = self._free_round(len(candidates), estimate)
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
             return []
@@ -530,7 +556,7 @@ class Generation:
                 draft_token_ids=drafts,
                 draft_parents=parents,
                 return_features=self._features is not None,
-                return_head_drafts=self.medusa_heads > 0 and self._speculation_allowed(),
+                return_head_drafts=self._ask_head_drafts(),
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())

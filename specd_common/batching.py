@@ -18,6 +18,10 @@ The window starts when the worker is free, not when the oldest request arrived: 
 that fell out of step (one group queued while the other ran) would alternate forever, each group
 alone; waiting a few ms for the group on its way back through the gateway merges them.
 With one active session nothing waits; `max_batch_size` 1 bypasses the batcher entirely.
+
+A service may also `finish` a batch: turn every caller's logits into its reply in one call on the
+worker's side (the verify's Medusa heads propose for all the batch's rows in one product per head,
+instead of one product per session). Callers then get what `finish` returns instead of logits.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -75,15 +79,23 @@ class BatchStats:
 class _Request:
     session: KVSession
     extra: list[int]
+    tag: Any = None  # the caller's, handed to `finish` with its logits
     future: Future = field(default_factory=Future)
 
 
-class ForwardBatcher:
-    """`CausalLM.forward` with the same signature, batched across the threads that call it concurrently."""
+# finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V]
+Finish = Callable[[list[Any], list[torch.Tensor]], list[Any]]
 
-    def __init__(self, lm: CausalLM, policy: BatchPolicy, clock: Callable[[], float] = time.monotonic):
+
+class ForwardBatcher:
+    """`CausalLM.forward` with the same signature, batched across the threads that call it concurrently
+    (with `finish`, callers get its replies instead of logits: the module docstring)."""
+
+    def __init__(self, lm: CausalLM, policy: BatchPolicy, clock: Callable[[], float] = time.monotonic,
+                 finish: Optional[Finish] = None):
         self.lm = lm
         self.policy = policy
+        self.finish = finish
         self.stats = BatchStats()
         self._clock = clock
         self._queue: collections.deque[_Request] = collections.deque()
@@ -94,10 +106,11 @@ class ForwardBatcher:
         self._worker = threading.Thread(target=self._serve, name="specd-forward-batcher", daemon=True)
         self._worker.start()
 
-    def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
-        """Queue one session's pass and wait for its logits [len(extra) + 1, V]."""
+    def forward(self, session: KVSession, extra: Sequence[int] = (), tag: Any = None) -> Any:
+        """Queue one session's pass and wait for its logits [len(extra) + 1, V] (with `finish`, its reply
+        for `tag`)."""
         self.lm.check_room(session, extra)  # fail the caller alone, before it can spoil a batch
-        request = _Request(session, list(extra))
+        request = _Request(session, list(extra), tag)
         with self._condition:
             if self._closed:
                 raise RuntimeError("the forward batcher is closed")
@@ -173,6 +186,8 @@ class ForwardBatcher:
         started = self._clock()
         try:
             results = self.lm.forward_batch([(request.session, request.extra) for request in batch])
+            if self.finish is not None:
+                results = self.finish([request.tag for request in batch], results)
         except Exception as error:  # the callers' threads re-raise it (grpc_errors maps it to a status)
             for request in batch:
                 request.future.set_exception(error)
@@ -193,6 +208,6 @@ class ForwardBatcher:
             self._queue.popleft().future.set_exception(RuntimeError("the forward batcher is closed"))
 
 
-def make_batcher(lm: CausalLM, policy: BatchPolicy) -> ForwardBatcher | None:
+def make_batcher(lm: CausalLM, policy: BatchPolicy, finish: Optional[Finish] = None) -> ForwardBatcher | None:
     """A batcher for `lm` when the policy batches; None means call `lm.forward` directly (today's path)."""
-    return ForwardBatcher(lm, policy) if policy.enabled else None
+    return ForwardBatcher(lm, policy, finish=finish) if policy.enabled else None

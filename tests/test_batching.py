@@ -145,6 +145,36 @@ def test_batcher_gathers_the_active_sessions_into_one_pass():
     assert batcher.stats.requests == 12
 
 
+def test_a_finish_makes_every_callers_reply_from_one_call_per_pass():
+    """With `finish`, a pass's replies are made in one call that gets every caller's tag with its logits;
+    each caller gets the reply for its own tag."""
+    fake = FakeLM()
+    finished: list[list[str]] = []
+
+    def finish(tags, logits):
+        finished.append(list(tags))
+        return [f"{tag}:{rows.shape[0]}" for tag, rows in zip(tags, logits)]
+
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000), finish=finish)
+    sessions = [object() for _ in range(3)]
+    barrier = threading.Barrier(len(sessions))
+
+    def drive(index: int) -> list[str]:
+        replies = []
+        for _ in range(3):
+            barrier.wait()
+            replies.append(batcher.forward(sessions[index], [1] * index, tag=f"s{index}"))
+        return replies
+
+    try:
+        with ThreadPoolExecutor(len(sessions)) as pool:
+            replies = list(pool.map(drive, range(len(sessions))))
+    finally:
+        batcher.close()
+    assert replies == [[f"s{i}:{i + 1}"] * 3 for i in range(3)]  # each caller its own reply
+    assert len(finished) == len(fake.batches) and sorted(finished[-1]) == ["s0", "s1", "s2"]  # one call a pass, the last with all
+
+
 def test_the_window_shrinks_to_a_share_of_a_pass():
     """Waiting for a straggler must not cost more than a fraction of the pass it would save."""
     fake = FakeLM(seconds_per_pass=0.02)

@@ -112,6 +112,33 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     assert seen[-1] == [own[1]]
 
 
+def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
+    """The replies to a batched pass are made together: the heads propose once for every asking
+    session's rows (a greedy session's one row, a sampling session's every row) and each session gets
+    exactly the proposals (and scores) it would get alone; a session that did not ask gets none."""
+    from specd_common.batching import BatchPolicy
+    from specd_common.params import Warp
+    from verify_service.medusa import MedusaHeads
+    from verify_service.scorer import Part, Scorer
+
+    heads, loaded = random_token_heads(tiny, chained=True)
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
+    calls = []
+    real = MedusaHeads.propose
+    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None: calls.append(features.shape[0]) or real(self, features, tokens))
+    greedy, sampled, plain = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(temperature=0.8), Warp()))
+    parts = [Part(greedy, [9, 3], head_drafts=True), Part(sampled, [9], head_drafts=True), Part(plain, [4])]
+    for part in parts:
+        part.session.sequence.keep_features = part.head_drafts
+    logits = scorer.lm.forward_batch([(part.session.sequence, part.drafts) for part in parts])
+    together = scorer._replies(parts, logits)
+    assert calls == [1 + 2]  # one propose: the greedy session's row and the sampling session's two
+    alone = [scorer._replies([part], [rows])[0] for part, rows in zip(parts, logits)]
+    assert together == alone
+    assert len(together[0].head_drafts.token_ids) == HEADS and len(together[1].head_drafts.token_ids) == 2 * HEADS
+    assert together[2].head_drafts is None and together[2].argmax_token_ids
+
+
 def test_head_drafts_at_picks_the_row_of_a_position():
     message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
     assert head_drafts_at(message, 11) == [3, 4]
@@ -264,6 +291,42 @@ def test_heads_give_way_to_a_draft_that_promises_more():
     generation._head_drafts = [7, 8, 9]
     assert generation._head_round_drafts() == []
     assert generation._head_drafts == []  # proposals are used once
+
+
+def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
+    """Unit: proposals cost the verify every pass that asks, so a request asks only while a head round
+    could pay by the heads' acceptance and the measured costs; a round that does not ask forgets like
+    a declined one, so the request asks again later. The fixed policy asks only without a draft service."""
+    from gateway.engine import Generation, GenerationSpec
+    from gateway.options import GatewayOptions
+    from specd_common.params import Warp
+
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100)
+    for positions in range(2, 6):
+        costs.observe_verify(positions, 0.120)
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs,
+                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
+                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
+    spec = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0)
+    generation = Generation(backends, spec, options=GatewayOptions())
+    assert generation._ask_head_drafts()  # the prior (0.5) pays for a 20% dearer pass
+    for _ in range(10):
+        generation._head_acceptance.update(3, 0)  # every proposal rejected
+    assert not generation._ask_head_drafts()
+    rounds = 0
+    while not generation._ask_head_drafts():  # each round that does not ask forgets toward the prior
+        assert generation._head_round_drafts() == []
+        rounds += 1
+        assert rounds < 100, "a request that stopped asking must ask again once its estimate forgets"
+    assert rounds > 3  # ... but not at once
+    generation._head_drafts = [7, 8, 9]
+    assert generation._head_round_drafts()[:1] == [7]  # it asked: the proposals are judged by the estimate as before
+
+    fixed = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0, adaptive=False)
+    assert Generation(backends, fixed, options=GatewayOptions())._ask_head_drafts()  # no draft service: the heads draft
+    backends.draft, backends.draft_info = SimpleNamespace(configured=True), SimpleNamespace(wants_target_features=False)
+    assert not Generation(backends, fixed, options=GatewayOptions())._ask_head_drafts()  # the draft service drafts
 
 
 @pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny"])

@@ -41,6 +41,16 @@ class Scores:
     head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
 
 
+@dataclass(frozen=True)
+class Part:
+    """One session's part of a pass, and what its reply carries besides the scores."""
+
+    session: VerifySession
+    drafts: Sequence[int]  # the drafted tokens scored after the pending one(s)
+    features: bool = False
+    head_drafts: bool = False
+
+
 PREPACK_CHOICES = {"auto": set(autotune.LAYOUTS), "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "cols": {COLS}, "rows": {ROWS},
                    "off": {PLAIN}}
 
@@ -69,7 +79,7 @@ class Scorer:
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
         if self.medusa is not None:
             runtime.heads_product = self.lm.run(self.medusa.tune_product)  # on the model thread, at its thread count
-        self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
+        self.batcher = make_batcher(self.lm, batching, finish=self._finish)  # None: one session per forward
         if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
             runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))
         log.info("verify runtime: %s", runtime.summary())
@@ -96,8 +106,7 @@ class Scorer:
                 for session in sessions[:b]:
                     session.sequence.keep_features = heads
                 logits = self.lm.forward_batch([(session.sequence, drafts) for session in sessions[:b]])
-                for session, rows_logits in zip(sessions[:b], logits):
-                    self._scores(session, rows_logits, drafts, False, heads)
+                self._replies([Part(session, drafts, head_drafts=heads) for session in sessions[:b]], logits)
                 if self.lm.loaded.device.type == "cuda":
                     torch.cuda.synchronize()
                 for session in sessions[:b]:  # as if no draft was accepted
@@ -140,13 +149,14 @@ class Scorer:
             return None
         return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
-    def head_drafts(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[common_pb2.HeadDrafts]:
-        """The Medusa heads' proposals at the positions the session's last chain forward read (None
-        without heads or kept features). own [m] is the target's argmax at that pass's last m rows
-        (after the pending token and each draft): a row's own next token, which heads with the token
-        input read; for rows before those (committed tokens read late) it is the committed token after it. A greedy session gets only the row the caller will read: the gateway keeps
-        exactly the drafts that equal the target's argmax, so its last committed token is the argmax
-        after them (the heads' cost is reading their V' × H rows, per call, plus a little per row)."""
+    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+        """What the Medusa heads read for the session's proposals: (the first row's index among the rows the
+        session's last chain forward read, features [m, H], each row's own next token [m]); None without
+        heads or kept features. own [j] is the target's argmax at that pass's last j rows (after the
+        pending token and each draft): a row's own next token, which heads with the token input read;
+        for rows before those (committed tokens read late) it is the committed token after it. A greedy
+        session gets only the row the caller will read: the gateway keeps exactly the drafts that equal
+        the target's argmax, so its last committed token is the argmax after them."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
@@ -154,13 +164,32 @@ class Scorer:
         earlier = features.shape[0] - own.shape[0]
         committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
         next_tokens = torch.cat((committed.to(own.device), own))  # [n]
-        first = 0
-        if session.warp.greedy:
-            first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
-            features, next_tokens = features[first : first + 1], next_tokens[first : first + 1]
-        proposals = self.medusa.propose(features, next_tokens)  # [rows, K]
-        return common_pb2.HeadDrafts(start_position=sequence.fed_start + first, heads=proposals.shape[1],
-                                     token_ids=proposals.flatten().tolist())
+        if not session.warp.greedy:
+            return 0, features, next_tokens
+        first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
+        return first, features[first : first + 1], next_tokens[first : first + 1]
+
+    def head_drafts(self, parts: Sequence[Part], owns: Sequence[torch.Tensor]) -> list[Optional[common_pb2.HeadDrafts]]:
+        """The Medusa heads' proposals for each part that asks for them (None for the others), from one
+        propose over all their rows: the heads' cost is reading their V' × H rows once a head per call,
+        plus a little a row (on the 2-core AMD EPYC, one row 3.2 ms, four rows 4.7 ms), so a batch's
+        sessions share it."""
+        inputs = [self.head_inputs(part.session, own, part.drafts) if part.head_drafts else None for part, own in zip(parts, owns)]
+        asked = [item for item in inputs if item is not None]
+        if not asked:
+            return [None] * len(parts)
+        proposals = self.medusa.propose(torch.cat([f for _, f, _ in asked]), torch.cat([t for _, _, t in asked]))  # [rows, K]
+        replies, row = [], 0
+        for part, item in zip(parts, inputs):
+            if item is None:
+                replies.append(None)
+                continue
+            first, features, _ = item
+            mine = proposals[row : row + features.shape[0]]  # [m, K]
+            row += features.shape[0]
+            replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + first, heads=mine.shape[1],
+                                                 token_ids=mine.flatten().tolist()))
+        return replies
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
         """Before a commit: keep the cache entries of the last tree's path that the commit's tokens
@@ -177,21 +206,32 @@ class Scorer:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals there when asked for. Concurrent sessions' chain calls share one
-        batched pass when batching is on; a tree runs alone (its mask is its own)."""
+        batched pass when batching is on, and the batch's replies are made together (_finish); a
+        tree runs alone (its mask is its own)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
+        part = Part(session, draft_token_ids, features, head_drafts and not parents)
         if parents:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
+        elif self.batcher is not None:
+            return self.batcher.forward(session.sequence, draft_token_ids, part)
         else:
-            logits = (self.batcher or self.lm).forward(session.sequence, draft_token_ids)  # [k + 1, V]
-        return self.lm.run(self._scores, session, logits, draft_token_ids, features, head_drafts and not parents)
+            logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
+        return self._finish([part], [logits])[0]
 
-    def _scores(self, session: VerifySession, logits: torch.Tensor, draft_token_ids: Sequence[int], features: bool,
-                head_drafts: bool) -> Scores:
-        """What a Verify returns, from the pass's logits [k + 1, V]; on the model's thread (its torch
-        work would start a second OpenMP team anywhere else: specd_common/model_thread.py)."""
-        own = torch.argmax(logits, dim=-1)  # [k + 1]: the target's choice at each position (greedy's answer, the heads' input)
-        extra = {"features": self.last_features(session) if features else None,
-                 "head_drafts": self.head_drafts(session, own, draft_token_ids) if head_drafts else None}
-        if session.warp.greedy:
-            return Scores(argmax_token_ids=own.tolist(), **extra)
-        return Scores(target_probs=encode_rows(warp_probs(logits, session.warp)), **extra)  # a row per position, [k + 1, V]
+    def _finish(self, parts: list[Part], logits: list[torch.Tensor]) -> list[Scores]:
+        """What each part's Verify returns, from its logits [k + 1, V] (ForwardBatcher's finish)."""
+        return self.lm.run(self._replies, parts, logits)
+
+    def _replies(self, parts: Sequence[Part], logits: Sequence[torch.Tensor]) -> list[Scores]:
+        """_finish on the model's thread (its torch work would start a second OpenMP team anywhere
+        else: specd_common/model_thread.py)."""
+        owns = [torch.argmax(rows, dim=-1) for rows in logits]  # [k + 1] each: the target's choice at each position (greedy's answer, the heads' input)
+        proposals = self.head_drafts(parts, owns)
+        replies = []
+        for part, rows, own, heads in zip(parts, logits, owns, proposals):
+            features = self.last_features(part.session) if part.features else None
+            if part.session.warp.greedy:
+                replies.append(Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads))
+            else:  # a row per position, [k + 1, V]
+                replies.append(Scores(target_probs=encode_rows(warp_probs(rows, part.session.warp)), features=features, head_drafts=heads))
+        return replies

@@ -146,16 +146,23 @@ class StepCosts:
 
     An unmeasured Verify size costs as much as the largest measured smaller one (optimistic, so it
     gets tried and measured); an unmeasured Propose scales linearly from the nearest measured one.
+    Verifies that asked for the Medusa heads' proposals are also kept apart from those that did not
+    (the proposals cost the pass ~3 ms here, ~5% of a one-position pass): a head round is priced with
+    them, the plain round it is weighed against without (asking in every pass would otherwise make
+    plain rounds look dearer than they are, and head rounds cheaper).
     """
 
     def __init__(self, smoothing: float = 0.1):
         self.smoothing = smoothing
         self._verify: dict[int, float] = {}
+        self._verify_by_heads: dict[bool, dict[int, float]] = {False: {}, True: {}}  # asked for proposals → positions → s
         self._draft: dict[int, float] = {}
         self._lock = threading.Lock()
 
-    def observe_verify(self, positions: int, seconds: float) -> None:
+    def observe_verify(self, positions: int, seconds: float, heads: bool = False) -> None:
+        """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals."""
         self._observe(self._verify, positions, seconds)
+        self._observe(self._verify_by_heads[heads], positions, seconds)
 
     def observe_draft(self, k: int, seconds: float) -> None:
         self._observe(self._draft, k, seconds)
@@ -165,12 +172,15 @@ class StepCosts:
             old = table.get(key)
             table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
-    def verify_s(self, positions: int) -> Optional[float]:
+    def verify_s(self, positions: int, heads: Optional[bool] = None) -> Optional[float]:
+        """Seconds a Verify over `positions` takes (None while none is measured); heads: of those that
+        asked for proposals (True) or did not (False), while any such is measured; None: of all."""
         with self._lock:
-            if not self._verify:
+            table = self._verify_by_heads[heads] if heads is not None and self._verify_by_heads[heads] else self._verify
+            if not table:
                 return None
-            smaller = [n for n in self._verify if n <= positions]
-            return self._verify[max(smaller) if smaller else min(self._verify)]
+            smaller = [n for n in table if n <= positions]
+            return table[max(smaller) if smaller else min(table)]
 
     def draft_s(self, k: int) -> float:
         if k == 0:
@@ -181,11 +191,12 @@ class StepCosts:
             nearest = min(self._draft, key=lambda j: abs(j - k))
             return self._draft[nearest] * k / nearest
 
-    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True) -> float:
+    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None) -> float:
         """Seconds a round with k drafts is expected to take (1.0 while nothing is measured); a tree of
         `branches` candidates per position verifies k × branches + 1 positions. drafting=False: the
-        drafts cost nothing to make (the gateway's prompt-lookup copies)."""
-        verify = self.verify_s(k * branches + 1)
+        drafts cost nothing to make (the gateway's prompt-lookup copies). heads: priced by the
+        Verifies that asked for the heads' proposals or did not (verify_s)."""
+        verify = self.verify_s(k * branches + 1, heads)
         return (1.0 if verify is None else verify) + (self.draft_s(k) if drafting else 0.0)
 
 

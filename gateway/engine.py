@@ -196,6 +196,7 @@ class Generation:
         self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
         self._head_drafts: list[int] = []  # the heads' proposals after the last committed token (from the last Verify)
         self._heads_declined = False  # the last Verify did not ask for proposals: no head round could pay
+        self._asked_heads = False  # the last Verify asked for the heads' proposals (its cost is priced apart)
         self._rounds_since_draft = 0
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
         self._opened: list[tuple[Pool, Replica, str]] = []  # sessions to release at the end
@@ -243,7 +244,7 @@ class Generation:
         #    the next round, assuming every draft of this one is accepted
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts, parents)
-        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed)
+        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed, heads=self._asked_heads)
         if k > 0 and not free and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
@@ -420,7 +421,7 @@ class Generation:
         if not self.spec.adaptive:
             return [] if self.speculate else proposals[: min(cap, self.spec.num_draft_tokens)]
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate())
+        return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate(), heads=True)
 
     def _ask_head_drafts(self) -> bool:
         """Whether this round's Verify should return the heads' proposals for the next round: only when a
@@ -432,24 +433,30 @@ class Generation:
         not ask counts as declined, so the estimate forgets toward its prior and a request asks again."""
         self._heads_declined = False
         if not self.medusa_heads or not self._speculation_allowed():
-            return False
-        if not self.spec.adaptive:
-            return not self.speculate
-        k, rate = self._free_round(self.medusa_heads, self._head_acceptance)
-        self._heads_declined = not k or rate <= self._draft_rate()
-        return not self._heads_declined
+            self._asked_heads = False
+        elif not self.spec.adaptive:
+            self._asked_heads = not self.speculate
+        else:
+            k, rate = self._free_round(self.medusa_heads, self._head_acceptance, heads=True)
+            self._heads_declined = not k or rate <= self._draft_rate()
+            self._asked_heads = not self._heads_declined
+        return self._asked_heads
 
-    def _free_round(self, length: int, estimate: AcceptanceEstimate) -> tuple[int, float]:
+    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False) -> tuple[int, float]:
         """The best number of free drafts (no draft call) out of `length` by their acceptance per position
-        and the measured verify cost alone, and the tokens per second it promises."""
+        and the measured verify cost alone, and the tokens per second it promises. heads: the drafts are
+        the heads' proposals, so a round with drafts is priced by the Verifies that asked for them
+        (every head round's does, for the round after it) and one without by those that did not."""
         costs = self.backends.costs
-        return best_rate(estimate.chain(length), length, lambda k: costs.round_cost_s(k, drafting=False))
+        priced = (lambda k: costs.round_cost_s(k, drafting=False, heads=k > 0)) if heads else (lambda k: costs.round_cost_s(k, drafting=False))
+        return best_rate(estimate.chain(length), length, priced)
 
-    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0) -> list[int]:
+    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0,
+                         heads: bool = False) -> list[int]:
         """Drafts that cost no draft call, cut to the length that maximizes expected tokens per second
         (_free_round); [] when no length pays or `rival_rate` (tokens/s the draft service promises) is
         higher. A declined source's estimate forgets toward its prior, so a request tries it again later."""
-        k, rate = self._free_round(len(candidates), estimate)
+        k, rate = self._free_round(len(candidates), estimate, heads)
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
             return []

@@ -329,6 +329,30 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     assert not Generation(backends, fixed, options=GatewayOptions())._ask_head_drafts()  # the draft service drafts
 
 
+def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
+    """Asking for proposals makes a pass dearer, so a head round (whose Verify asks, for the round after
+    it) is weighed against a plain round that does not ask. Heads accepted 20% of the time promise
+    1.248 tokens per 125 ms (9.98/s) against 10/s for plain 100 ms rounds: not asked. Priced by
+    passes that asked (110 ms), plain rounds would promise 9.1/s and the heads would be asked for."""
+    from gateway.adaptive import AcceptanceEstimate
+    from gateway.engine import Generation, GenerationSpec
+    from gateway.options import GatewayOptions
+    from specd_common.params import Warp
+
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100, heads=False)
+    costs.observe_verify(1, 0.110, heads=True)
+    costs.observe_verify(2, 0.125, heads=True)
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs,
+                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
+                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
+    generation = Generation(backends, GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0), options=GatewayOptions())
+    generation._head_acceptance = AcceptanceEstimate(prior=0.2)
+    assert not generation._ask_head_drafts()
+    costs.observe_verify(1, 0.120, heads=False)  # plain rounds dearer (moving average: 110 ms): now the heads pay
+    assert generation._ask_head_drafts()
+
+
 @pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny"])
 def test_training_medusa_heads_end_to_end(tmp_path, recipe):
     """`specd train-draft --recipe medusa-tiny` (and its chained heads) on a tiny random target: saves

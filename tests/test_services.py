@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -71,13 +72,13 @@ class LinearCosts:
     """Step costs fixed by the test (a round with k drafts costs 1 + 0.1 k), so k depends on acceptance
     alone; the live measurement of costs is tested in test_units."""
 
-    def observe_verify(self, positions: int, seconds: float) -> None:
+    def observe_verify(self, positions: int, seconds: float, heads: bool = False) -> None:
         pass
 
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
-    def round_cost_s(self, k: int, branches: int = 1) -> float:
+    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None) -> float:
         return 1.0 + 0.1 * k * branches
 
 

@@ -249,6 +249,20 @@ def test_step_costs_are_measured_and_extrapolated_optimistically():
     assert costs.round_cost_s(2, branches=3) == pytest.approx(0.09 + 0.004)  # a tree verifies 2 × 3 + 1 positions
 
 
+def test_verifies_that_asked_for_head_proposals_are_priced_apart():
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=0.5)
+    costs.observe_verify(1, 0.100)
+    assert costs.verify_s(1, heads=True) == costs.verify_s(1, heads=False) == 0.100  # neither measured apart: all passes
+    costs.observe_verify(1, 0.110, heads=True)
+    costs.observe_verify(2, 0.125, heads=True)
+    assert costs.verify_s(1, heads=True) == 0.110 and costs.verify_s(1, heads=False) == 0.100
+    assert costs.verify_s(2, heads=False) == 0.100  # the largest smaller size measured without
+    assert costs.verify_s(1) == pytest.approx(0.105)  # all passes
+    assert costs.round_cost_s(1, drafting=False, heads=True) == 0.125
+
+
 # A verify's start-up batch costs on the 2-core AMD EPYC VM (`specd serve verify`; rows → positions per
 # row → ms of one batched round, the heads' proposals included; Scorer.measure_batch_costs)
 EPYC_BATCH_COSTS = {2: {1: 76.0, 4: 99.3, 8: 122.2}, 4: {1: 86.5, 4: 142.9, 8: 172.4}, 8: {1: 124.6, 4: 228.0, 8: 291.3}}

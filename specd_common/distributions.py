@@ -45,7 +45,10 @@ def decode_distribution(message: common_pb2.Distribution, vocab_size: int | None
     """
     if message.encoding not in _NUMPY_DTYPES:
         raise InvalidArgument(f"distribution encoding {message.encoding} is not supported")
-    values = np.frombuffer(message.probs, dtype=_NUMPY_DTYPES[message.encoding]).astype(np.float64)
+    if message.encoding == common_pb2.PROB_ENCODING_FLOAT16:
+        values = float16_values(message.probs)
+    else:
+        values = np.frombuffer(message.probs, dtype=_NUMPY_DTYPES[message.encoding]).astype(np.float64)
     size = vocab_size if (vocab_size and message.token_ids) else message.vocab_size
     dense = np.zeros(size, dtype=np.float64)
     if message.token_ids:
@@ -58,6 +61,23 @@ def decode_distribution(message: common_pb2.Distribution, vocab_size: int | None
             raise InvalidArgument(f"dense distribution has {values.shape[0]} entries, expected {size}")
         dense[:] = values
     return normalize(dense)
+
+
+FLOAT16_NOT_FINITE_OR_NEGATIVE = 0x7C00  # the float16 bit patterns from here up: infinities, NaNs, the sign bit set
+
+
+def float16_values(raw: bytes) -> np.ndarray:
+    """Little-endian float16 bytes → float64 [n], exactly what numpy's astype gives, ~9x faster on
+    probability rows: numpy converts float16 subnormals in software, and a warped 49,152-token row at
+    T = 0.7 is a third subnormals and two thirds zeros (0.21 ms a row on the 2-core AMD EPYC VM against
+    0.023, paid for every position of a sampled round). Finite non-negative values are moved into
+    float32's bit layout and scaled by 2^112, exact for normals and subnormals alike (each is a
+    float32 value times a power of two); anything else goes through numpy."""
+    bits = np.frombuffer(raw, dtype="<u2")  # [n]
+    if bits.size and bits.max() >= FLOAT16_NOT_FINITE_OR_NEGATIVE:
+        return bits.view("<f2").astype(np.float64)
+    widened = (bits.astype(np.uint32) << 13).view(np.float32)  # [n]: the value / 2^112
+    return (widened * np.float32(2.0**112)).astype(np.float64)
 
 
 def normalize(weights: np.ndarray) -> np.ndarray:

@@ -76,6 +76,18 @@ def test_service_sync_sends_what_the_service_has_not_seen():
 
 
 # --- distributions on the wire -------------------------------------------------------------------
+def test_float16_values_equal_numpys_conversion_for_every_bit_pattern():
+    """The fast float16 decoding must give numpy's values for all 65,536 patterns (normals, subnormals,
+    zeros, and the sign/inf/NaN ones it leaves to numpy), and for a row that mixes them."""
+    from specd_common.distributions import float16_values
+
+    every = np.arange(2**16, dtype="<u2")
+    np.testing.assert_array_equal(float16_values(every.tobytes()), every.view("<f2").astype(np.float64))  # NaN == NaN here
+    finite = every[every < 0x7C00]
+    np.testing.assert_array_equal(float16_values(finite.tobytes()), finite.view("<f2").astype(np.float64))
+    assert float16_values(b"").shape == (0,)
+
+
 def test_dense_distribution_round_trips_within_float16():
     probs = np.random.default_rng(0).dirichlet(np.ones(1000)).astype(np.float32)
     message = encode_distribution(probs)

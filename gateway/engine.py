@@ -448,8 +448,7 @@ class Generation:
         the heads' proposals, so a round with drafts is priced by the Verifies that asked for them
         (every head round's does, for the round after it) and one without by those that did not."""
         costs = self.backends.costs
-        priced = (lambda k: costs.round_cost_s(k, drafting=False, heads=k > 0)) if heads else (lambda k: costs.round_cost_s(k, drafting=False))
-        return best_rate(estimate.chain(length), length, priced)
+        return best_rate(estimate.chain(length), length, lambda k: costs.round_cost_s(k, drafting=False, heads=k > 0 if heads else None))
 
     def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0,
                          heads: bool = False) -> list[int]:

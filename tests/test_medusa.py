@@ -265,23 +265,30 @@ def test_simulated_rounds_with_perfect_proposals():
     assert sum(a + 1 for a in accepted) == len(tokens) - 10 - 1
 
 
-def test_heads_give_way_to_a_draft_that_promises_more():
-    """Unit, the engine's choice without services: head proposals are taken when they pay and nothing
-    better is open; declined when the draft service's estimate promises more tokens per second."""
+def head_policy_generation(costs: StepCosts, draft_service: bool = False, max_new_tokens: int = 50, **spec):
+    """A Generation whose policy can be asked without services (unit tests of the head-round choices):
+    three heads, greedy, with or without a draft service configured (none open)."""
     from gateway.engine import Generation, GenerationSpec
     from gateway.options import GatewayOptions
     from specd_common.params import Warp
 
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=draft_service),
+                               draft_info=SimpleNamespace(wants_target_features=False) if draft_service else None, costs=costs,
+                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
+                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
+    return Generation(backends, GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=max_new_tokens, warp=Warp(), seed=0, **spec),
+                      options=GatewayOptions())
+
+
+def test_heads_give_way_to_a_draft_that_promises_more():
+    """Unit, the engine's choice without services: head proposals are taken when they pay and nothing
+    better is open; declined when the draft service's estimate promises more tokens per second."""
     costs = StepCosts()
     costs.observe_verify(1, 0.100)
     for positions in range(2, 6):
         costs.observe_verify(positions, 0.120)
     costs.observe_draft(3, 0.010)
-    backends = SimpleNamespace(draft=SimpleNamespace(configured=True), draft_info=SimpleNamespace(wants_target_features=False),
-                               costs=costs, target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
-                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
-    spec = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=20, warp=Warp(), seed=0)
-    generation = Generation(backends, spec, options=GatewayOptions())
+    generation = head_policy_generation(costs, draft_service=True, max_new_tokens=20)
     generation._draft_retry_at = float("inf")  # the draft is backing off
     generation._head_drafts = [7, 8, 9]
     assert generation._head_round_drafts() == [7, 8, 9]  # no draft open: the prior (0.5) pays for 3
@@ -297,19 +304,11 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     """Unit: proposals cost the verify every pass that asks, so a request asks only while a head round
     could pay by the heads' acceptance and the measured costs; a round that does not ask forgets like
     a declined one, so the request asks again later. The fixed policy asks only without a draft service."""
-    from gateway.engine import Generation, GenerationSpec
-    from gateway.options import GatewayOptions
-    from specd_common.params import Warp
-
     costs = StepCosts()
     costs.observe_verify(1, 0.100)
     for positions in range(2, 6):
         costs.observe_verify(positions, 0.120)
-    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs,
-                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
-                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
-    spec = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0)
-    generation = Generation(backends, spec, options=GatewayOptions())
+    generation = head_policy_generation(costs)
     assert generation._ask_head_drafts()  # the prior (0.5) pays for a 20% dearer pass
     for _ in range(10):
         generation._head_acceptance.update(3, 0)  # every proposal rejected
@@ -323,10 +322,8 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     generation._head_drafts = [7, 8, 9]
     assert generation._head_round_drafts()[:1] == [7]  # it asked: the proposals are judged by the estimate as before
 
-    fixed = GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0, adaptive=False)
-    assert Generation(backends, fixed, options=GatewayOptions())._ask_head_drafts()  # no draft service: the heads draft
-    backends.draft, backends.draft_info = SimpleNamespace(configured=True), SimpleNamespace(wants_target_features=False)
-    assert not Generation(backends, fixed, options=GatewayOptions())._ask_head_drafts()  # the draft service drafts
+    assert head_policy_generation(costs, adaptive=False)._ask_head_drafts()  # no draft service: the heads draft
+    assert not head_policy_generation(costs, draft_service=True, adaptive=False)._ask_head_drafts()  # the draft service drafts
 
 
 def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
@@ -335,18 +332,12 @@ def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
     1.248 tokens per 125 ms (9.98/s) against 10/s for plain 100 ms rounds: not asked. Priced by
     passes that asked (110 ms), plain rounds would promise 9.1/s and the heads would be asked for."""
     from gateway.adaptive import AcceptanceEstimate
-    from gateway.engine import Generation, GenerationSpec
-    from gateway.options import GatewayOptions
-    from specd_common.params import Warp
 
     costs = StepCosts()
     costs.observe_verify(1, 0.100, heads=False)
     costs.observe_verify(1, 0.110, heads=True)
     costs.observe_verify(2, 0.125, heads=True)
-    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs,
-                               target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
-                               tokenizer=SimpleNamespace(decode=lambda ids: ""))
-    generation = Generation(backends, GenerationSpec(prompt_ids=[1, 2, 3], max_new_tokens=50, warp=Warp(), seed=0), options=GatewayOptions())
+    generation = head_policy_generation(costs)
     generation._head_acceptance = AcceptanceEstimate(prior=0.2)
     assert not generation._ask_head_drafts()
     costs.observe_verify(1, 0.120, heads=False)  # plain rounds dearer (moving average: 110 ms): now the heads pay

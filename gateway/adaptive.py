@@ -14,6 +14,7 @@ measured batch costs and the shape of the rounds measured here (RoundShapes).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from specd_common import autotune
@@ -74,53 +75,121 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
     return total
 
 
-def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], positions_share: dict[int, float], tokens_per_pass: float,
-                    margin: float = SPECULATION_MARGIN) -> int:
-    """The most requests a verify replica may run while they speculate, from its measured batch costs.
-
-    Once requests share passes, a draft costs every request in the batch (rows are padded to the
-    longest), so speculation pays at batch size B only if a round where every row speculates as
-    rounds here do (positions_share: how many positions a round verifies, measured while
-    speculating) yields more tokens than it costs: expected_batch_cost(B) / cost(B, 1) × margin <
-    tokens_per_pass. The cap is the largest measured B for which that holds at every measured size
-    up to B; 1 when it fails already at the smallest (a request running alone still decides for
-    itself); 0 (no cap) when it holds at every measured size (past the largest batch, passes are
-    full and each pays the same). batch_costs_ms[b][n]: ms of one round over b rows scoring n
-    positions each (Scorer.measure_batch_costs)."""
-    cap = 0
-    for rows in sorted(batch_costs_ms):
-        by_positions = batch_costs_ms[rows]
-        plain = autotune.interpolate(by_positions, 1)
-        if expected_batch_cost(by_positions, positions_share, rows) * margin >= plain * tokens_per_pass:
-            return max(cap, 1)
-        cap = rows
-    return 0
-
-
 # Rounds that set the speculation cap are averaged over ~50 (one round's tokens vary by ±1, and the cap
 # must not flicker with them); the first 50 count equally, so the first round does not stand for long.
 YIELD_SMOOTHING = 0.02
-MIN_SHAPE_ROUNDS = 20  # before this many rounds are measured there is no estimate (a few rounds say little)
+# Before this many rounds of a kind are measured there is no estimate of it: a few rounds say little
+# (the mean of 50 has ±7% on a yield of ~2 tokens), and 50 rounds among 4 requests are ~13 passes.
+MIN_SHAPE_ROUNDS = 50
+# Measured rates at one size (both ways) are compared as they are: a speculating kind that loses
+# stops being measured (no speculating rounds run at that size any more) and keeps the cap below it,
+# so noise errs toward plain rounds, which never lose to target-only.
+MEASURED_MARGIN = 1.0
+
+
+def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tuple[int, bool], "RoundShape"],
+                    margin: float = SPECULATION_MARGIN) -> int:
+    """The most requests a verify replica may run while they speculate, from its measured batch costs
+    and the rounds measured at each batch size.
+
+    Once requests share passes, a draft costs every request in the batch (rows are padded to the
+    longest), so speculation pays at batch size B only if rounds there emit more tokens a second
+    while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
+    run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B the
+    measured rates decide (× MEASURED_MARGIN); elsewhere the model does, from the verify's start-up
+    costs: expected_batch_cost(B) / cost(B, 1) × margin < tokens a speculating round yields, with
+    the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
+    that lets B be tried and measured: rounds among fewer requests say little about B's, and on the
+    2-core EPYC rounds among ≤ 2 requests yielded 2.4 tokens a pass where 4 yielded 1.85).
+
+    The cap is the largest measured B for which speculation pays at every measured size up to B; 1
+    when it fails already at the smallest (a request running alone still decides for itself); 0 (no
+    cap) when it pays at every measured size (past the largest batch, passes are full and each pays
+    the same); the smallest size while nothing is measured (a cold gateway does not bet a busy batch
+    on drafts it knows nothing of). batch_costs_ms[b][n]: ms of one round over b rows scoring n
+    positions each (Scorer.measure_batch_costs)."""
+    cap, provisional = 0, shapes.get((1, True))
+    for rows in sorted(batch_costs_ms):
+        speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
+        if speculating is not None and plain is not None:
+            pays = speculating.tokens_per_s > plain.tokens_per_s * MEASURED_MARGIN
+        else:
+            shape = speculating or provisional
+            if shape is None:
+                return max(cap, rows)  # nothing measured yet: speculate while this size is shared, and measure it
+            by_positions = batch_costs_ms[rows]
+            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * margin
+            pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
+        if not pays:
+            return max(cap, 1)
+        provisional, cap = speculating or provisional, rows
+    return 0
+
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """What rounds of one kind looked like: how many were measured, tokens emitted and seconds taken
+    a round (moving averages), and the share of rounds by positions verified."""
+
+    rounds: int
+    tokens_per_pass: float
+    round_s: float
+    positions_share: dict[int, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """One request's rate in such rounds (what speculation must raise)."""
+        return self.tokens_per_pass / max(self.round_s, 1e-9)
+
+
+class _MovingShape:
+    """Moving averages behind one RoundShape (not thread-safe: RoundShapes locks)."""
+
+    def __init__(self):
+        self.rounds, self.tokens, self.seconds = 0, 0.0, 0.0
+        self.positions: dict[int, float] = {}  # positions → weight
+
+    def observe(self, tokens: int, positions: int, seconds: float) -> None:
+        self.rounds += 1
+        weight = max(YIELD_SMOOTHING, 1 / self.rounds)
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+        for seen in self.positions:
+            self.positions[seen] *= 1 - weight
+        self.positions[positions] = self.positions.get(positions, 0.0) + weight
+
+    def snapshot(self) -> RoundShape:
+        total = sum(self.positions.values())
+        return RoundShape(self.rounds, self.tokens, self.seconds, {n: w / total for n, w in self.positions.items()})
 
 
 class RoundShapes:
-    """What rounds look like while speculation is allowed (drafting or not): tokens emitted and
-    positions verified per round, as moving averages; shared by requests (the speculation cap)."""
+    """What rounds look like by batch size and by whether speculation was allowed (drafting or not):
+    tokens emitted, seconds taken and positions verified per round, as moving averages; shared by
+    requests (the speculation cap). A round counts toward the smallest measured batch size that holds
+    the requests running with it (bucket): the cap's question at size B is about rounds run among
+    more requests than the next smaller size."""
 
     def __init__(self):
         self._rounds = 0
-        self._tokens = 0.0
-        self._positions: dict[int, float] = {}  # positions → share of rounds
+        self._shapes: dict[tuple[int, bool], _MovingShape] = {}
         self._lock = threading.Lock()
 
-    def observe(self, tokens: int, positions: int) -> None:
+    @staticmethod
+    def bucket(rows: int, sizes: Sequence[int]) -> int:
+        """The smallest of `sizes` that holds `rows` rows (the largest when none does; 1 for a request
+        running alone, whose rounds are nobody else's cost)."""
+        if rows <= 1 or not sizes:
+            return 1
+        return min((size for size in sizes if size >= rows), default=max(sizes))
+
+    def observe(self, tokens: int, positions: int, seconds: float, rows: int = 1, speculating: bool = True) -> None:
+        """One round that emitted `tokens`, verified `positions` and took `seconds`, in batch-size bucket
+        `rows`, speculation allowed or not."""
         with self._lock:
             self._rounds += 1
-            weight = max(YIELD_SMOOTHING, 1 / self._rounds)
-            self._tokens += weight * (tokens - self._tokens)
-            for seen in self._positions:
-                self._positions[seen] *= 1 - weight
-            self._positions[positions] = self._positions.get(positions, 0.0) + weight
+            self._shapes.setdefault((rows, speculating), _MovingShape()).observe(tokens, positions, seconds)
 
     @property
     def count(self) -> int:
@@ -128,17 +197,10 @@ class RoundShapes:
         with self._lock:
             return self._rounds
 
-    @property
-    def tokens_per_pass(self) -> Optional[float]:
-        """Tokens a round emits (None before MIN_SHAPE_ROUNDS rounds are measured)."""
+    def measured(self) -> dict[tuple[int, bool], RoundShape]:
+        """(bucket, speculating) → its shape, for those with at least MIN_SHAPE_ROUNDS rounds (a few say little)."""
         with self._lock:
-            return self._tokens if self._rounds >= MIN_SHAPE_ROUNDS else None
-
-    def positions_share(self) -> dict[int, float]:
-        """positions → share of rounds that verified that many (sums to 1; {} before the first round)."""
-        with self._lock:
-            total = sum(self._positions.values())
-            return {n: share / total for n, share in self._positions.items()} if total else {}
+            return {key: shape.snapshot() for key, shape in self._shapes.items() if shape.rounds >= MIN_SHAPE_ROUNDS}
 
 
 class StepCosts:
@@ -241,3 +303,12 @@ class AcceptanceEstimate:
         for i in range(len(self._examined)):
             self._examined[i] = self.decay * self._examined[i] + (1 if i < examined else 0)
             self._accepted[i] = self.decay * self._accepted[i] + (1 if i < accepted else 0)
+
+
+def describe_shapes(shapes: dict[tuple[int, bool], RoundShape]) -> str:
+    """One log line's worth of what the speculation cap was decided from."""
+    return "; ".join(
+        f"{rows} {'speculating' if speculating else 'plain'}: {shape.tokens_per_pass:.2f} tokens a pass, "
+        f"{shape.tokens_per_s:.1f} tokens/s a request ({shape.rounds} rounds)"
+        for (rows, speculating), shape in sorted(shapes.items())
+    ) or "none measured yet"

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import RoundShapes, StepCosts, speculation_cap
+from gateway.adaptive import RoundShapes, StepCosts, describe_shapes, speculation_cap
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
@@ -57,36 +57,38 @@ class Backends:
     def speculation_cap(self) -> int:
         """Requests this gateway may run while they speculate (0 = no cap): adaptive.speculation_cap
         for one verify replica, from the batch costs it measured at start-up and the rounds measured
-        here while speculating (tokens they yield, positions they verify), times the verify replicas
-        serving. Until enough rounds are measured the cap is the smallest measured batch (2): a
-        busy gateway that starts cold does not bet every batch on drafts it knows nothing of (on the
-        2-core EPYC, speculating in 8-stream batches lost 17%); its rounds get measured whenever the
-        load allows. No cap when the verify measured no batch costs (it does not batch: requests
-        then share no passes, and each one's own policy decides)."""
+        here at each batch size (tokens they yield, seconds they take, positions they verify, with
+        speculation allowed or not), times the verify replicas serving. Until rounds are measured
+        the cap is the smallest measured batch (2): a busy gateway that starts cold does not bet
+        every batch on drafts it knows nothing of (on the 2-core EPYC, speculating in 8-stream
+        batches lost 17%). No cap when the verify measured no batch costs (it does not batch:
+        requests then share no passes, and each one's own policy decides)."""
         costs = self._verify_batch_costs
         if not costs:
             return 0
-        cap = self._cap_per_replica(costs) * max(1, sum(replica.eligible for replica in self.verify.replicas()))
+        cap = self._cap_per_replica(costs) * self._serving_replicas()
         if cap != self._last_cap:
-            tokens_per_pass = self.rounds.tokens_per_pass
-            log.info("speculation cap: %s running requests (rounds yield %s tokens a pass; positions a round: %s)",
-                     cap or "no cap", "?" if tokens_per_pass is None else round(tokens_per_pass, 2),
-                     {n: round(share, 3) for n, share in sorted(self.rounds.positions_share().items())})
+            log.info("speculation cap: %s running requests (rounds by batch size, speculating or not: %s)",
+                     cap or "no cap", describe_shapes(self.rounds.measured()))
             self._last_cap = cap
             self.report_cap(cap)
         return cap
+
+    def observe_round(self, tokens: int, positions: int, seconds: float, running: int, speculating: bool) -> None:
+        """One round's shape for the speculation cap, counted at the batch size its `running`
+        requests (this gateway's, spread over the serving verify replicas) make."""
+        rows = -(-running // self._serving_replicas())
+        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self._verify_batch_costs)), speculating)
+
+    def _serving_replicas(self) -> int:
+        return max(1, sum(replica.eligible for replica in self.verify.replicas()))
 
     def _cap_per_replica(self, costs: dict[int, dict[int, float]]) -> int:
         """adaptive.speculation_cap for one verify replica, recomputed only after a new round was
         measured: every request asks several times a round, and the answer changes only with the rounds."""
         rounds = self.rounds.count
         if self._replica_cap[0] != rounds:
-            tokens_per_pass = self.rounds.tokens_per_pass
-            if tokens_per_pass is None:
-                cap = min(costs)  # until rounds are measured: speculate only while the smallest batch is shared
-            else:
-                cap = speculation_cap(costs, self.rounds.positions_share(), tokens_per_pass)
-            self._replica_cap = (rounds, cap)
+            self._replica_cap = (rounds, speculation_cap(costs, self.rounds.measured()))
         return self._replica_cap[1]
 
     @classmethod

@@ -163,6 +163,7 @@ class Generation:
         time_remaining: Callable[[], Optional[float]] = lambda: None,
         is_active: Callable[[], bool] = lambda: True,
         speculation_allowed: Callable[[], bool] = lambda: True,
+        running: Callable[[], int] = lambda: 1,
         options: GatewayOptions = GatewayOptions(),
     ):
         self.backends = backends
@@ -186,6 +187,7 @@ class Generation:
         self._time_remaining = time_remaining
         self._is_active = is_active
         self._speculation_allowed = speculation_allowed
+        self._running = running  # requests this gateway runs now (the batch this request's rounds share)
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
         self._verify = Link()
         self._draft = Link()
@@ -266,8 +268,8 @@ class Generation:
         self.stats.lookup_rounds += bool(copied)
         self.stats.head_rounds += bool(headed)
         chunk = self._emit(outcome.emitted(drafts))
-        if speculating:
-            self.backends.rounds.observe(len(outcome.emitted(drafts)), len(drafts) + 1)
+        self.backends.observe_round(len(outcome.emitted(drafts)), len(drafts) + 1, time.perf_counter() - started,
+                                    self._running(), speculating)
         self._head_drafts = [] if parents else head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay

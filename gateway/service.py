@@ -75,6 +75,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             time_remaining=lambda: _deadline(context),
             is_active=context.is_active,
             speculation_allowed=self._speculation_allowed,
+            running=lambda: self.admission.active,
             options=self.options,
         )
 

@@ -293,6 +293,13 @@ def test_a_batch_costs_as_much_as_its_longest_row():
     assert long_copies == pytest.approx(0.98 ** 8 * 40 + (1 - 0.98 ** 8) * 80)
 
 
+def measured_rounds(tokens_per_pass: float, positions_share: dict[int, float] = HEADS_ROUNDS, round_s: float = 0.1):
+    """A kind of round as RoundShapes reports it once measured (the speculation cap's input)."""
+    from gateway.adaptive import MIN_SHAPE_ROUNDS, RoundShape
+
+    return RoundShape(MIN_SHAPE_ROUNDS, tokens_per_pass, round_s, positions_share)
+
+
 @pytest.mark.parametrize(
     "shares, tokens_per_pass, cap",
     [
@@ -305,47 +312,101 @@ def test_a_batch_costs_as_much_as_its_longest_row():
     ],
 )
 def test_speculation_cap_is_the_largest_batch_where_speculating_rows_pay(shares, tokens_per_pass, cap):
+    """Only rounds of requests running alone measured: their yield stands in for every batch size (the model decides)."""
     from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
 
-    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass, margin=1.0) == cap
+    alone = {(1, True): measured_rounds(tokens_per_pass, shares)}
+    assert speculation_cap(EPYC_BATCH_COSTS, alone, margin=1.0) == cap
     # the default margin asks that much more of the yield
-    assert speculation_cap(EPYC_BATCH_COSTS, shares, tokens_per_pass * SPECULATION_MARGIN) == cap
+    assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(tokens_per_pass * SPECULATION_MARGIN, shares)}) == cap
 
 
 def test_the_default_margin_keeps_speculation_to_clear_gains():
     from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
 
     assert SPECULATION_MARGIN > 1
-    assert speculation_cap(EPYC_BATCH_COSTS, HEADS_ROUNDS, 1.75, margin=1.0) == 4  # 4 rows promise 1.75 / 1.65 = +6%
-    assert speculation_cap(EPYC_BATCH_COSTS, HEADS_ROUNDS, 1.75) == 2  # not a clear gain
+    alone = {(1, True): measured_rounds(1.75)}
+    assert speculation_cap(EPYC_BATCH_COSTS, alone, margin=1.0) == 4  # 4 rows promise 1.75 / 1.65 = +6%
+    assert speculation_cap(EPYC_BATCH_COSTS, alone) == 2  # not a clear gain
 
 
 def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 
     odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}  # 4 rows would pay, 2 do not: rows share passes in order
-    assert speculation_cap(odd, HEADS_ROUNDS, 1.8, margin=1.0) == 1
+    assert speculation_cap(odd, {(1, True): measured_rounds(1.8)}, margin=1.0) == 1
 
 
-def test_round_shapes_average_what_speculating_rounds_yield_and_verify():
+def test_speculation_cap_before_any_round_is_measured_is_the_smallest_batch():
+    from gateway.adaptive import speculation_cap
+
+    assert speculation_cap(EPYC_BATCH_COSTS, {}) == 2
+    assert speculation_cap(EPYC_BATCH_COSTS, {(4, False): measured_rounds(1.0)}) == 2  # plain rounds say nothing of drafts
+
+
+def test_a_yield_measured_at_a_batch_size_replaces_the_one_from_fewer_requests():
+    """The 2-core EPYC's 4-stream runs: rounds among ≤ 2 requests yielded 2.4 tokens a pass (the prompts
+    that end a run), among 4 requests 1.85; the smaller sizes' yield only stands in until B's is measured."""
+    from gateway.adaptive import speculation_cap
+
+    few = {(2, True): measured_rounds(2.4)}
+    assert speculation_cap(EPYC_BATCH_COSTS, few) == 0  # 8 rows cost 1.83x × 1.1 < 2.4: tried everywhere
+    assert speculation_cap(EPYC_BATCH_COSTS, few | {(4, True): measured_rounds(1.7)}) == 2  # 1.65x × 1.1 > 1.7 at 4
+    # what 4 yields stands in for 8 in turn
+    assert speculation_cap(EPYC_BATCH_COSTS, few | {(4, True): measured_rounds(1.9)}) == 4
+
+
+def test_measured_rates_at_a_batch_size_overrule_the_model():
+    """Where rounds were measured both ways at one size, tokens per second decide, whatever the
+    start-up costs promise: the model's +9% at 4 rows was a 7–11% loss end to end on the 2-core EPYC."""
+    from gateway.adaptive import speculation_cap
+
+    few = {(2, True): measured_rounds(2.4)}
+    losing = few | {(4, True): measured_rounds(1.85, round_s=0.110), (4, False): measured_rounds(1.0, round_s=0.055)}
+    assert speculation_cap(EPYC_BATCH_COSTS, losing) == 2  # 16.8 < 18.2 tokens/s a request
+    paying = few | {(4, True): measured_rounds(1.85, round_s=0.090), (4, False): measured_rounds(1.0, round_s=0.055)}
+    assert speculation_cap(EPYC_BATCH_COSTS, paying) == 4  # 20.6 > 18.2; 8 rows by the model from 4's yield: 1.83x × 1.1 > 1.85
+    # the other way round: the model says no at 2 rows (1.31x × 1.1 > 1.3), the measured rates say yes
+    cheap = {(2, True): measured_rounds(1.3, round_s=0.070), (2, False): measured_rounds(1.0, round_s=0.060)}
+    assert speculation_cap(EPYC_BATCH_COSTS, cheap) == 2  # and 4 rows, by the model from 2's yield, do not pay
+
+
+def test_round_shapes_average_each_kind_of_round_apart():
     from gateway.adaptive import MIN_SHAPE_ROUNDS, YIELD_SMOOTHING, RoundShapes
 
     rounds = RoundShapes()
-    assert rounds.tokens_per_pass is None and rounds.positions_share() == {}
+    assert rounds.measured() == {}
     for _ in range(MIN_SHAPE_ROUNDS // 2):
-        rounds.observe(3, 4)
-        assert rounds.tokens_per_pass is None  # a few rounds say little
-        rounds.observe(1, 1)
-    assert rounds.tokens_per_pass == pytest.approx(2.0)  # the first rounds count equally
-    assert rounds.positions_share() == pytest.approx({4: 0.5, 1: 0.5})
+        rounds.observe(3, 4, 0.2, rows=4, speculating=True)
+        assert rounds.measured() == {}  # a few rounds say little
+        rounds.observe(1, 1, 0.1, rows=4, speculating=True)
+        rounds.observe(1, 1, 0.05, rows=4, speculating=False)
+    assert set(rounds.measured()) == {(4, True)} and rounds.count == 3 * (MIN_SHAPE_ROUNDS // 2)
+    for _ in range(MIN_SHAPE_ROUNDS // 2):
+        rounds.observe(1, 1, 0.05, rows=4, speculating=False)
+    shapes = rounds.measured()
+    assert shapes[(4, True)].tokens_per_pass == pytest.approx(2.0)  # the first rounds count equally
+    assert shapes[(4, True)].round_s == pytest.approx(0.15) and shapes[(4, True)].tokens_per_s == pytest.approx(2.0 / 0.15)
+    assert shapes[(4, True)].positions_share == pytest.approx({4: 0.5, 1: 0.5})
+    assert shapes[(4, False)].tokens_per_s == pytest.approx(20.0)
     for _ in range(int(1 / YIELD_SMOOTHING) * 10):
-        rounds.observe(1, 1)
-    assert rounds.tokens_per_pass == pytest.approx(1.0, abs=1e-3) and rounds.positions_share()[1] == pytest.approx(1.0, abs=1e-3)
+        rounds.observe(1, 1, 0.1, rows=4, speculating=True)
+    later = rounds.measured()[(4, True)]
+    assert later.tokens_per_pass == pytest.approx(1.0, abs=1e-3) and later.positions_share[1] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_round_counts_at_the_smallest_measured_batch_size_that_holds_its_requests():
+    from gateway.adaptive import RoundShapes
+
+    sizes = [2, 4, 8]
+    assert [RoundShapes.bucket(rows, sizes) for rows in range(1, 11)] == [1, 2, 4, 4, 8, 8, 8, 8, 8, 8]
+    assert RoundShapes.bucket(3, []) == 1  # a verify that does not batch
 
 
 def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
     """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
-    rounds measured here, times the serving replicas; the smallest batch before rounds are measured; no cap without costs."""
+    rounds measured here, times the serving replicas; the smallest batch before rounds are measured; no
+    cap without costs. Backends.observe_round counts a round at its requests' batch size per replica."""
     import json
     from types import SimpleNamespace
 
@@ -362,15 +423,21 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     one = backends(measured, replicas=1)
     assert one.speculation_cap() == 2  # no rounds measured yet: the smallest measured batch
     for _ in range(MIN_SHAPE_ROUNDS):
-        one.rounds.observe(1.75 * SPECULATION_MARGIN, 4)
-    assert one.speculation_cap() == 4  # 8 rows: 1.83x ≥ 1.75
+        one.observe_round(round(1.75 * SPECULATION_MARGIN), 4, 0.1, running=2, speculating=True)
+    assert set(one.rounds.measured()) == {(2, True)}
+    assert one.speculation_cap() == 4  # a yield of 2 tokens: 8 rows (1.83x × 1.1) do not pay
+    for _ in range(MIN_SHAPE_ROUNDS):  # among 3 requests (the 4-row size) rounds pay less than plain ones
+        one.observe_round(2, 4, 0.2, running=3, speculating=True)
+        one.observe_round(1, 1, 0.05, running=3, speculating=False)
+    assert one.speculation_cap() == 2
     two = backends(measured, replicas=2)
     for _ in range(MIN_SHAPE_ROUNDS):
-        two.rounds.observe(1.6 * SPECULATION_MARGIN, 4)
-    assert two.speculation_cap() == 4  # 2 rows per replica, two replicas
+        two.observe_round(2, 4, 0.1, running=3, speculating=True)  # 2 rows a replica
+    assert set(two.rounds.measured()) == {(2, True)}
+    assert two.speculation_cap() == 8  # 4 rows per replica, two replicas
     unmeasured = backends({"threads": 1}, replicas=1)
     for _ in range(MIN_SHAPE_ROUNDS):
-        unmeasured.rounds.observe(2, 4)
+        unmeasured.observe_round(2, 4, 0.1, running=3, speculating=True)
     assert unmeasured.speculation_cap() == 0
 
 

@@ -85,10 +85,14 @@ MIN_SHAPE_ROUNDS = 50
 # stops being measured (no speculating rounds run at that size any more) and keeps the cap below it,
 # so noise errs toward plain rounds, which never lose to target-only.
 MEASURED_MARGIN = 1.0
+# A kind of round not seen for this many rounds (of any kind) is forgotten, so a verdict that stopped
+# its own measurement is retried now and then (the workload may have changed): ~4 minutes at 4 streams
+# on the 2-core EPYC, for ~50 rounds of trial.
+STALE_ROUNDS = 10_000
 
 
 def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tuple[int, bool], "RoundShape"],
-                    margin: float = SPECULATION_MARGIN) -> int:
+                    margin: float = SPECULATION_MARGIN, current: Optional[int] = None) -> int:
     """The most requests a verify replica may run while they speculate, from its measured batch costs
     and the rounds measured at each batch size.
 
@@ -107,8 +111,11 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     cap) when it pays at every measured size (past the largest batch, passes are full and each pays
     the same); the smallest size while nothing is measured (a cold gateway does not bet a busy batch
     on drafts it knows nothing of). batch_costs_ms[b][n]: ms of one round over b rows scoring n
-    positions each (Scorer.measure_batch_costs)."""
+    positions each (Scorer.measure_batch_costs). current: the cap in force (0 = none), whose sizes
+    the model keeps at half the margin (hysteresis: an estimate near the threshold would otherwise
+    flip the cap with every round)."""
     cap, provisional = 0, shapes.get((1, True))
+    hold = 1 + (margin - 1) / 2
     for rows in sorted(batch_costs_ms):
         speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
         if speculating is not None and plain is not None:
@@ -118,7 +125,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             if shape is None:
                 return max(cap, rows)  # nothing measured yet: speculate while this size is shared, and measure it
             by_positions = batch_costs_ms[rows]
-            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * margin
+            held = current is not None and (current == 0 or rows <= current)
+            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (hold if held else margin)
             pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
         if not pays:
             return max(cap, 1)
@@ -149,9 +157,10 @@ class _MovingShape:
     def __init__(self):
         self.rounds, self.tokens, self.seconds = 0, 0.0, 0.0
         self.positions: dict[int, float] = {}  # positions → weight
+        self.last = 0  # RoundShapes' round count at the last round of this kind
 
-    def observe(self, tokens: int, positions: int, seconds: float) -> None:
-        self.rounds += 1
+    def observe(self, tokens: int, positions: int, seconds: float, now: int) -> None:
+        self.rounds, self.last = self.rounds + 1, now
         weight = max(YIELD_SMOOTHING, 1 / self.rounds)
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
@@ -169,7 +178,7 @@ class RoundShapes:
     tokens emitted, seconds taken and positions verified per round, as moving averages; shared by
     requests (the speculation cap). A round counts toward the smallest measured batch size that holds
     the requests running with it (bucket): the cap's question at size B is about rounds run among
-    more requests than the next smaller size."""
+    more requests than the next smaller size. Kinds unseen for STALE_ROUNDS rounds are forgotten."""
 
     def __init__(self):
         self._rounds = 0
@@ -189,7 +198,9 @@ class RoundShapes:
         `rows`, speculation allowed or not."""
         with self._lock:
             self._rounds += 1
-            self._shapes.setdefault((rows, speculating), _MovingShape()).observe(tokens, positions, seconds)
+            self._shapes.setdefault((rows, speculating), _MovingShape()).observe(tokens, positions, seconds, self._rounds)
+            for key in [key for key, shape in self._shapes.items() if self._rounds - shape.last > STALE_ROUNDS]:
+                del self._shapes[key]
 
     @property
     def count(self) -> int:

@@ -88,7 +88,8 @@ class Backends:
         measured: every request asks several times a round, and the answer changes only with the rounds."""
         rounds = self.rounds.count
         if self._replica_cap[0] != rounds:
-            self._replica_cap = (rounds, speculation_cap(costs, self.rounds.measured()))
+            current = self._replica_cap[1] if self._replica_cap[0] >= 0 else None
+            self._replica_cap = (rounds, speculation_cap(costs, self.rounds.measured(), current=current))
         return self._replica_cap[1]
 
     @classmethod

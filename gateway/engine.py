@@ -268,8 +268,9 @@ class Generation:
         self.stats.lookup_rounds += bool(copied)
         self.stats.head_rounds += bool(headed)
         chunk = self._emit(outcome.emitted(drafts))
-        self.backends.observe_round(len(outcome.emitted(drafts)), len(drafts) + 1, time.perf_counter() - started,
-                                    self._running(), speculating)
+        if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
+            self.backends.observe_round(len(outcome.emitted(drafts)), len(drafts) + 1, time.perf_counter() - started,
+                                        self._running(), speculating)
         self._head_drafts = [] if parents else head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay

@@ -330,6 +330,20 @@ def test_the_default_margin_keeps_speculation_to_clear_gains():
     assert speculation_cap(EPYC_BATCH_COSTS, alone) == 2  # not a clear gain
 
 
+def test_a_cap_in_force_is_kept_at_half_the_margin():
+    """Hysteresis: a yield between the two thresholds keeps the cap where it is, up or down (on the
+    2-core EPYC an estimate near the threshold flipped the cap between 1 and 2 with every round)."""
+    from gateway.adaptive import speculation_cap
+
+    between = {(1, True): measured_rounds(1.31 * 1.07)}  # 2 rows cost 1.31x: 7% above, 10% not reached
+    assert speculation_cap(EPYC_BATCH_COSTS, between) == 1
+    assert speculation_cap(EPYC_BATCH_COSTS, between, current=1) == 1
+    assert speculation_cap(EPYC_BATCH_COSTS, between, current=2) == 2
+    assert speculation_cap(EPYC_BATCH_COSTS, between, current=0) == 2  # no cap: held at 2, 4 rows (1.65x) lose
+    below = {(1, True): measured_rounds(1.31 * 1.04)}
+    assert speculation_cap(EPYC_BATCH_COSTS, below, current=2) == 1
+
+
 def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 
@@ -393,6 +407,21 @@ def test_round_shapes_average_each_kind_of_round_apart():
         rounds.observe(1, 1, 0.1, rows=4, speculating=True)
     later = rounds.measured()[(4, True)]
     assert later.tokens_per_pass == pytest.approx(1.0, abs=1e-3) and later.positions_share[1] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_kind_of_round_unseen_for_long_is_forgotten_so_its_verdict_is_retried():
+    """A size whose speculating rounds lost runs no more of them; after STALE_ROUNDS other rounds their
+    measurement is dropped, the model decides again, and speculation there gets measured anew."""
+    from gateway.adaptive import MIN_SHAPE_ROUNDS, STALE_ROUNDS, RoundShapes
+
+    rounds = RoundShapes()
+    for _ in range(MIN_SHAPE_ROUNDS):
+        rounds.observe(2, 4, 0.2, rows=4, speculating=True)
+    for _ in range(STALE_ROUNDS):
+        rounds.observe(1, 1, 0.05, rows=4, speculating=False)
+    assert set(rounds.measured()) == {(4, True), (4, False)}  # the last speculating round was STALE_ROUNDS ago
+    rounds.observe(1, 1, 0.05, rows=4, speculating=False)
+    assert set(rounds.measured()) == {(4, False)}
 
 
 def test_a_round_counts_at_the_smallest_measured_batch_size_that_holds_its_requests():

@@ -21,7 +21,8 @@ With one active session nothing waits; `max_batch_size` 1 bypasses the batcher e
 
 A service may also `finish` a batch: turn every caller's logits into its reply in one call on the
 worker's side (the verify's Medusa heads propose for all the batch's rows in one product per head,
-instead of one product per session). Callers then get what `finish` returns instead of logits.
+instead of one product per session). Callers then get what `finish` returns instead of logits; a
+reply that is an exception is raised to its caller alone.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class _Request:
     future: Future = field(default_factory=Future)
 
 
-# finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V]
+# finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V];
+# a reply that is an Exception is raised to that caller alone (the others get theirs)
 Finish = Callable[[list[Any], list[torch.Tensor]], list[Any]]
 
 
@@ -200,8 +202,11 @@ class ForwardBatcher:
         self.stats.batches += 1
         self.stats.requests += len(batch)
         self.stats.sizes[len(batch)] += 1
-        for request, logits in zip(batch, results):
-            request.future.set_result(logits)
+        for request, result in zip(batch, results):
+            if isinstance(result, Exception):  # finish failed this caller alone
+                request.future.set_exception(result)
+            else:
+                request.future.set_result(result)
 
     def _fail_queued(self) -> None:
         while self._queue:

@@ -301,3 +301,35 @@ def test_a_prompt_prefilled_in_chunks_equals_one_pass(lm, monkeypatch):
     torch.testing.assert_close(chunked.fed_features, whole.fed_features, atol=ATOL, rtol=0)
     assert_caches_match(whole, chunked)
     torch.testing.assert_close(lm.forward(chunked, [7, 8]), lm.forward(whole, [7, 8]), atol=ATOL, rtol=0)
+
+
+def test_a_reply_that_fails_fails_its_caller_alone():
+    """A `finish` that cannot make one caller's reply hands back its exception: that caller's forward
+    raises it, the others in the same pass get their replies (one session's fault is not the batch's)."""
+    fake = FakeLM()
+
+    def finish(tags, logits):
+        return [ValueError(f"no reply for {tag}") if tag == "bad" else f"{tag}:{rows.shape[0]}" for tag, rows in zip(tags, logits)]
+
+    batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000), finish=finish)
+    tags = ["good", "bad", "also good"]
+    barrier = threading.Barrier(len(tags))
+
+    def drive(tag: str) -> list:
+        session, replies = object(), []
+        for _ in range(3):  # the batcher learns who is active: the later passes hold all three
+            barrier.wait()
+            try:
+                replies.append(batcher.forward(session, [1], tag=tag))
+            except ValueError as error:
+                replies.append(error)
+        return replies
+
+    try:
+        with ThreadPoolExecutor(len(tags)) as pool:
+            good, bad, also_good = pool.map(drive, tags)
+    finally:
+        batcher.close()
+    assert max(len(batch) for batch in fake.batches) == 3
+    assert good == ["good:2"] * 3 and also_good == ["also good:2"] * 3
+    assert all(isinstance(reply, ValueError) and "bad" in str(reply) for reply in bad)

@@ -139,6 +139,35 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     assert together[2].head_drafts is None and together[2].argmax_token_ids
 
 
+def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
+    """Unit, the verify's batch replies: when the heads' product fails, the sessions that asked for
+    proposals get the error and the others their scores; when one session's reply fails (its warp),
+    the rest of the batch still gets theirs."""
+    import verify_service.scorer as scorer_module
+    from specd_common.batching import BatchPolicy
+    from specd_common.params import Warp
+    from verify_service.medusa import MedusaHeads
+    from verify_service.scorer import Part, Scorer
+
+    heads, loaded = random_token_heads(tiny, chained=True)
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
+    asking, plain, sampled = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(), Warp(temperature=0.8)))
+    parts = [Part(asking, [9], head_drafts=True), Part(plain, [4]), Part(sampled, [3])]
+    asking.sequence.keep_features = True
+    logits = scorer.lm.forward_batch([(part.session.sequence, part.drafts) for part in parts])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("heads broke")
+
+    monkeypatch.setattr(MedusaHeads, "propose", broken)
+    replies = scorer._replies(parts, logits)
+    assert isinstance(replies[0], RuntimeError) and replies[1].argmax_token_ids and replies[2].target_probs
+    monkeypatch.undo()
+    monkeypatch.setattr(scorer_module, "warp_probs", broken)
+    replies = scorer._replies(parts, logits)
+    assert replies[0].head_drafts.token_ids and replies[1].argmax_token_ids and isinstance(replies[2], RuntimeError)
+
+
 def test_head_drafts_at_picks_the_row_of_a_position():
     message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
     assert head_drafts_at(message, 11) == [3, 4]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -216,22 +216,37 @@ class Scorer:
             return self.batcher.forward(session.sequence, draft_token_ids, part)
         else:
             logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
-        return self._finish([part], [logits])[0]
+        reply = self._finish([part], [logits])[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
-    def _finish(self, parts: list[Part], logits: list[torch.Tensor]) -> list[Scores]:
-        """What each part's Verify returns, from its logits [k + 1, V] (ForwardBatcher's finish)."""
+    def _finish(self, parts: list[Part], logits: list[torch.Tensor]) -> list[Union[Scores, Exception]]:
+        """What each part's Verify returns, from its logits [k + 1, V] (ForwardBatcher's finish): its
+        Scores, or the exception its Verify fails with."""
         return self.lm.run(self._replies, parts, logits)
 
-    def _replies(self, parts: Sequence[Part], logits: Sequence[torch.Tensor]) -> list[Scores]:
+    def _replies(self, parts: Sequence[Part], logits: Sequence[torch.Tensor]) -> list[Union[Scores, Exception]]:
         """_finish on the model's thread (its torch work would start a second OpenMP team anywhere
-        else: specd_common/model_thread.py)."""
+        else: specd_common/model_thread.py). A part whose reply fails gets its exception instead, and
+        the batch's other sessions their replies: one session's fault (its warp, the heads' product it
+        asked for) fails that session's Verify alone."""
         owns = [torch.argmax(rows, dim=-1) for rows in logits]  # [k + 1] each: the target's choice at each position (greedy's answer, the heads' input)
-        proposals = self.head_drafts(parts, owns)
-        replies = []
-        for part, rows, own, heads in zip(parts, logits, owns, proposals):
+        try:
+            proposals: list = self.head_drafts(parts, owns)
+        except Exception as error:  # handed to the sessions that asked, as their Verify's error
+            log.exception("the Medusa heads' proposals failed for %d session(s)", sum(part.head_drafts for part in parts))
+            proposals = [error if part.head_drafts else None for part in parts]
+        return [self._reply(part, rows, own, heads) for part, rows, own, heads in zip(parts, logits, owns, proposals)]
+
+    def _reply(self, part: Part, rows: torch.Tensor, own: torch.Tensor, heads: Union[common_pb2.HeadDrafts, Exception, None]) -> Union[Scores, Exception]:
+        """One part's Scores from its logits rows [k + 1, V] and argmax own [k + 1], or the exception that stopped it."""
+        if isinstance(heads, Exception):
+            return heads
+        try:
             features = self.last_features(part.session) if part.features else None
             if part.session.warp.greedy:
-                replies.append(Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads))
-            else:  # a row per position, [k + 1, V]
-                replies.append(Scores(target_probs=encode_rows(warp_probs(rows, part.session.warp)), features=features, head_drafts=heads))
-        return replies
+                return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads)
+            return Scores(target_probs=encode_rows(warp_probs(rows, part.session.warp)), features=features, head_drafts=heads)
+        except Exception as error:  # this session's Verify fails with it (grpc_errors maps it)
+            return error

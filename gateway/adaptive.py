@@ -104,17 +104,20 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     costs: expected_batch_cost(B) / cost(B, 1) × margin < tokens a speculating round yields, with
     the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
     that lets B be tried and measured: rounds among fewer requests say little about B's, and on the
-    2-core EPYC rounds among ≤ 2 requests yielded 2.4 tokens a pass where 4 yielded 1.85).
+    2-core EPYC rounds among ≤ 2 requests yielded 2.4 tokens a pass where 4 yielded 1.85). The
+    smallest size is tried until its own rounds are measured (what requests running alone yield is
+    no estimate for it: on that VM the one prompt that ends a benchmark's wave, 1.55 tokens a pass,
+    kept 2 streams from ever being measured).
 
     The cap is the largest measured B for which speculation pays at every measured size up to B; 1
     when it fails already at the smallest (a request running alone still decides for itself); 0 (no
     cap) when it pays at every measured size (past the largest batch, passes are full and each pays
-    the same); the smallest size while nothing is measured (a cold gateway does not bet a busy batch
+    the same); the smallest size while that is unmeasured (a cold gateway does not bet a busy batch
     on drafts it knows nothing of). batch_costs_ms[b][n]: ms of one round over b rows scoring n
     positions each (Scorer.measure_batch_costs). current: the cap in force (0 = none), whose sizes
     the model keeps at half the margin (hysteresis: an estimate near the threshold would otherwise
     flip the cap with every round)."""
-    cap, provisional = 0, shapes.get((1, True))
+    cap, provisional = 0, None
     hold = 1 + (margin - 1) / 2
     for rows in sorted(batch_costs_ms):
         speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
@@ -122,8 +125,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             pays = speculating.tokens_per_s > plain.tokens_per_s * MEASURED_MARGIN
         else:
             shape = speculating or provisional
-            if shape is None:
-                return max(cap, rows)  # nothing measured yet: speculate while this size is shared, and measure it
+            if shape is None:  # the smallest size, unmeasured: speculate while it is shared, and measure it
+                return rows
             by_positions = batch_costs_ms[rows]
             held = current is not None and (current == 0 or rows <= current)
             cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (hold if held else margin)

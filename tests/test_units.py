@@ -312,22 +312,22 @@ def measured_rounds(tokens_per_pass: float, positions_share: dict[int, float] = 
     ],
 )
 def test_speculation_cap_is_the_largest_batch_where_speculating_rows_pay(shares, tokens_per_pass, cap):
-    """Only rounds of requests running alone measured: their yield stands in for every batch size (the model decides)."""
+    """Only speculating rounds among 2 requests measured: their yield stands in for every larger batch (the model decides)."""
     from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
 
-    alone = {(1, True): measured_rounds(tokens_per_pass, shares)}
-    assert speculation_cap(EPYC_BATCH_COSTS, alone, margin=1.0) == cap
+    two = {(2, True): measured_rounds(tokens_per_pass, shares)}
+    assert speculation_cap(EPYC_BATCH_COSTS, two, margin=1.0) == cap
     # the default margin asks that much more of the yield
-    assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(tokens_per_pass * SPECULATION_MARGIN, shares)}) == cap
+    assert speculation_cap(EPYC_BATCH_COSTS, {(2, True): measured_rounds(tokens_per_pass * SPECULATION_MARGIN, shares)}) == cap
 
 
 def test_the_default_margin_keeps_speculation_to_clear_gains():
     from gateway.adaptive import SPECULATION_MARGIN, speculation_cap
 
     assert SPECULATION_MARGIN > 1
-    alone = {(1, True): measured_rounds(1.75)}
-    assert speculation_cap(EPYC_BATCH_COSTS, alone, margin=1.0) == 4  # 4 rows promise 1.75 / 1.65 = +6%
-    assert speculation_cap(EPYC_BATCH_COSTS, alone) == 2  # not a clear gain
+    two = {(2, True): measured_rounds(1.75)}
+    assert speculation_cap(EPYC_BATCH_COSTS, two, margin=1.0) == 4  # 4 rows promise 1.75 / 1.65 = +6%
+    assert speculation_cap(EPYC_BATCH_COSTS, two) == 2  # not a clear gain
 
 
 def test_a_cap_in_force_is_kept_at_half_the_margin():
@@ -335,12 +335,12 @@ def test_a_cap_in_force_is_kept_at_half_the_margin():
     2-core EPYC an estimate near the threshold flipped the cap between 1 and 2 with every round)."""
     from gateway.adaptive import speculation_cap
 
-    between = {(1, True): measured_rounds(1.31 * 1.07)}  # 2 rows cost 1.31x: 7% above, 10% not reached
+    between = {(2, True): measured_rounds(1.31 * 1.07)}  # 2 rows cost 1.31x: 7% above, 10% not reached
     assert speculation_cap(EPYC_BATCH_COSTS, between) == 1
     assert speculation_cap(EPYC_BATCH_COSTS, between, current=1) == 1
     assert speculation_cap(EPYC_BATCH_COSTS, between, current=2) == 2
     assert speculation_cap(EPYC_BATCH_COSTS, between, current=0) == 2  # no cap: held at 2, 4 rows (1.65x) lose
-    below = {(1, True): measured_rounds(1.31 * 1.04)}
+    below = {(2, True): measured_rounds(1.31 * 1.04)}
     assert speculation_cap(EPYC_BATCH_COSTS, below, current=2) == 1
 
 
@@ -348,14 +348,17 @@ def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 
     odd = {2: {1: 70.0, 4: 140.0}, 4: {1: 100.0, 4: 110.0}}  # 4 rows would pay, 2 do not: rows share passes in order
-    assert speculation_cap(odd, {(1, True): measured_rounds(1.8)}, margin=1.0) == 1
+    assert speculation_cap(odd, {(2, True): measured_rounds(1.8)}, margin=1.0) == 1
 
 
-def test_speculation_cap_before_any_round_is_measured_is_the_smallest_batch():
+def test_speculation_cap_is_the_smallest_batch_until_that_is_measured():
     from gateway.adaptive import speculation_cap
 
     assert speculation_cap(EPYC_BATCH_COSTS, {}) == 2
     assert speculation_cap(EPYC_BATCH_COSTS, {(4, False): measured_rounds(1.0)}) == 2  # plain rounds say nothing of drafts
+    # nor do those of requests running alone: 2 is tried until measured (the prompt that ends a wave is no sample)
+    assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(1.2)}) == 2
+    assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(3.0)}) == 2
 
 
 def test_a_yield_measured_at_a_batch_size_replaces_the_one_from_fewer_requests():

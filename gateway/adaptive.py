@@ -81,10 +81,13 @@ YIELD_SMOOTHING = 0.02
 # Before this many rounds of a kind are measured there is no estimate of it: a few rounds say little
 # (the mean of 50 has ±7% on a yield of ~2 tokens), and 50 rounds among 4 requests are ~13 passes.
 MIN_SHAPE_ROUNDS = 50
-# Measured rates at one size (both ways) are compared as they are: a speculating kind that loses
-# stops being measured (no speculating rounds run at that size any more) and keeps the cap below it,
-# so noise errs toward plain rounds, which never lose to target-only.
-MEASURED_MARGIN = 1.0
+# Measured rates at one size (both ways) must differ by 5% to start speculating there, and keep it
+# while speculation does not lose: each estimate moves by ±7% with the prompts running, and without
+# the band a 2-core EPYC run flipped the cap every few rounds.
+MEASURED_MARGIN = 1.05
+# After the cap changes it stands for this many rounds (of any kind): the estimates that moved it
+# settle first (~12 s at 4 streams on the 2-core EPYC; every change is logged and reported).
+CAP_HOLD_ROUNDS = 500
 # A kind of round not seen for this many rounds (of any kind) is forgotten, so a verdict that stopped
 # its own measurement is retried now and then (the workload may have changed): ~4 minutes at 4 streams
 # on the 2-core EPYC, for ~50 rounds of trial.
@@ -100,7 +103,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     longest), so speculation pays at batch size B only if rounds there emit more tokens a second
     while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
     run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B the
-    measured rates decide (× MEASURED_MARGIN); elsewhere the model does, from the verify's start-up
+    measured rates decide (speculating must be MEASURED_MARGIN faster to start, and not slower to
+    go on); elsewhere the model does, from the verify's start-up
     costs: expected_batch_cost(B) / cost(B, 1) × margin < tokens a speculating round yields, with
     the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
     that lets B be tried and measured: rounds among fewer requests say little about B's, and on the
@@ -115,20 +119,20 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     the same); the smallest size while that is unmeasured (a cold gateway does not bet a busy batch
     on drafts it knows nothing of). batch_costs_ms[b][n]: ms of one round over b rows scoring n
     positions each (Scorer.measure_batch_costs). current: the cap in force (0 = none), whose sizes
-    the model keeps at half the margin (hysteresis: an estimate near the threshold would otherwise
-    flip the cap with every round)."""
+    are kept at a lower bar (hysteresis: the model's at half its margin, measured rates at 1.0; an
+    estimate near the threshold would otherwise flip the cap with every round)."""
     cap, provisional = 0, None
     hold = 1 + (margin - 1) / 2
     for rows in sorted(batch_costs_ms):
         speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
+        held = current is not None and (current == 0 or rows <= current)
         if speculating is not None and plain is not None:
-            pays = speculating.tokens_per_s > plain.tokens_per_s * MEASURED_MARGIN
+            pays = speculating.tokens_per_s > plain.tokens_per_s * (1.0 if held else MEASURED_MARGIN)
         else:
             shape = speculating or provisional
             if shape is None:  # the smallest size, unmeasured: speculate while it is shared, and measure it
                 return rows
             by_positions = batch_costs_ms[rows]
-            held = current is not None and (current == 0 or rows <= current)
             cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (hold if held else margin)
             pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
         if not pays:

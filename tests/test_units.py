@@ -388,6 +388,19 @@ def test_measured_rates_at_a_batch_size_overrule_the_model():
     assert speculation_cap(EPYC_BATCH_COSTS, cheap) == 2  # and 4 rows, by the model from 2's yield, do not pay
 
 
+def test_measured_rates_must_differ_by_a_margin_to_start_speculating_and_not_lose_to_go_on():
+    from gateway.adaptive import MEASURED_MARGIN, speculation_cap
+
+    assert MEASURED_MARGIN > 1
+    few = {(2, True): measured_rounds(2.4)}
+    plain = measured_rounds(1.0, round_s=0.055)  # 18.2 tokens/s a request
+    slightly = few | {(4, True): measured_rounds(1.85, round_s=0.099), (4, False): plain}  # 18.7: +3%
+    assert speculation_cap(EPYC_BATCH_COSTS, slightly, current=2) == 2  # not enough to start
+    assert speculation_cap(EPYC_BATCH_COSTS, slightly, current=4) == 4  # enough to go on
+    losing = few | {(4, True): measured_rounds(1.85, round_s=0.103), (4, False): plain}  # 18.0: −1%
+    assert speculation_cap(EPYC_BATCH_COSTS, losing, current=4) == 2
+
+
 def test_round_shapes_average_each_kind_of_round_apart():
     from gateway.adaptive import MIN_SHAPE_ROUNDS, YIELD_SMOOTHING, RoundShapes
 
@@ -438,11 +451,12 @@ def test_a_round_counts_at_the_smallest_measured_batch_size_that_holds_its_reque
 def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
     """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
     rounds measured here, times the serving replicas; the smallest batch before rounds are measured; no
-    cap without costs. Backends.observe_round counts a round at its requests' batch size per replica."""
+    cap without costs; a change stands for CAP_HOLD_ROUNDS rounds. Backends.observe_round counts a
+    round at its requests' batch size per replica."""
     import json
     from types import SimpleNamespace
 
-    from gateway.adaptive import MIN_SHAPE_ROUNDS, SPECULATION_MARGIN
+    from gateway.adaptive import CAP_HOLD_ROUNDS, MIN_SHAPE_ROUNDS, SPECULATION_MARGIN
     from gateway.backends import Backends
     from specd.v1 import common_pb2
 
@@ -461,6 +475,11 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     for _ in range(MIN_SHAPE_ROUNDS):  # among 3 requests (the 4-row size) rounds pay less than plain ones
         one.observe_round(2, 4, 0.2, running=3, speculating=True)
         one.observe_round(1, 1, 0.05, running=3, speculating=False)
+    assert one.speculation_cap() == 4  # a changed cap stands for CAP_HOLD_ROUNDS rounds
+    for _ in range(CAP_HOLD_ROUNDS - 2 * MIN_SHAPE_ROUNDS - 1):
+        one.observe_round(1, 1, 0.05, running=3, speculating=False)
+    assert one.speculation_cap() == 4
+    one.observe_round(1, 1, 0.05, running=3, speculating=False)
     assert one.speculation_cap() == 2
     two = backends(measured, replicas=2)
     for _ in range(MIN_SHAPE_ROUNDS):

@@ -104,9 +104,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
     run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B the
     measured rates decide (speculating must be MEASURED_MARGIN faster to start, and not slower to
-    go on); elsewhere the model does, from the verify's start-up
-    costs: expected_batch_cost(B) / cost(B, 1) × margin < tokens a speculating round yields, with
-    the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
+    go on); elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) /
+    cost(B, 1) × margin < tokens a speculating round yields, with the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
     that lets B be tried and measured: rounds among fewer requests say little about B's, and on the
     2-core EPYC rounds among ≤ 2 requests yielded 2.4 tokens a pass where 4 yielded 1.85). The
     smallest size is tried until its own rounds are measured (what requests running alone yield is
@@ -139,7 +138,6 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             return max(cap, 1)
         provisional, cap = speculating or provisional, rows
     return 0
-
 
 
 @dataclass(frozen=True)

@@ -102,15 +102,16 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     Once requests share passes, a draft costs every request in the batch (rows are padded to the
     longest), so speculation pays at batch size B only if rounds there emit more tokens a second
     while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
-    run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B the
-    measured rates decide (speculating must be MEASURED_MARGIN faster to start, and not slower to
-    go on); elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) /
-    cost(B, 1) × margin < tokens a speculating round yields, with the yield measured at B, or, until it is, at the largest smaller size (a provisional estimate
-    that lets B be tried and measured: rounds among fewer requests say little about B's, and on the
-    2-core EPYC rounds among ≤ 2 requests yielded 2.4 tokens a pass where 4 yielded 1.85). The
-    smallest size is tried until its own rounds are measured (what requests running alone yield is
-    no estimate for it: on that VM the one prompt that ends a benchmark's wave, 1.55 tokens a pass,
-    kept 2 streams from ever being measured).
+    run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B
+    the measured rates decide (speculating must be MEASURED_MARGIN faster to start, and not slower
+    to go on); elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) /
+    cost(B, 1) × margin < tokens a speculating round yields, with the yield measured at B, or, until
+    it is, at the largest smaller size (a provisional estimate that lets B be tried and measured:
+    rounds among fewer requests say little about B's, and on the 2-core EPYC rounds among ≤ 2
+    requests yielded 2.4 tokens a pass where 4 yielded 1.85). The smallest size is tried until its
+    own rounds are measured (what requests running alone yield is no estimate for it: on that VM the
+    one prompt that ends a benchmark's wave, 1.55 tokens a pass, kept 2 streams from ever being
+    measured).
 
     The cap is the largest measured B for which speculation pays at every measured size up to B; 1
     when it fails already at the smallest (a request running alone still decides for itself); 0 (no

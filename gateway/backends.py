@@ -37,7 +37,7 @@ class Backends:
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
     _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
     _replica_cap: tuple[int, int] = field(default=(-1, 0), repr=False)  # (rounds observed, one replica's cap) last computed
-    _cap_changed_at: int = field(default=-CAP_HOLD_ROUNDS, repr=False)  # rounds observed when one replica's cap last changed (it then holds)
+    _cap_changed_at: int = field(default=-CAP_HOLD_ROUNDS, repr=False)  # rounds observed at the cap's last change (it then holds)
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:

@@ -239,7 +239,8 @@ class Scorer:
             proposals = [error if part.head_drafts else None for part in parts]
         return [self._reply(part, rows, own, heads) for part, rows, own, heads in zip(parts, logits, owns, proposals)]
 
-    def _reply(self, part: Part, rows: torch.Tensor, own: torch.Tensor, heads: Union[common_pb2.HeadDrafts, Exception, None]) -> Union[Scores, Exception]:
+    def _reply(self, part: Part, rows: torch.Tensor, own: torch.Tensor,
+               heads: Union[common_pb2.HeadDrafts, Exception, None]) -> Union[Scores, Exception]:
         """One part's Scores from its logits rows [k + 1, V] and argmax own [k + 1], or the exception that stopped it."""
         if isinstance(heads, Exception):
             return heads

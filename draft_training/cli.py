@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the checkout's ../shared/data
 RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-corpus", "feature-full")  # feature_training.FEATURE_RECIPES
 MEDUSA_RECIPE_NAMES = ("medusa-tiny", "medusa-chain-tiny", "medusa-corpus", "medusa-token-corpus", "medusa-chain-corpus",
-                       "medusa-chain2-corpus")  # medusa_training.MEDUSA_RECIPES: heads for the verify service
+                       "medusa-chain2-corpus", "medusa-fusion-corpus", "medusa-fusion-tiny")  # medusa_training.MEDUSA_RECIPES
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
 # so scripts written for them keep working.
 RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
@@ -40,7 +40,8 @@ def add_train_draft_parser(commands) -> None:
                         help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, feature-corpus trains on the committed corpus, "
                         "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same); medusa-corpus / medusa-tiny: "
                         "Medusa heads for the verify service, from the same data (medusa-token-corpus: heads that also read the next token; "
-                        "medusa-chain-corpus: and the earlier heads' tokens, Hydra; medusa-chain2-corpus: the same with two blocks a head)")
+                        "medusa-chain-corpus: and the earlier heads' tokens, Hydra; medusa-chain2-corpus: the same with two blocks a head; "
+                        "medusa-fusion-corpus: and the outputs of a low and a middle layer fused into their input, EAGLE-3)")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")

@@ -14,6 +14,12 @@ Sequences come from two places, both reusing distill_data:
 A record: id, category, tokens [T] int32, start (first answer position), features [T, H] float16.
 Shards are written atomically under <work-dir>/data with prefix `feat-train`; a resumed run skips
 ids already stored.
+
+Heads that fuse lower layers (EAGLE-3's low/middle/high fusion; verify_service/medusa.py) also read
+the outputs of some decoder layers. Those live in shards of their own (`layer_prefix`: records
+of id and layer_features [T - start + 1, L, H] float16, the rows from start - 1 on, the only rows
+a head reads), so the final-layer shards stay as they are and the extra layers can be extracted
+later, for part of the records, resumably.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from draft_training.distill_data import Budget, chat_prompt_ids, clean_reference
 log = logging.getLogger(__name__)
 
 
-@torch.inference_mode()
-def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
-    """The target's final hidden state at every position of each sequence → [len(s), H] float16 each.
+def layer_prefix(layers: Sequence[int]) -> str:
+    """The shard prefix of the outputs of decoder layers `layers` (1-based; see target_layers)."""
+    return "feat-layers-" + "-".join(map(str, layers))
 
-    One right-padded forward for the batch; causal attention makes padding harmless to real positions.
-    """
+
+@torch.inference_mode()
+def _padded_forward(model, sequences: Sequence[list[int]], hidden_states: bool = False):
+    """One right-padded forward of the target's decoder over the batch; causal attention makes the
+    padding harmless to real positions. Returns the model's output (hidden_states too when asked)."""
     device = next(model.parameters()).device
     width = max(len(s) for s in sequences)
     input_ids = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, width]
@@ -44,8 +53,22 @@ def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]
     for row, sequence in enumerate(sequences):
         input_ids[row, : len(sequence)] = torch.tensor(sequence)
         attention[row, : len(sequence)] = 1
-    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state  # [B, width, H]
+    return model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), output_hidden_states=hidden_states)
+
+
+def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """The target's final hidden state at every position of each sequence → [len(s), H] float16 each."""
+    hidden = _padded_forward(model, sequences).last_hidden_state  # [B, width, H]
     return [hidden[row, : len(sequence)].to(torch.float16).cpu() for row, sequence in enumerate(sequences)]
+
+
+def target_layers(model, sequences: Sequence[list[int]], starts: Sequence[int], layers: Sequence[int]) -> list[torch.Tensor]:
+    """The outputs of decoder layers `layers` (1-based: layer l's output is hidden_states[l], before
+    the final norm) at the rows start - 1 .. len(s) - 1 of each sequence → [len(s) - start + 1, L, H]
+    float16 each: what fusing heads read besides the final features."""
+    states = _padded_forward(model, sequences, hidden_states=True).hidden_states  # (num_layers + 1) × [B, width, H]
+    stacked = torch.stack([states[layer] for layer in layers], dim=2)  # [B, width, L, H]
+    return [stacked[row, start - 1 : len(sequence)].to(torch.float16).cpu() for row, (sequence, start) in enumerate(zip(sequences, starts))]
 
 
 def reference_sequence(tokenizer, row: dict, max_answer_tokens: int) -> tuple[list[int], int]:
@@ -56,11 +79,14 @@ def reference_sequence(tokenizer, row: dict, max_answer_tokens: int) -> tuple[li
 
 
 def feature_stage(
-    model, sources: list[dict], directory: Path, *, batch_size: int, budget: Budget, prefix: str = "feat-train"
+    model, sources: list[dict], directory: Path, *, batch_size: int, budget: Budget, prefix: str = "feat-train",
+    layers: Sequence[int] = (),
 ) -> int:
-    """Store features for `sources` (dicts with id, category, tokens, start) in length-sorted batches.
+    """Store features for `sources` (dicts with id, category, tokens, start) in length-sorted batches:
+    the final features, or with `layers` those layers' outputs (target_layers) under layer_prefix.
 
     Resumable; stops at the budget. Returns the number of stored records."""
+    prefix = layer_prefix(layers) if layers else prefix
     done = distill_data.stored_ids(directory, prefix)
     todo = [source for source in sources if source["id"] not in done]
     log.info("features[%s]: %d stored, %d to go", prefix, len(done), len(todo))
@@ -71,12 +97,16 @@ def feature_stage(
             log.info("features[%s]: time budget of %.0f min spent", prefix, budget.minutes)
             break
         chosen = [todo[i] for i in batch]
-        features = target_features(model, [list(map(int, s["tokens"])) for s in chosen])
-        records = [
-            {"id": s["id"], "category": s["category"], "tokens": torch.as_tensor(s["tokens"], dtype=torch.int32),
-             "start": int(s["start"]), "features": f}
-            for s, f in zip(chosen, features)
-        ]
+        sequences = [list(map(int, s["tokens"])) for s in chosen]
+        if layers:
+            rows = target_layers(model, sequences, [int(s["start"]) for s in chosen], layers)
+            records = [{"id": s["id"], "layer_features": r} for s, r in zip(chosen, rows)]
+        else:
+            records = [
+                {"id": s["id"], "category": s["category"], "tokens": torch.as_tensor(s["tokens"], dtype=torch.int32),
+                 "start": int(s["start"]), "features": f}
+                for s, f in zip(chosen, target_features(model, sequences))
+            ]
         distill_data.save_shard(directory, prefix, records)
         done.update(s["id"] for s in chosen)
         tokens += sum(len(s["tokens"]) for s in chosen)

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +77,9 @@ FEATURE_RECIPES = {
 }
 
 
-def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) -> None:
-    """Stage 1: eval answers, training answers (budgeted), then features (budgeted)."""
+def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) -> list[dict]:
+    """Stage 1: eval answers, training answers (budgeted), then features (budgeted). Returns the
+    feature sources (id, category, tokens, start), in the order their features are extracted."""
     from specd_common.models import eos_token_ids
 
     rows = load_all_prompts(data_dir)
@@ -98,6 +100,7 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     ][: recipe.reference_rows]
     sources = feature_data.feature_sources(target.tokenizer, generated, references, recipe.max_new_tokens)
     feature_data.feature_stage(target.model, sources, data, batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes))
+    return sources
 
 
 def corpus_sources(target_name: str, held_out_fraction: float) -> list[dict]:
@@ -113,16 +116,21 @@ def corpus_sources(target_name: str, held_out_fraction: float) -> list[dict]:
     return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in records]
 
 
-def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1) -> list[dict]:
+def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1, layers: Sequence[int] = ()) -> list[dict]:
     """Stored feature records with at least one answer position, cut to `max_length` tokens; the
     target's generated answers (ids without "ref:") repeated `generated_repeats` times, because they
-    are few, cover every task kind and come from the distribution the draft serves."""
-    kept = []
-    for record in distill_data.load_records(work / "data", "feat-train"):
+    are few, cover every task kind and come from the distribution the draft serves. With `layers`
+    only the records whose layer outputs are stored too (feature_data.target_layers), with them."""
+    stored = {r["id"]: r["layer_features"] for r in distill_data.load_records(work / "data", feature_data.layer_prefix(layers))} if layers else {}
+    kept, records = [], distill_data.load_records(work / "data", "feat-train")
+    for record in records:
         cut = min(len(record["tokens"]), max_length)
-        if cut - record["start"] >= 1 and record["start"] >= 1:
+        if cut - record["start"] >= 1 and record["start"] >= 1 and (not layers or record["id"] in stored):
             repeats = 1 if record["id"].startswith("ref:") else generated_repeats
-            kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut])] * repeats
+            extra = {"layer_features": stored[record["id"]][: cut - record["start"] + 1]} if layers else {}
+            kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut], **extra)] * repeats
+    if layers:
+        log.info("records with the outputs of layers %s: %d of %d", list(layers), len({r["id"] for r in kept}), len(records))
     return kept
 
 
@@ -213,13 +221,18 @@ def starting_head(target, folder: Path):
     return load_head(folder, target.model).train()
 
 
-def eval_records(target, work: Path, limit: int) -> list[dict]:
-    """Held-out answers with the target's features (one teacher-forced pass each batch)."""
+def eval_records(target, work: Path, limit: int, layers: Sequence[int] = ()) -> list[dict]:
+    """Held-out answers with the target's features (one teacher-forced pass each batch), and with
+    `layers` those layers' outputs from row start - 1 on (feature_data.target_layers)."""
     records = distill_data.load_records(work / "data", "gen-eval")[: limit or None]
     for begin in range(0, len(records), 8):
         batch = records[begin : begin + 8]
-        for record, rows in zip(batch, feature_data.target_features(target.model, [r["tokens"].tolist() for r in batch])):
+        sequences = [r["tokens"].tolist() for r in batch]
+        for record, rows in zip(batch, feature_data.target_features(target.model, sequences)):
             record["features"] = rows
+        if layers:
+            for record, rows in zip(batch, feature_data.target_layers(target.model, sequences, [r["start"] for r in batch], layers)):
+                record["layer_features"] = rows
     return records
 
 

@@ -11,12 +11,15 @@ attention), so a batch is simply the rows of its records, concatenated.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from draft_training.distill_data import Budget
+from draft_training.feature_data import feature_stage
 from draft_training.feature_training import FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data
 from draft_training.train_prompts import KINDS
 
@@ -29,6 +32,7 @@ class MedusaRecipe(FeatureRecipe):
     num_layers: int = 1
     next_token_input: bool = False  # heads also read the row's own next token (verify_service/medusa.py)
     chained_input: bool = False  # ... and head k the earlier heads' tokens too (Hydra)
+    fusion_layers: list[int] = field(default_factory=list)  # decoder layers whose outputs the heads' input fuses (EAGLE-3)
 
 
 _TINY = MedusaRecipe(  # a test of a whole run
@@ -47,6 +51,10 @@ MEDUSA_RECIPES = {
     "medusa-token-corpus": replace(_CORPUS, next_token_input=True),
     "medusa-chain-corpus": replace(_CORPUS, next_token_input=True, chained_input=True),
     "medusa-chain2-corpus": replace(_CORPUS, next_token_input=True, chained_input=True, num_layers=2),
+    # low and middle layers of the default target's 30 fused into the final features (EAGLE-3); trains on the
+    # records whose layer outputs are stored (--tf-minutes extracts more, resumably)
+    "medusa-fusion-corpus": replace(_CORPUS, next_token_input=True, chained_input=True, num_layers=2, fusion_layers=[2, 15]),
+    "medusa-fusion-tiny": replace(_TINY, next_token_input=True, chained_input=True, fusion_layers=[1]),
 }
 
 
@@ -57,12 +65,13 @@ def answer_rows(records: list[dict]) -> torch.Tensor:
     return torch.cat([r["features"][r["start"] :] for r in records]).float()
 
 
-def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per head k = 1..heads: (inputs [N_k, H], tokens [N_k, k], sources [N_k]) over every record's
-    answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, tokens x_{t+1}..x_{t+k} (the row's own next
-    token, then what a chained head reads in place of the earlier heads' proposals: the answer's own
-    tokens, i.e. teacher forcing), sources the index in answer_rows(records) of f_{t+k} (the row
-    whose target scores are x_{t+1+k}'s)."""
+def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    """Per head k = 1..heads: (inputs [N_k, H], tokens [N_k, k], sources [N_k], layers [N_k, L, H] or
+    None) over every record's answer rows t (start - 1 ≤ t, t + k < T): inputs f_t, tokens
+    x_{t+1}..x_{t+k} (the row's own next token, then what a chained head reads in place of the earlier
+    heads' proposals: the answer's own tokens, i.e. teacher forcing), sources the index in
+    answer_rows(records) of f_{t+k} (the row whose target scores are x_{t+1+k}'s), layers the fused
+    layers' outputs at t where the records carry them (their row 0 is t = start - 1)."""
     offsets = [0]
     for r in records:
         offsets.append(offsets[-1] + len(r["tokens"]) - r["start"])
@@ -72,7 +81,8 @@ def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, tor
         inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r, _ in kept]
         tokens = [torch.stack([r["tokens"][r["start"] + c : len(r["tokens"]) - k + 1 + c] for c in range(k)], dim=1) for r, _ in kept]
         sources = [torch.arange(offset + k - 1, offset + len(r["tokens"]) - r["start"]) for r, offset in kept]
-        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources)))
+        layers = [r["layer_features"][: len(r["tokens"]) - k - r["start"] + 1] for r, _ in kept] if "layer_features" in records[0] else None
+        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources), layers and torch.cat(layers).float()))
     return out
 
 
@@ -82,9 +92,10 @@ def medusa_loss(heads, batch: list[dict], device: torch.device) -> tuple[torch.T
     with torch.no_grad():
         targets = torch.softmax(answer_rows(batch).to(device) @ heads.head_columns, dim=-1)  # [R, V']
     total, agreement = 0.0, None
-    for index, (inputs, tokens, sources) in enumerate(medusa_rows(batch, heads.config.num_heads)):
+    for index, (inputs, tokens, sources, layers) in enumerate(medusa_rows(batch, heads.config.num_heads)):
         inputs, tokens = inputs.to(device), tokens.to(device)  # [N, H], [N, k]
-        scores = heads.head_output(index, inputs, tokens) @ heads.head_columns  # [N, V']
+        fused = heads.fused(inputs, layers.to(device) if layers is not None else None)  # [N, H]
+        scores = heads.head_output(index, fused, tokens) @ heads.head_columns  # [N, V']
         p = targets[sources.to(device)]  # [N, V']
         total = total + F.cross_entropy(scores, p) / heads.config.num_heads  # soft targets: −Σ p log softmax(scores), averaged
         if agreement is None:
@@ -112,20 +123,20 @@ def simulate_chain(proposals: list[list[int]], tokens: list[int], start: int, k:
 def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
     """Held-out answers: each head's top-1 agreement with the target's greedy token, and simulated
     greedy chains of k = 1..K drafts (tokens per target pass), overall and per task kind."""
-    records = eval_records(target, work, limit)
+    records = eval_records(target, work, limit, heads.config.fusion_layers)
     report: dict = {"held_out_answers": len(records), "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}
     with torch.inference_mode():
         hits = torch.zeros(heads.config.num_heads)
         counts = torch.zeros(heads.config.num_heads)
         all_proposals = []
         for record in records:
-            tokens = record["tokens"].long()
+            tokens, first = record["tokens"].long(), record["start"] - 1  # the heads are read from row start - 1 on
             next_tokens = torch.cat((tokens[1:], tokens[-1:]))  # [T]: the row's own next token (the last row's is unused)
-            proposals = heads.propose(record["features"].float(), next_tokens)  # [T, K]
-            all_proposals.append(proposals.tolist())
+            proposals = heads.propose(record["features"][first:].float(), next_tokens[first:], record.get("layer_features"))  # [T - first, K]
+            all_proposals.append([[]] * first + proposals.tolist())  # indexed by row
             for k in range(1, heads.config.num_heads + 1):
-                rows = torch.arange(record["start"] - 1, len(tokens) - 1 - k)
-                hits[k - 1] += (proposals[rows, k - 1] == tokens[rows + 1 + k]).sum()
+                rows = torch.arange(first, len(tokens) - 1 - k)
+                hits[k - 1] += (proposals[rows - first, k - 1] == tokens[rows + 1 + k]).sum()
                 counts[k - 1] += len(rows)
         report["top1_by_head"] = [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
         for k in range(1, heads.config.num_heads + 1):
@@ -149,8 +160,8 @@ def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: Medus
     model = target.model
     config = MedusaConfig(hidden_size=model.config.hidden_size, num_heads=recipe.num_heads, vocab_size=model.config.vocab_size,
                           draft_vocab_size=len(vocab_ids), num_layers=recipe.num_layers,
-                          next_token_input=recipe.next_token_input, chained_input=recipe.chained_input, target=target_spec,
-                          vocab_digest=vocab_digest(target.tokenizer))
+                          next_token_input=recipe.next_token_input, chained_input=recipe.chained_input,
+                          fusion_layers=list(recipe.fusion_layers), target=target_spec, vocab_digest=vocab_digest(target.tokenizer))
     return MedusaHeads(config, model.get_output_embeddings().weight, vocab_ids, model.get_input_embeddings().weight)
 
 
@@ -186,12 +197,15 @@ def starting_heads(target, folder: Path, recipe: MedusaRecipe):
         changes["chained_input"] = True
     if recipe.num_layers > config.num_layers:
         changes["num_layers"] = recipe.num_layers
+    if recipe.fusion_layers and not config.fusion_layers:
+        changes["fusion_layers"] = list(recipe.fusion_layers)
     if changes:
         heads = reshaped_from(heads, target.model, **changes)
-    shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input, heads.config.chained_input)
-    wanted = (recipe.num_heads, recipe.num_layers, recipe.next_token_input, recipe.chained_input)
+    shape = (heads.config.num_heads, heads.config.num_layers, heads.config.next_token_input, heads.config.chained_input,
+             list(heads.config.fusion_layers))
+    wanted = (recipe.num_heads, recipe.num_layers, recipe.next_token_input, recipe.chained_input, list(recipe.fusion_layers))
     if shape != wanted:
-        raise ValueError(f"the heads in {folder} have (heads, layers, token input, chained) {shape}; the recipe wants "
+        raise ValueError(f"the heads in {folder} have (heads, layers, token input, chained, fused layers) {shape}; the recipe wants "
                          f"{wanted}: pick the matching recipe")
     log.info("train: starting from the heads in %s (%d-token vocabulary%s)", folder, heads.config.draft_vocab_size,
              f"; reshaped: {changes}" if changes else "")
@@ -208,8 +222,11 @@ def run_medusa_recipe(args) -> int:
                  "epochs": args.epochs, "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
-    run_feature_data(target, recipe, Path(args.data_dir), work)
-    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
+    sources = run_feature_data(target, recipe, Path(args.data_dir), work)
+    if recipe.fusion_layers:  # the fused layers' outputs, for as many records as the budget allows (resumable)
+        feature_stage(target.model, sources, work / "data", batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes),
+                      layers=recipe.fusion_layers)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, recipe.fusion_layers)
     if recipe.init_head:
         heads = starting_heads(target, Path(recipe.init_head), recipe)
     else:

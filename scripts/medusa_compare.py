@@ -13,7 +13,6 @@ on identical answers with identical features.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
 
     from draft_training.medusa_training import medusa_evaluation
-    from specd_app.bench import machine_facts
+    from specd_app.bench import emit_report, machine_facts
     from specd_common.models import load_causal_lm, vocab_digest
     from verify_service.medusa import load_heads
 
@@ -45,10 +44,7 @@ def main(argv: list[str]) -> int:
         heads = load_heads(Path(folder), target.model, vocab_digest(target.tokenizer))
         report["heads"][name] = {"folder": folder, "config": vars(heads.config),
                                  **medusa_evaluation(heads, target, Path(args.work_dir), 0)}
-    text = json.dumps(report, indent=1)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    emit_report(report, args.output)
     return 0
 
 

@@ -304,6 +304,17 @@ def machine_facts() -> dict:
     return facts
 
 
+def emit_report(report: dict, output: str = "") -> None:
+    """A measuring script's result: JSON on stdout and, when `output` names a file, in it."""
+    import sys
+    from pathlib import Path
+
+    text = json.dumps(report, indent=1)
+    if output:
+        Path(output).write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+
+
 def stack_runtime(addresses: dict) -> dict:
     """The runtime each model service chose at start-up (GetModelInfo.runtime_config), by service name."""
     from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc

@@ -181,7 +181,8 @@ def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
     features = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t
     record = {"tokens": torch.arange(100, 108), "features": features, "start": 3}
     rows = answer_rows([record])  # f_3..f_7
-    (in1, next1, out1), (in2, next2, out2) = medusa_rows([record], 2)
+    (in1, next1, out1, layers1), (in2, next2, out2, _) = medusa_rows([record], 2)
+    assert layers1 is None  # the record carries no fused layers' outputs
     out1, out2 = rows[out1], rows[out2]
     assert in1[:, 0].tolist() == [2, 3, 4, 5, 6] and out1[:, 0].tolist() == [3, 4, 5, 6, 7]
     assert next1.tolist() == [[103], [104], [105], [106], [107]]
@@ -190,9 +191,57 @@ def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
     # a second record in the batch: its rows are found past the first one's in answer_rows
     other = {"tokens": torch.arange(200, 205), "features": features[:5] + 10, "start": 2}
     rows = answer_rows([record, other])  # f_3..f_7, then the other's f_2..f_4
-    (in1, _, out1), (in2, _, out2) = medusa_rows([record, other], 2)
+    (in1, _, out1, _), (in2, _, out2, _) = medusa_rows([record, other], 2)
     assert in1[:, 0].tolist() == [2, 3, 4, 5, 6, 11, 12, 13] and rows[out1][:, 0].tolist() == [3, 4, 5, 6, 7, 12, 13, 14]
     assert in2[:, 0].tolist() == [2, 3, 4, 5, 11, 12] and rows[out2][:, 0].tolist() == [4, 5, 6, 7, 13, 14]
+
+
+def test_training_rows_carry_the_fused_layers_outputs_of_their_own_row():
+    """With layer_features (rows start - 1 .. T - 1 of the record), head k's row t reads the layers'
+    outputs at t, beside f_t: an off-by-one would pair f_t with the outputs at t ± 1."""
+    features = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 4)  # row t holds t
+    layers = torch.arange(2, 8, dtype=torch.float32)[:, None, None].repeat(1, 2, 4)  # [T - start + 1, L, H]: row t holds t
+    record = {"tokens": torch.arange(100, 108), "features": features, "start": 3, "layer_features": layers}
+    for inputs, _, _, layer_rows in medusa_rows([record], 3):
+        assert layer_rows.shape[1:] == (2, 4)
+        assert torch.equal(layer_rows[:, 0, 0], inputs[:, 0])
+
+
+def test_target_layers_are_the_decoder_outputs_of_each_answer_row(tiny):
+    """feature_data.target_layers: the outputs of the asked decoder layers at rows start - 1 .. T - 1,
+    the same for a sequence alone and padded in a batch beside a longer one."""
+    from draft_training.feature_data import target_layers
+    from specd_common.models import load_causal_lm
+
+    loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
+    short, long = [5, 9, 14, 3, 8, 2], [4, 4, 7, 1, 9, 12, 30, 31, 2]
+    with torch.inference_mode():
+        alone = loaded.model.model(input_ids=torch.tensor([short]), output_hidden_states=True).hidden_states
+    batch = target_layers(loaded.model, [short, long], [3, 4], [1, 2])
+    expected = torch.stack([alone[1][0, 2:], alone[2][0, 2:]], dim=1)  # [4, 2, H]
+    assert batch[0].shape == expected.shape and batch[1].shape[0] == len(long) - 3
+    assert torch.allclose(batch[0].float(), expected, atol=1e-2)
+    assert not torch.allclose(alone[1][0, 2:], alone[2][0, 2:], atol=1e-2)  # the two layers differ: their order is checked
+
+
+def test_fusing_heads_start_as_the_heads_they_were_made_from_and_then_read_the_layers(tiny):
+    """reshaped_from(fusion_layers=...): the fusion starts at zero, so the heads propose what they did
+    whatever the layers' outputs; once it has weights, the outputs change the proposals. Heads that
+    fuse refuse to propose without the layers' outputs."""
+    from draft_training.medusa_training import reshaped_from
+
+    heads, loaded = random_token_heads(tiny, chained=True)
+    h = loaded.model.config.hidden_size
+    features, next_tokens = torch.randn(6, h), torch.randint(0, 50, (6,))
+    fusing = reshaped_from(heads, loaded.model, fusion_layers=[1, 2]).eval()
+    assert fusing.fusion.in_features == 2 * h
+    layer_features = torch.randn(6, 2, h) * 5
+    assert torch.equal(fusing.propose(features, next_tokens, layer_features), heads.propose(features, next_tokens))
+    with torch.no_grad():
+        fusing.fusion.weight.copy_(torch.randn(h, 2 * h, generator=torch.Generator().manual_seed(1)))
+    assert not torch.equal(fusing.propose(features, next_tokens, layer_features), heads.propose(features, next_tokens))
+    with pytest.raises(ValueError, match="layer_features"):
+        fusing.propose(features, next_tokens)
 
 
 def random_token_heads(tiny, chained: bool, seed: int = 0):
@@ -223,7 +272,7 @@ def test_chained_heads_served_read_what_they_were_trained_on(tiny):
     tokens = torch.tensor([3, 7] + proposals.tolist())  # row t = 0 (start 1): x_1 = 7, then the proposals
     record = {"tokens": tokens, "features": features.expand(len(tokens), -1), "start": 1}
     with torch.inference_mode():
-        for index, (inputs, read, _) in enumerate(medusa_rows([record], HEADS)):
+        for index, (inputs, read, _, _) in enumerate(medusa_rows([record], HEADS)):
             scores = heads.head_output(index, inputs[:1], read[:1]) @ heads.head_columns  # [1, V]
             assert read[0].tolist() == [7] + proposals[:index].tolist()
             assert int(scores.argmax()) == int(proposals[index])
@@ -373,7 +422,7 @@ def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
     assert generation._ask_head_drafts()
 
 
-@pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny"])
+@pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny", "medusa-fusion-tiny"])
 def test_training_medusa_heads_end_to_end(tmp_path, recipe):
     """`specd train-draft --recipe medusa-tiny` (and its chained heads) on a tiny random target: saves
     heads that load, and that predict the held-out answers better than untrained (identity) heads."""
@@ -389,6 +438,9 @@ def test_training_medusa_heads_end_to_end(tmp_path, recipe):
     target = load_causal_lm(str(run["target"]))
     trained = load_heads(folder, target.model)
     assert trained.config.chained_input == MEDUSA_RECIPES[recipe].chained_input
+    assert trained.config.fusion_layers == MEDUSA_RECIPES[recipe].fusion_layers
+    if trained.config.fusion_layers:  # the fusion was trained away from its zero start
+        assert trained.fusion.weight.abs().sum() > 0
     untrained = build_heads(target, trained.vocab_ids, "", MEDUSA_RECIPES[recipe]).eval()
     before = medusa_evaluation(untrained, target, run["root"] / "work", 0)["top1_by_head"]
     after = json.loads((folder / "eval.json").read_text())["top1_by_head"]

@@ -27,6 +27,12 @@ were right, which is what a head reading their tokens learns (trained on the ans
 teacher forcing). The cost: the heads score one after another (K products over the V' × H rows
 instead of one).
 
+With fusion_layers the heads' input is not f_t alone: f_t + W [norm(h_t^(a)) ; norm(h_t^(b)) ; ...], the
+outputs of lower decoder layers (before the final norm) projected into the residual stream
+(EAGLE-3's fusion of low, middle and high features: the last layer is specialized for the next token,
+lower ones keep more of the context that the tokens after it depend on). W starts at zero, so heads
+trained without fusion go on with it unchanged until trained (medusa_training.reshaped_from).
+
 Only the residual blocks are trained and saved (~0.7 MB a block in bf16, twice that with the token
 input); the LM head rows and the embedding are the target's and are read from it at load time. Drafts are each head's argmax: deterministic, so a
 sampling round treats them like prompt-lookup copies (q = one-hot), which the ordinary rejection
@@ -36,7 +42,7 @@ rule keeps exact.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -65,6 +71,7 @@ class MedusaConfig:
     num_layers: int = 1  # residual blocks per head
     next_token_input: bool = False  # the first block also reads the embedding of the row's own next token
     chained_input: bool = False  # ... and head k also the earlier heads' proposals (Hydra; needs next_token_input)
+    fusion_layers: list[int] = field(default_factory=list)  # decoder layers (1-based) whose outputs the input fuses; []: f_t alone
     target: str = ""
     vocab_digest: str = ""  # the target tokenizer's digest, checked at load
 
@@ -98,6 +105,10 @@ class MedusaHeads(nn.Module):
             nn.ModuleList(ResidualBlock(h, h * self.token_inputs(index) if layer == 0 else 0) for layer in range(config.num_layers))
             for index in range(config.num_heads)
         )
+        if config.fusion_layers:
+            self.fusion = nn.Linear(len(config.fusion_layers) * h, h)  # zero at first: the heads read f_t alone
+            nn.init.zeros_(self.fusion.weight)
+            nn.init.zeros_(self.fusion.bias)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
         # the target's LM-head rows of the heads' vocabulary, stored as contiguous columns [H, V']:
         # x @ columns streams them at ~1.3x the speed of x @ rows.T on the 2-core AMD EPYC VM (the
@@ -118,8 +129,20 @@ class MedusaHeads(nn.Module):
             return 0
         return index + 1 if self.config.chained_input else 1
 
+    def fused(self, features: torch.Tensor, layer_features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The heads' input: features [..., H], plus with fusion_layers the projection of those layers'
+        outputs layer_features [..., L, H], each RMS-normalized first (a decoder layer's output is the
+        raw residual stream, whose scale grows with depth) → [..., H]."""
+        x = features.to(self.head_columns.dtype)
+        if not self.config.fusion_layers:
+            return x
+        if layer_features is None:
+            raise ValueError(f"these Medusa heads fuse the outputs of layers {self.config.fusion_layers}: pass layer_features")
+        normalized = F.rms_norm(layer_features.to(x.dtype), (x.shape[-1],))  # [..., L, H]
+        return x + self.fusion(normalized.flatten(-2))
+
     def head_output(self, index: int, features: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Head index + 1's residual stream: features [..., H] → [..., H]. tokens [..., m] (or [...] for
+        """Head index + 1's residual stream: features [..., H] (the heads' input: fused) → [..., H]. tokens [..., m] (or [...] for
         m = 1): column c is the token c + 1 positions after the row (column 0 the row's own next
         token); the head reads the first token_inputs(index) columns."""
         x = features.to(self.head_columns.dtype)
@@ -131,19 +154,23 @@ class MedusaHeads(nn.Module):
             x = block(x, extra if layer == 0 else None)
         return x
 
-    def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """features [..., H] (next_tokens [...]: each row's own next token, with the token input) →
-        scores [K, ..., V'] over the heads' vocabulary (head k at index k - 1). Unchained heads only:
-        chained ones need each other's proposals (propose)."""
+    def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
+                layer_features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """features [..., H] (next_tokens [...]: each row's own next token, with the token input;
+        layer_features [..., L, H] with fusion) → scores [K, ..., V'] over the heads' vocabulary (head k
+        at index k - 1). Unchained heads only: chained ones need each other's proposals (propose)."""
         if self.config.chained_input:
             raise ValueError("chained Medusa heads score one after another: use propose")
+        features = self.fused(features, layer_features)
         outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, ..., H]
         return (outputs @ self.head_columns).float()  # one product: the V' × H rows are read once for all heads
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """features [N, H] (next_tokens [N]) → token ids [N, K]: row n holds heads 1..K's argmax, the
-        drafts after row n's next token."""
+    def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
+                layer_features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """features [N, H] (next_tokens [N]; layer_features [N, L, H] with fusion) → token ids [N, K]: row
+        n holds heads 1..K's argmax, the drafts after row n's next token."""
+        features = self.fused(features, layer_features)
         if not self.config.chained_input:
             outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, N, H]
             best = self.best_columns(outputs.flatten(0, 1)).view(outputs.shape[:2])  # [K, N]: one product for all heads

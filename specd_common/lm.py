@@ -42,13 +42,15 @@ class KVSession(TokenSequence):
     """A TokenSequence whose cached positions live in a DynamicCache.
 
     With keep_features, every forward also leaves the final hidden state of the positions it read
-    in fed_features [n, H] (from position fed_start): what feature drafters are sent. After a tree
+    in fed_features [n, H] (from position fed_start): what feature drafters are sent; where the model
+    captures decoder layers' outputs too (CausalLM.capture_layers), those in fed_layers [n, L, H]. After a tree
     pass (CausalLM.forward_tree) `tree` says which cache rows hold its nodes."""
 
     cache: DynamicCache
     keep_features: bool = False
     fed_start: int = 0
     fed_features: Optional[torch.Tensor] = None
+    fed_layers: Optional[torch.Tensor] = None
     tree: Optional[PendingTree] = None
 
     def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
@@ -184,6 +186,32 @@ class CausalLM:
         self._last_hidden: Optional[torch.Tensor] = None  # [B, n, H] of the last forward, when features are kept
         self._keep_hidden = False
         loaded.model.base_model.register_forward_hook(self._capture_last_hidden)
+        self.captured_layers: tuple[int, ...] = ()  # decoder layers (1-based) whose outputs are kept with the features
+        self._layer_outputs: list[Optional[torch.Tensor]] = []  # [B, n, H] each, of the last forward
+
+    def capture_layers(self, layers: Sequence[int]) -> None:
+        """Keep the outputs of decoder layers `layers` (1-based: hidden_states[l] in transformers'
+        terms) wherever the final features are kept: what Medusa heads that fuse lower layers read
+        (verify_service/medusa.py). Hooks on those layers alone, for the reason _capture_last_hidden gives."""
+        decoder = self.loaded.model.base_model.layers
+        if not all(1 <= layer <= len(decoder) for layer in layers):
+            raise ValueError(f"layers {list(layers)} are not all among this model's decoder layers 1..{len(decoder)}")
+        self.captured_layers = tuple(layers)
+        self._layer_outputs = [None] * len(layers)
+        for slot, layer in enumerate(layers):
+            decoder[layer - 1].register_forward_hook(functools.partial(self._capture_layer, slot))
+
+    def _capture_layer(self, slot: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook on a captured decoder layer: its output (a tensor, or a tuple led by one) [B, n, H]."""
+        self._layer_outputs[slot] = (output[0] if isinstance(output, tuple) else output) if self._keep_hidden else None
+
+    def _take_hidden(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The last forward's kept final hidden state [B, n, H] and captured layers' outputs [B, n, L, H]
+        (None when not kept or none captured); both cleared, so no pass holds another's activations."""
+        hidden, self._last_hidden = self._last_hidden, None
+        layers = torch.stack(self._layer_outputs, dim=2) if hidden is not None and self.captured_layers else None
+        self._layer_outputs = [None] * len(self.captured_layers)
+        return hidden, layers
 
     def _capture_last_hidden(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Forward hook on the base model: its first output is the final hidden state (after the final
@@ -267,13 +295,15 @@ class CausalLM:
         Chunks bound a long prompt's activations (attention over n positions is heads × n² floats:
         137 MiB a matrix for this default target at 2,000 tokens) and let other sessions' passes run
         between them; the cache and features are those of one pass."""
-        features = []
+        features, layers = [], []
         for start in range(0, len(token_ids), PREFILL_CHUNK):
             self._run(session, token_ids[start : start + PREFILL_CHUNK], all_logits=False)
             if session.keep_features:
                 features.append(session.fed_features)  # [chunk, H]
+                layers.append(session.fed_layers)  # [chunk, L, H] or None
         if session.keep_features:
             session.fed_start, session.fed_features = 0, torch.cat(features)  # [n, H]
+            session.fed_layers = torch.cat(layers) if self.captured_layers else None  # [n, L, H]
 
     def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
         """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
@@ -407,9 +437,10 @@ class CausalLM:
             )
             if trial is not None:
                 self._settle_trial(len(token_ids), trial, time.perf_counter() - started)
+            hidden, layers = self._take_hidden()  # [1, n, H], [1, n, L, H]
             if session.keep_features:
-                session.fed_start, session.fed_features = start, self._last_hidden[0]  # [n, H], after the final norm
-            self._last_hidden = None
+                session.fed_start, session.fed_features = start, hidden[0]  # [n, H], after the final norm
+                session.fed_layers = layers[0] if layers is not None else None
         return output.logits[0].float()  # [n, V]
 
     @on_model_thread
@@ -431,8 +462,9 @@ class CausalLM:
                 use_cache=True,
             )
             kv_batch.scatter_new(output.past_key_values, batch, caches)
-            hidden, self._last_hidden = self._last_hidden, None  # [B, N, H] when kept
+            hidden, layers = self._take_hidden()  # [B, N, H], [B, N, L, H] when kept
         for row, session in enumerate(sessions):
             if session.keep_features:  # rows are left-aligned: the row's fed tokens are its first len(fed) positions
                 session.fed_start, session.fed_features = starts[row], hidden[row, : len(fed[row])]
+                session.fed_layers = layers[row, : len(fed[row])] if layers is not None else None
         return output.logits.float()  # [B, N, V]

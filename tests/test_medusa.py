@@ -90,9 +90,9 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     seen = []
     real = MedusaHeads.propose
 
-    def recording(self, features, next_tokens=None):
+    def recording(self, features, next_tokens=None, layer_features=None):
         seen.append(next_tokens.tolist())
-        return real(self, features, next_tokens)
+        return real(self, features, next_tokens, layer_features)
 
     monkeypatch.setattr(MedusaHeads, "propose", recording)
     def argmax_after(drafts: list[int]) -> list[int]:
@@ -125,7 +125,8 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
     calls = []
     real = MedusaHeads.propose
-    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None: calls.append(features.shape[0]) or real(self, features, tokens))
+    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None, layers=None: calls.append(features.shape[0]) or
+                        real(self, features, tokens, layers))
     greedy, sampled, plain = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(temperature=0.8), Warp()))
     parts = [Part(greedy, [9, 3], head_drafts=True), Part(sampled, [9], head_drafts=True), Part(plain, [4])]
     for part in parts:
@@ -166,6 +167,38 @@ def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
     monkeypatch.setattr(scorer_module, "warp_probs", broken)
     replies = scorer._replies(parts, logits)
     assert replies[0].head_drafts.token_ids and replies[1].argmax_token_ids and isinstance(replies[2], RuntimeError)
+
+
+def test_served_fusing_heads_read_the_layers_of_their_own_rows(tiny):
+    """Heads that fuse lower layers, served: the verify keeps those layers' outputs with the features
+    (CausalLM.capture_layers) and the proposals of every row of a sampling session's pass, alone and
+    in a batched pass beside another session, equal the heads' proposals from the same rows computed
+    offline by training's extraction (feature_data.target_layers). A layer's output taken from the
+    wrong layer or row changes the random heads' proposals."""
+    from draft_training.feature_data import target_features, target_layers
+    from specd_common.batching import BatchPolicy
+    from specd_common.params import Warp
+    from verify_service.scorer import Part, Scorer
+
+    heads, loaded = random_token_heads(tiny, chained=True, fusion_layers=(1, 2))
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
+    prompt, drafts = [5, 17, 42], [9, 3]
+    own = scorer.score(scorer.open(prompt, Warp()), drafts).argmax_token_ids  # [3]: the target's argmax at rows 2..4
+    sequence = prompt + drafts
+    features = target_features(loaded.model, [sequence])[0][2:].float()  # [3, H]: rows 2..4
+    layers = target_layers(loaded.model, [sequence], [3], [1, 2])[0].float()  # [3, 2, H]: rows 2..4
+    expected = heads.propose(features, torch.tensor(own), layers).flatten().tolist()  # [3 · K]
+    swapped = heads.propose(features, torch.tensor(own), layers.flip(1)).flatten().tolist()
+    assert swapped != expected  # the check can tell the layers apart
+    alone = scorer.score(scorer.open(prompt, Warp(temperature=0.8)), drafts, head_drafts=True).head_drafts
+    assert alone.start_position == 2 and list(alone.token_ids) == expected
+    parts = [Part(scorer.open([7, 7, 1, 2, 8], Warp(temperature=0.8)), [4], head_drafts=True),
+             Part(scorer.open(prompt, Warp(temperature=0.8)), drafts, head_drafts=True)]
+    for part in parts:
+        part.session.sequence.keep_features = True
+    batched = scorer._replies(parts, scorer.lm.forward_batch([(part.session.sequence, part.drafts) for part in parts]))
+    assert batched[1].head_drafts.start_position == 2
+    assert list(batched[1].head_drafts.token_ids) == expected
 
 
 def test_head_drafts_at_picks_the_row_of_a_position():
@@ -244,15 +277,15 @@ def test_fusing_heads_start_as_the_heads_they_were_made_from_and_then_read_the_l
         fusing.propose(features, next_tokens)
 
 
-def random_token_heads(tiny, chained: bool, seed: int = 0):
-    """Token-input heads over the tiny target's whole vocabulary with random (not identity) blocks, so
-    that every input column changes their proposals; with the loaded target."""
+def random_token_heads(tiny, chained: bool, seed: int = 0, fusion_layers: tuple[int, ...] = ()):
+    """Token-input heads over the tiny target's whole vocabulary with random (not identity) blocks (and
+    fusion, with fusion_layers), so that every input column changes their proposals; with the loaded target."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
     from specd_common.models import load_causal_lm
 
     loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
     heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "",
-                        MedusaRecipe(num_heads=HEADS, next_token_input=True, chained_input=chained))
+                        MedusaRecipe(num_heads=HEADS, next_token_input=True, chained_input=chained, fusion_layers=list(fusion_layers)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in heads.parameters():

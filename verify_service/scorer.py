@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -51,6 +51,15 @@ class Part:
     head_drafts: bool = False
 
 
+class HeadInputs(NamedTuple):
+    """What the Medusa heads read for one session's proposals (Scorer.head_inputs)."""
+
+    first: int  # the first row's index among the rows the session's last chain forward read
+    features: torch.Tensor  # [m, H]
+    next_tokens: torch.Tensor  # [m]: each row's own next token
+    layers: Optional[torch.Tensor]  # [m, L, H]: the fused layers' outputs, for heads that fuse them; else None
+
+
 PREPACK_CHOICES = {"auto": set(autotune.LAYOUTS), "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "cols": {COLS}, "rows": {ROWS},
                    "off": {PLAIN}}
 
@@ -75,6 +84,8 @@ class Scorer:
         self.medusa = medusa.to(loaded.device) if medusa is not None else None
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
+        if self.medusa is not None and self.medusa.config.fusion_layers:
+            self.lm.capture_layers(self.medusa.config.fusion_layers)
         runtime = self.lm.tune(threads, max_threads)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
         if self.medusa is not None:
@@ -149,10 +160,10 @@ class Scorer:
             return None
         return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
-    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[HeadInputs]:
         """What the Medusa heads read for the session's proposals: (the first row's index among the rows the
-        session's last chain forward read, features [m, H], each row's own next token [m]); None without
-        heads or kept features. own [j] is the target's argmax at that pass's last j rows (after the
+        session's last chain forward read, features [m, H], each row's own next token [m], the fused
+        layers' outputs [m, L, H] or None); None without heads or kept features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;
         for rows before those (committed tokens read late) it is the committed token after it. A greedy
         session gets only the row the caller will read: the gateway keeps exactly the drafts that equal
@@ -164,10 +175,12 @@ class Scorer:
         earlier = features.shape[0] - own.shape[0]
         committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
         next_tokens = torch.cat((committed.to(own.device), own))  # [n]
+        layers = sequence.fed_layers  # [n, L, H] where the heads fuse lower layers, else None
         if not session.warp.greedy:
-            return 0, features, next_tokens
+            return HeadInputs(0, features, next_tokens, layers)
         first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
-        return first, features[first : first + 1], next_tokens[first : first + 1]
+        rows = slice(first, first + 1)
+        return HeadInputs(first, features[rows], next_tokens[rows], layers[rows] if layers is not None else None)
 
     def head_drafts(self, parts: Sequence[Part], owns: Sequence[torch.Tensor]) -> list[Optional[common_pb2.HeadDrafts]]:
         """The Medusa heads' proposals for each part that asks for them (None for the others), from one
@@ -178,16 +191,17 @@ class Scorer:
         asked = [item for item in inputs if item is not None]
         if not asked:
             return [None] * len(parts)
-        proposals = self.medusa.propose(torch.cat([f for _, f, _ in asked]), torch.cat([t for _, _, t in asked]))  # [rows, K]
+        layers = torch.cat([item.layers for item in asked]) if asked[0].layers is not None else None  # [rows, L, H]
+        proposals = self.medusa.propose(torch.cat([item.features for item in asked]), torch.cat([item.next_tokens for item in asked]),
+                                        layers)  # [rows, K]
         replies, row = [], 0
         for part, item in zip(parts, inputs):
             if item is None:
                 replies.append(None)
                 continue
-            first, features, _ = item
-            mine = proposals[row : row + features.shape[0]]  # [m, K]
-            row += features.shape[0]
-            replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + first, heads=mine.shape[1],
+            mine = proposals[row : row + item.features.shape[0]]  # [m, K]
+            row += item.features.shape[0]
+            replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + item.first, heads=mine.shape[1],
                                                  token_ids=mine.flatten().tolist()))
         return replies
 

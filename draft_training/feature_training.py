@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,16 +116,21 @@ def corpus_sources(target_name: str, held_out_fraction: float) -> list[dict]:
     return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in records]
 
 
-def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1, layers: Sequence[int] = ()) -> list[dict]:
+def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1, layers: Sequence[int] = (),
+                         sources: Optional[Sequence[dict]] = None) -> list[dict]:
     """Stored feature records with at least one answer position, cut to `max_length` tokens; the
     target's generated answers (ids without "ref:") repeated `generated_repeats` times, because they
     are few, cover every task kind and come from the distribution the draft serves. With `layers`
-    only the records whose layer outputs are stored too (feature_data.target_layers), with them."""
+    only the records whose layer outputs are stored too (feature_data.target_layers), with them; with
+    `sources` (run_feature_data's) only theirs, so a recipe with fewer reference answers than a work
+    dir holds trains on its own."""
     stored = {r["id"]: r["layer_features"] for r in distill_data.load_records(work / "data", feature_data.layer_prefix(layers))} if layers else {}
     kept, records = [], distill_data.load_records(work / "data", "feat-train")
+    chosen = {source["id"] for source in sources or ()}
     for record in records:
         cut = min(len(record["tokens"]), max_length)
-        if cut - record["start"] >= 1 and record["start"] >= 1 and (not layers or record["id"] in stored):
+        wanted = (not layers or record["id"] in stored) and (sources is None or record["id"] in chosen)
+        if cut - record["start"] >= 1 and record["start"] >= 1 and wanted:
             repeats = 1 if record["id"].startswith("ref:") else generated_repeats
             extra = {"layer_features": stored[record["id"]][: cut - record["start"] + 1]} if layers else {}
             kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut], **extra)] * repeats
@@ -293,11 +298,12 @@ def run_feature_recipe(args) -> int:
     from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "ttt_passes": args.ttt_passes, "init_head": args.init_head and str(Path(args.init_head).resolve())}
+                 "epochs": args.epochs, "reference_rows": args.reference_rows, "ttt_passes": args.ttt_passes,
+                 "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
-    run_feature_data(target, recipe, Path(args.data_dir), work)
-    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats)
+    sources = run_feature_data(target, recipe, Path(args.data_dir), work)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, sources=sources)
     if recipe.init_head:
         head = starting_head(target, Path(recipe.init_head))
     else:

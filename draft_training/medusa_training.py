@@ -219,14 +219,15 @@ def run_medusa_recipe(args) -> int:
     from verify_service.medusa import save_heads
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "init_head": args.init_head and str(Path(args.init_head).resolve())}
+                 "epochs": args.epochs, "reference_rows": args.reference_rows, "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
     sources = run_feature_data(target, recipe, Path(args.data_dir), work)
     if recipe.fusion_layers:  # the fused layers' outputs, for as many records as the budget allows (resumable)
         feature_stage(target.model, sources, work / "data", batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes),
                       layers=recipe.fusion_layers)
-    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, recipe.fusion_layers)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, recipe.fusion_layers,
+                                   sources)
     if recipe.init_head:
         heads = starting_heads(target, Path(recipe.init_head), recipe)
     else:

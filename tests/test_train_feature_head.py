@@ -142,3 +142,28 @@ def test_every_recipe_can_be_named_on_the_command_line() -> None:
 
     assert set(RECIPE_NAMES) == set(FEATURE_RECIPES)
     assert set(MEDUSA_RECIPE_NAMES) == set(MEDUSA_RECIPES)
+
+
+def test_stored_records_are_loaded_for_the_runs_sources_and_with_their_layers(tmp_path):
+    """load_feature_records: a run whose sources leave out the reference answers a work dir holds
+    trains without them (--reference-rows 0); with layers, only records whose layer outputs are
+    stored, each with its own (joined by id, not by order)."""
+    from draft_training.distill_data import save_shard
+    from draft_training.feature_data import layer_prefix
+    from draft_training.feature_training import load_feature_records
+
+    def record(id_: str, value: float) -> dict:
+        return {"id": id_, "category": "chat", "tokens": torch.arange(6, dtype=torch.int32), "start": 2,
+                "features": torch.full((6, 4), value, dtype=torch.float16)}
+
+    data = tmp_path / "data"
+    save_shard(data, "feat-train", [record("corpus:greedy:a", 1.0), record("ref:b", 2.0), record("corpus:greedy:c", 3.0)])
+    save_shard(data, layer_prefix([1, 2]), [{"id": i, "layer_features": torch.full((5, 2, 4), v, dtype=torch.float16)}
+                                            for i, v in (("corpus:greedy:c", 3.0), ("ref:b", 2.0))])
+    every = load_feature_records(tmp_path, 100, generated_repeats=2)
+    assert [r["id"] for r in every] == ["corpus:greedy:a"] * 2 + ["ref:b"] + ["corpus:greedy:c"] * 2
+    own = load_feature_records(tmp_path, 100, 1, sources=[{"id": "corpus:greedy:a"}, {"id": "corpus:greedy:c"}])
+    assert [r["id"] for r in own] == ["corpus:greedy:a", "corpus:greedy:c"]
+    layered = load_feature_records(tmp_path, 100, 1, layers=[1, 2])
+    assert [r["id"] for r in layered] == ["ref:b", "corpus:greedy:c"]
+    assert all(float(r["layer_features"][0, 0, 0]) == float(r["features"][0, 0]) for r in layered)

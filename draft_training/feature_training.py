@@ -124,7 +124,8 @@ def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1
     only the records whose layer outputs are stored too (feature_data.target_layers), with them; with
     `sources` (run_feature_data's) only theirs, so a recipe with fewer reference answers than a work
     dir holds trains on its own."""
-    stored = {r["id"]: r["layer_features"] for r in distill_data.load_records(work / "data", feature_data.layer_prefix(layers))} if layers else {}
+    layered = distill_data.load_records(work / "data", feature_data.layer_prefix(layers)) if layers else []
+    stored = {r["id"]: r["layer_features"] for r in layered}
     kept, records = [], distill_data.load_records(work / "data", "feat-train")
     chosen = {source["id"] for source in sources or ()}
     for record in records:

@@ -132,7 +132,8 @@ def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
         for record in records:
             tokens, first = record["tokens"].long(), record["start"] - 1  # the heads are read from row start - 1 on
             next_tokens = torch.cat((tokens[1:], tokens[-1:]))  # [T]: the row's own next token (the last row's is unused)
-            proposals = heads.propose(record["features"][first:].float(), next_tokens[first:], record.get("layer_features"))  # [T - first, K]
+            read = record["features"][first:].float()  # [T - first, H]
+            proposals = heads.propose(read, next_tokens[first:], record.get("layer_features"))  # [T - first, K]
             all_proposals.append([[]] * first + proposals.tolist())  # indexed by row
             for k in range(1, heads.config.num_heads + 1):
                 rows = torch.arange(first, len(tokens) - 1 - k)
@@ -219,7 +220,8 @@ def run_medusa_recipe(args) -> int:
     from verify_service.medusa import save_heads
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "reference_rows": args.reference_rows, "init_head": args.init_head and str(Path(args.init_head).resolve())}
+                 "epochs": args.epochs, "reference_rows": args.reference_rows,
+                 "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)
     sources = run_feature_data(target, recipe, Path(args.data_dir), work)

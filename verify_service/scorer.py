@@ -161,9 +161,8 @@ class Scorer:
         return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
     def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[HeadInputs]:
-        """What the Medusa heads read for the session's proposals: (the first row's index among the rows the
-        session's last chain forward read, features [m, H], each row's own next token [m], the fused
-        layers' outputs [m, L, H] or None); None without heads or kept features. own [j] is the target's argmax at that pass's last j rows (after the
+        """What the Medusa heads read for the session's proposals (HeadInputs); None without heads or kept
+        features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;
         for rows before those (committed tokens read late) it is the committed token after it. A greedy
         session gets only the row the caller will read: the gateway keeps exactly the drafts that equal

@@ -56,19 +56,35 @@ def _padded_forward(model, sequences: Sequence[list[int]], hidden_states: bool =
     return model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), output_hidden_states=hidden_states)
 
 
-def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
-    """The target's final hidden state at every position of each sequence → [len(s), H] float16 each."""
-    hidden = _padded_forward(model, sequences).last_hidden_state  # [B, width, H]
+def _final_rows(output, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """A padded forward's final hidden state at every position of each sequence → [len(s), H] float16 each."""
+    hidden = output.last_hidden_state  # [B, width, H]
     return [hidden[row, : len(sequence)].to(torch.float16).cpu() for row, sequence in enumerate(sequences)]
 
 
-def target_layers(model, sequences: Sequence[list[int]], starts: Sequence[int], layers: Sequence[int]) -> list[torch.Tensor]:
-    """The outputs of decoder layers `layers` (1-based: layer l's output is hidden_states[l], before
-    the final norm) at the rows start - 1 .. len(s) - 1 of each sequence → [len(s) - start + 1, L, H]
-    float16 each: what fusing heads read besides the final features."""
-    states = _padded_forward(model, sequences, hidden_states=True).hidden_states  # (num_layers + 1) × [B, width, H]
-    stacked = torch.stack([states[layer] for layer in layers], dim=2)  # [B, width, L, H]
+def _layer_rows(output, sequences: Sequence[list[int]], starts: Sequence[int], layers: Sequence[int]) -> list[torch.Tensor]:
+    """A padded forward's outputs of decoder layers `layers` (1-based: layer l's output is
+    hidden_states[l], before the final norm) at the rows start - 1 .. len(s) - 1 of each sequence →
+    [len(s) - start + 1, L, H] float16 each: what fusing heads read besides the final features."""
+    stacked = torch.stack([output.hidden_states[layer] for layer in layers], dim=2)  # [B, width, L, H]
     return [stacked[row, start - 1 : len(sequence)].to(torch.float16).cpu() for row, (sequence, start) in enumerate(zip(sequences, starts))]
+
+
+def target_features(model, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """The target's final hidden state at every position of each sequence → [len(s), H] float16 each."""
+    return _final_rows(_padded_forward(model, sequences), sequences)
+
+
+def target_layers(model, sequences: Sequence[list[int]], starts: Sequence[int], layers: Sequence[int]) -> list[torch.Tensor]:
+    """The outputs of decoder layers `layers` at the rows start - 1 on (_layer_rows) → [len(s) - start + 1, L, H] each."""
+    return _layer_rows(_padded_forward(model, sequences, hidden_states=True), sequences, starts, layers)
+
+
+def target_features_and_layers(model, sequences: Sequence[list[int]], starts: Sequence[int],
+                               layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """target_features and target_layers from one forward (what fusing heads' evaluation reads)."""
+    output = _padded_forward(model, sequences, hidden_states=True)
+    return _final_rows(output, sequences), _layer_rows(output, sequences, starts, layers)
 
 
 def reference_sequence(tokenizer, row: dict, max_answer_tokens: int) -> tuple[list[int], int]:

@@ -234,11 +234,13 @@ def eval_records(target, work: Path, limit: int, layers: Sequence[int] = ()) -> 
     for begin in range(0, len(records), 8):
         batch = records[begin : begin + 8]
         sequences = [r["tokens"].tolist() for r in batch]
-        for record, rows in zip(batch, feature_data.target_features(target.model, sequences)):
-            record["features"] = rows
-        if layers:
-            for record, rows in zip(batch, feature_data.target_layers(target.model, sequences, [r["start"] for r in batch], layers)):
-                record["layer_features"] = rows
+        if not layers:
+            for record, rows in zip(batch, feature_data.target_features(target.model, sequences)):
+                record["features"] = rows
+            continue
+        features, layer_rows = feature_data.target_features_and_layers(target.model, sequences, [r["start"] for r in batch], layers)
+        for record, rows, layer_features in zip(batch, features, layer_rows):
+            record["features"], record["layer_features"] = rows, layer_features
     return records
 
 

@@ -81,8 +81,10 @@ def medusa_rows(records: list[dict], heads: int) -> list[tuple[torch.Tensor, tor
         inputs = [r["features"][r["start"] - 1 : len(r["tokens"]) - k] for r, _ in kept]
         tokens = [torch.stack([r["tokens"][r["start"] + c : len(r["tokens"]) - k + 1 + c] for c in range(k)], dim=1) for r, _ in kept]
         sources = [torch.arange(offset + k - 1, offset + len(r["tokens"]) - r["start"]) for r, offset in kept]
-        layers = [r["layer_features"][: len(r["tokens"]) - k - r["start"] + 1] for r, _ in kept] if "layer_features" in records[0] else None
-        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources), layers and torch.cat(layers).float()))
+        layers = None
+        if "layer_features" in records[0]:  # row 0 of a record's layer outputs is t = start - 1
+            layers = torch.cat([r["layer_features"][: len(r["tokens"]) - k - r["start"] + 1] for r, _ in kept]).float()
+        out.append((torch.cat(inputs).float(), torch.cat(tokens).long(), torch.cat(sources), layers))
     return out
 
 

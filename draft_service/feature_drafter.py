@@ -29,7 +29,7 @@ from specd_common.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
-from specd_common.tree import ROOT
+from specd_common import tree
 from specd_common.warping import encode_rows, warp_probs
 
 
@@ -148,24 +148,22 @@ class FeatureDrafter:
         sampling, an alternative's draft_probs entry is empty: its q is its first sibling's."""
         sequence, head = session.sequence, self.head
         kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
-        proposal, chain, parent = Proposal(token_ids=[]), [], ROOT
+        proposal, chain, steps = Proposal(token_ids=[]), [], []
         for step in range(k):
             scores = head.logits(estimate)  # [V']
             token = self._choose(scores, session.warp, rng, proposal)
             chain.append(token)
-            if branches > 1:
-                alternatives = self._alternatives(scores, token, branches - 1, session.warp, rng, proposal)
-                proposal.parents += [parent] * (1 + len(alternatives))
-                parent = len(proposal.token_ids)
-                proposal.token_ids += [token] + alternatives
-            else:
-                proposal.token_ids.append(token)
+            steps.append([token] + (self._alternatives(scores, token, branches - 1, session.warp, rng, proposal) if branches > 1 else []))
             if step + 1 < k:
                 with model_forward(1):
                     estimate = head(torch.tensor([[token]]), estimate[None, None], torch.tensor([position]), session.cache)[0, -1]
                 position += 1
         session.cache.crop(kept)
         sequence.tokens.extend(chain)  # pending: re-read with true features once accepted
+        if branches > 1:
+            proposal.token_ids, proposal.parents = tree.chain_with_leaves(steps)
+        else:
+            proposal.token_ids = chain
         return proposal
 
     def _alternatives(self, scores: torch.Tensor, chosen: int, count: int, warp: Warp, rng: np.random.Generator,

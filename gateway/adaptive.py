@@ -20,14 +20,21 @@ from typing import Callable, Optional, Sequence, Union
 from specd_common import autotune
 
 
-def expected_tokens(chain: Sequence[float], k: int) -> float:
+def expected_tokens(chain: Sequence[float], k: int, rescue: Sequence[float] = ()) -> float:
     """Expected tokens from a round of k drafts when draft i is accepted with probability chain[i-1]
-    given that drafts 1..i-1 were (positions past the chain's end repeat its last value):
-    1 + Σ_j Π_{i≤j} chain[i-1]. With one value α this is (1 − α^(k+1)) / (1 − α)."""
+    given that drafts 1..i-1 were (positions past a list's end repeat its last value):
+    1 + Σ_j Π_{i≤j} chain[i-1]. With one value α this is (1 − α^(k+1)) / (1 − α).
+
+    rescue: a tree of the chain with alternatives beside each draft as leaves (tree.chain_with_leaves);
+    rescue[i-1] is the probability that one of draft i's alternatives is the target's token when
+    draft i is not. Then the round keeps at least j tokens when drafts 1..j-1 were kept and draft j
+    or an alternative of it was: 1 + Σ_j reach_{j-1} (a_j + (1 − a_j) s_j), reach_j = Π_{i≤j} a_i."""
     total, reach = 1.0, 1.0
     for i in range(k):
-        reach *= chain[min(i, len(chain) - 1)] if chain else 0.0
-        total += reach
+        accepted = chain[min(i, len(chain) - 1)] if chain else 0.0
+        rescued = rescue[min(i, len(rescue) - 1)] if rescue else 0.0
+        total += reach * (accepted + (1.0 - accepted) * rescued)
+        reach *= accepted
     return total
 
 
@@ -40,12 +47,14 @@ def best_draft_length(acceptance: Union[float, Sequence[float]], max_k: int, rou
     return best_rate(acceptance, max_k, round_cost_s)[0]
 
 
-def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float]) -> tuple[int, float]:
-    """best_draft_length's k and the expected tokens per second it gives (to compare drafters)."""
+def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float],
+              rescue: Sequence[float] = ()) -> tuple[int, float]:
+    """best_draft_length's k and the expected tokens per second it gives (to compare drafters); rescue:
+    the drafts carry alternatives (expected_tokens), which round_cost_s prices."""
     chain = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
     best_k, best = 0, -1.0
     for k in range(max_k + 1):
-        rate = expected_tokens(chain, k) / max(round_cost_s(k), 1e-9)
+        rate = expected_tokens(chain, k, rescue) / max(round_cost_s(k), 1e-9)
         if rate > best * (1 + 1e-9):
             best_k, best = k, rate
     return best_k, best
@@ -313,13 +322,24 @@ class AcceptanceEstimate:
         return min(estimate, 0.999)
 
     def update(self, drafted: int, accepted: int) -> None:
+        """A chain round: drafts 1..min(drafted, accepted + 1) were examined, the first `accepted` kept."""
         examined = min(drafted, accepted + 1)
-        while len(self._examined) < examined:
+        self._count(range(examined), range(accepted))
+
+    def observe(self, position: int, hit: bool) -> None:
+        """One trial at draft position `position` (0-based) alone: for estimates whose positions are
+        tried one a round, e.g. whether a tree's alternatives beside draft position + 1 held the
+        target's token when the draft did not (Generation's rescue estimate)."""
+        self._count([position], [position] if hit else [])
+
+    def _count(self, examined: Sequence[int], accepted: Sequence[int]) -> None:
+        """Forget a little everywhere, then count the examined and accepted positions."""
+        while len(self._examined) <= max(examined, default=-1):
             self._examined.append(0.0)
             self._accepted.append(0.0)
         for i in range(len(self._examined)):
-            self._examined[i] = self.decay * self._examined[i] + (1 if i < examined else 0)
-            self._accepted[i] = self.decay * self._accepted[i] + (1 if i < accepted else 0)
+            self._examined[i] = self.decay * self._examined[i] + (i in examined)
+            self._accepted[i] = self.decay * self._accepted[i] + (i in accepted)
 
 
 def describe_shapes(shapes: dict[tuple[int, bool], RoundShape]) -> str:

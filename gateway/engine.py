@@ -49,6 +49,10 @@ DRAFT_BACKOFF_S = 1.0
 DRAFT_MAX_BACKOFF_S = 30.0
 DRAFT_PROBE_S = 0.2  # longest a health check of a draft that failed before may take
 PROBE_EVERY_ROUNDS = 8  # adaptive k: after this many rounds without drafts, draft one token to re-measure
+# Until measured, the chance that a head's next best candidates hold the target's token where its best
+# does not: held-out offline, the shipped heads' second candidate at position 1 is right in ~30% of
+# the rounds the first misses (a prior only: each request measures its own, Generation._head_rescue)
+RESCUE_PRIOR = 0.3
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.NOT_FOUND,  # the replica restarted and lost the session
@@ -95,6 +99,7 @@ class SpeculationStats:
     lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
     lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
+    tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -144,6 +149,15 @@ class Link:
     @property
     def open(self) -> bool:
         return self.replica is not None
+
+
+def head_round(steps: list[list[int]]) -> tuple[list[int], list[int]]:
+    """A head round's drafts and parents from each head's candidates (best first, distinct): the best
+    ones as a chain (parents []) when there is one candidate a head, else the chain with the others
+    beside each as leaves (tree.chain_with_leaves)."""
+    if all(len(candidates) == 1 for candidates in steps):
+        return [candidates[0] for candidates in steps], []
+    return tree.chain_with_leaves(steps)
 
 
 class Generation:
@@ -196,7 +210,8 @@ class Generation:
         self._acceptance = AcceptanceEstimate()  # the drafter's
         self._lookup_acceptance = AcceptanceEstimate()  # prompt-lookup copies' (they behave differently)
         self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
-        self._head_drafts: list[int] = []  # the heads' proposals after the last committed token (from the last Verify)
+        self._head_rescue = AcceptanceEstimate(prior=RESCUE_PRIOR)  # a head tree's: the alternatives', where a head's best missed
+        self._head_drafts: list[list[int]] = []  # each head's candidates after the last committed token (from the last Verify)
         self._heads_declined = False  # the last Verify did not ask for proposals: no head round could pay
         self._asked_heads = False  # the last Verify asked for the heads' proposals (its cost is priced apart)
         self._rounds_since_draft = 0
@@ -232,7 +247,7 @@ class Generation:
         self._skip_features_while_paused()
         parents: list[int] = []  # a tree's shape; [] for a chain
         copied = self._lookup_drafts()
-        headed = [] if copied else self._head_round_drafts()
+        headed, parents = ([], []) if copied else self._head_round_drafts()
         free = copied or headed
         if free:
             k, drafts, draft_probs = len(free), free, [] if self.spec.warp.greedy else [one_hot(t) for t in free]
@@ -251,9 +266,13 @@ class Generation:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
         outcome = self._judge(drafts, draft_probs, scores, parents)
-        chain = [drafts[node] for node in tree.main_chain(parents)] if parents else drafts  # what the draft holds; k counts these
+        chain_nodes = tree.main_chain(parents)
+        chain = [drafts[node] for node in chain_nodes] if parents else drafts  # what the draft holds; k counts these
+        kept = common_prefix(chain_nodes, list(outcome.path)) if parents else outcome.accepted  # of the chain; a leaf may add one
         estimate = self._lookup_acceptance if copied else self._head_acceptance if headed else self._acceptance
-        estimate.update(len(chain), outcome.accepted)
+        estimate.update(len(chain), kept)
+        if headed and parents and kept < len(chain):  # the alternatives beside the first missed draft were tried
+            self._head_rescue.observe(kept, outcome.accepted > kept)
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
@@ -267,11 +286,12 @@ class Generation:
         self.stats.count_round(len(chain), outcome.accepted)
         self.stats.lookup_rounds += bool(copied)
         self.stats.head_rounds += bool(headed)
+        self.stats.tree_rounds += bool(parents)
         chunk = self._emit(outcome.emitted(drafts))
         if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
             self.backends.observe_round(len(outcome.emitted(drafts)), len(drafts) + 1, time.perf_counter() - started,
                                         self._running(), speculating)
-        self._head_drafts = [] if parents else head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
+        self._head_drafts = head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self.stats.round_seconds += time.perf_counter() - started
@@ -406,25 +426,36 @@ class Generation:
         copy = prompt_lookup(self.sequence, cap, min_ngram=self.lookup_min_ngram) if cap > 0 else []
         if not copy or not self.spec.adaptive:
             return copy
-        return self._cut_free_drafts(copy, self._lookup_acceptance)
+        return copy[: self._free_shape(len(copy), self._lookup_acceptance)[0]]
 
-    def _head_round_drafts(self) -> list[int]:
-        """A head round's drafts: the Medusa heads' proposals after the last committed token (from the
-        last Verify), cut like a lookup copy; [] when there are none, speculation is paused, or the
-        draft service's drafts promise more tokens per second. Under the fixed policy the heads draft
-        (num_draft_tokens at most) only where no draft service does."""
+    def _head_round_drafts(self) -> tuple[list[int], list[int]]:
+        """A head round's drafts and, for a tree, their parents ([] for a chain): the Medusa heads'
+        proposals after the last committed token (from the last Verify), cut like a lookup copy; none
+        when there are none, speculation is paused, or the draft service's drafts promise more tokens
+        per second. With several candidates a head (a greedy request with draft_branches > 1), the
+        heads' best in a chain with the others beside each as leaves (tree.chain_with_leaves), where
+        that promises more than the chain alone (_free_shape). Under the fixed policy the heads draft
+        (num_draft_tokens at most, every candidate) only where no draft service does."""
         proposals, self._head_drafts = self._head_drafts, []
         if self._heads_declined:  # not asked for (_ask_head_drafts): declined like proposals that do not pay
             self._heads_declined = False
             self._head_acceptance.update(0, 0)
-            return []
+            return [], []
         if not proposals or not self._speculation_allowed():
-            return []
+            return [], []
         cap = max(0, min(len(proposals), self._tokens_left() - 1))
         if not self.spec.adaptive:
-            return [] if self.speculate else proposals[: min(cap, self.spec.num_draft_tokens)]
+            return ([], []) if self.speculate else head_round(proposals[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        return self._cut_free_drafts(proposals[:cap], self._head_acceptance, rival_rate=self._draft_rate(), heads=True)
+        k, branches = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True,
+                                       branches=min(len(proposals[0]), self._head_branches()))
+        return head_round([candidates[:branches] for candidates in proposals[:k]])
+
+    def _head_branches(self) -> int:
+        """Candidates a head this request may draft with: its draft_branches when greedy (a tree of
+        deterministic candidates has no use when sampling: the multi-candidate rule needs them drawn
+        from a distribution), else 1."""
+        return self.branches if self.spec.warp.greedy else 1
 
     def _ask_head_drafts(self) -> bool:
         """Whether this round's Verify should return the heads' proposals for the next round: only when a
@@ -445,24 +476,31 @@ class Generation:
             self._asked_heads = not self._heads_declined
         return self._asked_heads
 
-    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False) -> tuple[int, float]:
+    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False, branches: int = 1) -> tuple[int, float]:
         """The best number of free drafts (no draft call) out of `length` by their acceptance per position
         and the measured verify cost alone, and the tokens per second it promises. heads: the drafts are
         the heads' proposals, so a round with drafts is priced by the Verifies that asked for them
-        (every head round's does, for the round after it) and one without by those that did not."""
+        (every head round's does, for the round after it) and one without by those that did not.
+        branches > 1: each draft has branches - 1 alternatives beside it as leaves, which rescue a
+        missed draft at the heads' measured rescue rate and cost their positions in the verify."""
         costs = self.backends.costs
-        return best_rate(estimate.chain(length), length, lambda k: costs.round_cost_s(k, drafting=False, heads=k > 0 if heads else None))
+        rescue = self._head_rescue.chain(length) if branches > 1 else ()
+        return best_rate(estimate.chain(length), length,
+                         lambda k: costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None), rescue)
 
-    def _cut_free_drafts(self, candidates: list[int], estimate: AcceptanceEstimate, rival_rate: float = 0.0,
-                         heads: bool = False) -> list[int]:
-        """Drafts that cost no draft call, cut to the length that maximizes expected tokens per second
-        (_free_round); [] when no length pays or `rival_rate` (tokens/s the draft service promises) is
-        higher. A declined source's estimate forgets toward its prior, so a request tries it again later."""
-        k, rate = self._free_round(len(candidates), estimate, heads)
+    def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
+                    branches: int = 1) -> tuple[int, int]:
+        """How many of `length` drafts that cost no draft call to verify, and with how many candidates
+        each (1, or `branches` where the tree promises more): the shape that maximizes expected tokens
+        per second (_free_round). (0, 1) when no length pays or `rival_rate` (tokens/s the draft
+        service promises) is higher; a declined source's estimate then forgets toward its prior, so a
+        request tries it again later."""
+        shapes = [(self._free_round(length, estimate, heads, b), b) for b in sorted({1, branches})]
+        (k, rate), chosen = max(shapes, key=lambda shape: shape[0][1])
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
-            return []
-        return candidates[:k]
+            return 0, 1
+        return k, chosen
 
     def _reopen_draft_if_due(self) -> None:
         """(Re)open the draft session when it is closed (it failed, or opened under load) and its back-off is over."""
@@ -566,6 +604,7 @@ class Generation:
                 draft_parents=parents,
                 return_features=self._features is not None,
                 return_head_drafts=self._ask_head_drafts(),
+                head_candidates=self._head_branches() if self._asked_heads and self._head_branches() > 1 else 0,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())

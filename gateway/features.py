@@ -58,10 +58,12 @@ def tree_path_rows(message: common_pb2.TargetFeatures, nodes: int, path: tuple[i
     return common_pb2.TargetFeatures(start_position=message.start_position, hidden_size=message.hidden_size, data=data)
 
 
-def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> list[int]:
+def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> list[list[int]]:
     """The Medusa heads' proposals of the row at `position` (the tokens after that position's next
-    token), or [] when the message has no such row."""
-    row = position - message.start_position
-    if message.heads <= 0 or row < 0 or (row + 1) * message.heads > len(message.token_ids):
+    token): one list of candidates per head, best first; [] when the message has no such row."""
+    row, per_head = position - message.start_position, max(message.candidates, 1)
+    width = message.heads * per_head
+    if message.heads <= 0 or row < 0 or (row + 1) * width > len(message.token_ids):
         return []
-    return list(message.token_ids[row * message.heads : (row + 1) * message.heads])
+    mine = message.token_ids[row * width : (row + 1) * width]
+    return [list(mine[head * per_head : (head + 1) * per_head]) for head in range(message.heads)]

@@ -87,7 +87,7 @@ class GenerationObserver:
             return run_round()
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
-        lookups_before, heads_before = stats.lookup_rounds, stats.head_rounds
+        lookups_before, heads_before, trees_before = stats.lookup_rounds, stats.head_rounds, stats.tree_rounds
         started = time.perf_counter()
         with telemetry.span("specd.round", {"specd.round.index": self.rounds}) as span, telemetry.timing_rpcs() as rpcs:
             try:
@@ -108,6 +108,7 @@ class GenerationObserver:
                         "specd.draft.length": draft_length,
                         "specd.round.lookup": stats.lookup_rounds > lookups_before,
                         "specd.round.heads": stats.head_rounds > heads_before,
+                        "specd.round.tree": stats.tree_rounds > trees_before,
                         "specd.accepted.length": accepted,
                         "specd.emitted.length": emitted,
                         "specd.round.bonus": accepted == draft_length,

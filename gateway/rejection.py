@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specd_common.distributions import sample_from
-from specd_common.tree import ROOT, child_with
+from specd_common.tree import ROOT, greedy_path
 
 
 @dataclass(frozen=True)
@@ -46,15 +46,10 @@ def greedy_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], targe
     the last committed token (row 0) and after each node (row 1 + i). From the root, step to the child
     whose token is the target's choice while there is one; the choice after the last kept node is the
     correction (or the bonus, at a leaf). What it emits is what target-only decoding would."""
-    path, at, row = [], ROOT, 0
-    while True:
-        choice = int(target_argmax[row])
-        child = child_with(node_tokens, parents, at, choice)
-        if child is None:
-            is_leaf = at != ROOT and at not in parents
-            return RoundOutcome(len(path), choice, bonus=is_leaf, path=tuple(path))
-        path.append(child)
-        at, row = child, child + 1
+    path = greedy_path(node_tokens, parents, target_argmax)
+    last = path[-1] if path else ROOT
+    is_leaf = last != ROOT and last not in parents
+    return RoundOutcome(len(path), int(target_argmax[0 if last == ROOT else last + 1]), bonus=is_leaf, path=tuple(path))
 
 
 def rejection_sample(

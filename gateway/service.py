@@ -184,6 +184,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         draft_model_seconds=stats.draft_model_seconds,
         lookup_rounds=stats.lookup_rounds,
         head_rounds=stats.head_rounds,
+        tree_rounds=stats.tree_rounds,
     )
 
 

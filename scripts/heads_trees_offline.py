@@ -5,6 +5,9 @@ propose a tree of their top candidates instead of a chain, on the held-out answe
 A round verifies the heads' proposals of the row before the last committed token (the row whose
 next token is that token), as draft_training/medusa_training.simulate_chain does for chains; a tree
 node is (parent node, head d, rank r): head d's r-th candidate at that row, placed under its parent.
+Candidates come from MedusaHeads.propose as served: chained heads read the earlier heads' best, so
+every node's parent is a node of the best chain (or the root); "chain3+leaves2" is the shape the
+gateway drafts with draft_branches 2 (tree.chain_with_leaves).
 The round keeps the deepest path whose tokens are the target's greedy continuation, plus one
 target token. No timing: the node count is what a pass verifies beyond the pending token; the
 stack's cost per position count is what `specd bench` and the verify's start-up measure.
@@ -27,7 +30,9 @@ TREES = {
     "chain3+a2+a3": [(-1, 0, 0), (0, 1, 0), (1, 2, 0), (-1, 0, 1), (-1, 0, 2)],
     "chain3+a2+b2": [(-1, 0, 0), (0, 1, 0), (1, 2, 0), (-1, 0, 1), (0, 1, 1)],
     "chain3+a2+b2+a3": [(-1, 0, 0), (0, 1, 0), (1, 2, 0), (-1, 0, 1), (0, 1, 1), (-1, 0, 2)],
-    "chain3+a2b1": [(-1, 0, 0), (0, 1, 0), (1, 2, 0), (-1, 0, 1), (3, 1, 0)],
+    "chain2+leaves2": [(-1, 0, 0), (-1, 0, 1), (0, 1, 0), (0, 1, 1)],
+    "chain3+leaves2": [(-1, 0, 0), (-1, 0, 1), (0, 1, 0), (0, 1, 1), (2, 2, 0), (2, 2, 1)],
+    "chain3+leaves3": [(-1, 0, 0), (-1, 0, 1), (-1, 0, 2), (0, 1, 0), (0, 1, 1), (0, 1, 2), (3, 2, 0), (3, 2, 1), (3, 2, 2)],
 }
 
 
@@ -70,8 +75,8 @@ def main() -> None:
         for record in records:
             tokens = record["tokens"].long().tolist()
             next_tokens = torch.tensor(tokens[1:] + tokens[-1:])  # [T]: each row's own next token
-            scores = heads(record["features"].float(), next_tokens)  # [K, T, V']
-            candidates = heads.vocab_ids[scores.topk(ranks, dim=-1).indices].tolist()  # [K][T][ranks]
+            proposed = heads.propose(record["features"].float(), next_tokens, record.get("layer_features"), ranks)  # [T, K, ranks]
+            candidates = proposed.view(len(tokens), -1, ranks).transpose(0, 1).tolist()  # [K][T][ranks]
             for name, tree in TREES.items():
                 passes[name] += passes_for(tree, candidates, tokens, record["start"])
     produced = sum(len(r["tokens"]) - r["start"] for r in records)

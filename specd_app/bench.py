@@ -200,6 +200,7 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             outside_models_share=round(1 - sum(s.model_seconds for s in stats) / round_s, 4) if round_s else None,
             lookup_round_share=round(sum(s.lookup_rounds for s in stats) / passes, 4),
             head_round_share=round(sum(s.head_rounds for s in stats) / passes, 4),
+            tree_round_share=round(sum(s.tree_rounds for s in stats) / passes, 4),
         )
     lookaheads = sum(s.lookahead_rounds for s in stats)
     if lookaheads:

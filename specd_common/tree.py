@@ -64,6 +64,32 @@ def main_chain(parents: Sequence[int]) -> list[int]:
     return chain
 
 
+def chain_with_leaves(steps: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The tree of a chain with alternatives beside each of its tokens: steps[i] is [chain token i,
+    its alternatives...] (distinct), all children of chain token i - 1 (ROOT for i = 0), alternatives
+    as leaves. Nodes in order: chain token, its alternatives, next chain token, ... → (tokens, parents).
+    With one candidate a step this is the chain."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    parent = ROOT
+    for candidates in steps:
+        parents += [parent] * len(candidates)
+        parent = len(tokens)
+        tokens += list(candidates)
+    return tokens, parents
+
+
+def greedy_path(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -> list[int]:
+    """The nodes a greedy target keeps, from the root: while the current node has a child carrying the
+    target's choice after it (argmax [1 + n]: row 0 after the last committed token, row 1 + i after node
+    i), step to that child."""
+    path, at = [], ROOT
+    while (child := child_with(tokens, parents, at, int(argmax[0 if at == ROOT else at + 1]))) is not None:
+        path.append(child)
+        at = child
+    return path
+
+
 def child_with(tokens: Sequence[int], parents: Sequence[int], parent: int, token: int) -> Optional[int]:
     """The child of `parent` (a node index or ROOT) that carries `token`, if any (siblings differ)."""
     return next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == parent and t == token), None)

@@ -10,7 +10,7 @@ import torch
 from draft_training import feature_data
 from draft_service.feature_head import HeadCache, load_head
 from gateway.features import FeatureLog
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, verify_pb2, verify_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specd_common.features import decode_features, encode_features
 from specd_common.models import load_causal_lm
 from tests.conftest import start_cluster

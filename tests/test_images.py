@@ -25,7 +25,6 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest

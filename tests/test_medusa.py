@@ -90,9 +90,9 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     seen = []
     real = MedusaHeads.propose
 
-    def recording(self, features, next_tokens=None, layer_features=None):
+    def recording(self, features, next_tokens=None, layer_features=None, candidates=1):
         seen.append(next_tokens.tolist())
-        return real(self, features, next_tokens, layer_features)
+        return real(self, features, next_tokens, layer_features, candidates)
 
     monkeypatch.setattr(MedusaHeads, "propose", recording)
     def argmax_after(drafts: list[int]) -> list[int]:
@@ -125,8 +125,8 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
     calls = []
     real = MedusaHeads.propose
-    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None, layers=None: calls.append(features.shape[0]) or
-                        real(self, features, tokens, layers))
+    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None, layers=None, candidates=1:
+                        calls.append(features.shape[0]) or real(self, features, tokens, layers, candidates))
     greedy, sampled, plain = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(temperature=0.8), Warp()))
     parts = [Part(greedy, [9, 3], head_drafts=True), Part(sampled, [9], head_drafts=True), Part(plain, [4])]
     for part in parts:
@@ -138,6 +138,48 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     assert together == alone
     assert len(together[0].head_drafts.token_ids) == HEADS and len(together[1].head_drafts.token_ids) == 2 * HEADS
     assert together[2].head_drafts is None and together[2].argmax_token_ids
+
+
+def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
+    """A greedy tree pass returns the heads' proposals of one row: the last node of the path the
+    target's argmax walks, at the position that node takes once kept, equal to what a chain pass over
+    that path alone returns (candidates included); a sampling session gets none after a tree."""
+    from specd_common.batching import BatchPolicy
+    from specd_common.params import Warp
+    from verify_service.scorer import Scorer
+
+    heads, loaded = random_token_heads(tiny, chained=True)
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
+    vocab, prompt = loaded.model.config.vocab_size, [5, 17, 42]
+    first = scorer.score(scorer.open(prompt, Warp()), []).argmax_token_ids[0]
+    second = scorer.score(scorer.open(prompt, Warp()), [first]).argmax_token_ids[1]
+    wrong = [(first + 1) % vocab, (second + 1) % vocab]
+    nodes, parents = [wrong[0], first, wrong[1], second], [-1, -1, 1, 1]  # the path the target keeps: nodes 1, 3
+    for candidates in (1, 3):
+        in_tree = scorer.score(scorer.open(prompt, Warp()), nodes, parents, head_drafts=True, head_candidates=candidates)
+        in_chain = scorer.score(scorer.open(prompt, Warp()), [first, second], head_drafts=True, head_candidates=candidates)
+        assert in_tree.head_drafts.start_position == in_chain.head_drafts.start_position == len(prompt) + 1
+        assert len(in_tree.head_drafts.token_ids) == HEADS * candidates and in_tree.head_drafts.candidates == candidates
+        assert in_tree.head_drafts == in_chain.head_drafts
+    missed = scorer.score(scorer.open(prompt, Warp()), wrong, [-1, 0], head_drafts=True)  # the root's row: no node kept
+    assert missed.head_drafts == scorer.score(scorer.open(prompt, Warp()), [], head_drafts=True).head_drafts
+    sampled = scorer.score(scorer.open(prompt, Warp(temperature=1.0)), nodes, parents, head_drafts=True)
+    assert sampled.head_drafts is None
+
+
+def test_heads_candidates_are_their_best_in_order(tiny):
+    """propose with candidates c: each head's c best tokens, best first, its first the single proposal's;
+    chained heads read the earlier heads' best (so the first candidates equal the chain's)."""
+    heads, loaded = random_token_heads(tiny, chained=True)
+    features, next_tokens = torch.randn(4, loaded.model.config.hidden_size), torch.randint(0, 50, (4,))
+    best = heads.propose(features, next_tokens)  # [4, K]
+    top = heads.propose(features, next_tokens, candidates=3)  # [4, K, 3]
+    assert top.shape == (4, HEADS, 3) and torch.equal(top[..., 0], best)
+    tokens = next_tokens[:, None]
+    for index in range(HEADS):  # head index + 1's scores, given the earlier heads' best
+        scores = heads.head_output(index, heads.fused(features), tokens) @ heads.head_columns  # [4, V']
+        assert torch.equal(top[:, index], heads.vocab_ids[scores.topk(3).indices])
+        tokens = torch.cat((tokens, best[:, index : index + 1]), dim=1)
 
 
 def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
@@ -203,10 +245,13 @@ def test_served_fusing_heads_read_the_layers_of_their_own_rows(tiny):
 
 def test_head_drafts_at_picks_the_row_of_a_position():
     message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
-    assert head_drafts_at(message, 11) == [3, 4]
-    assert head_drafts_at(message, 12) == [5, 6]
+    assert head_drafts_at(message, 11) == [[3], [4]]
+    assert head_drafts_at(message, 12) == [[5], [6]]
     assert head_drafts_at(message, 9) == [] and head_drafts_at(message, 13) == []
     assert head_drafts_at(common_pb2.HeadDrafts(), 0) == []
+    with_candidates = common_pb2.HeadDrafts(start_position=10, heads=2, candidates=3, token_ids=list(range(12)))  # rows 10, 11
+    assert head_drafts_at(with_candidates, 11) == [[6, 7, 8], [9, 10, 11]]
+    assert head_drafts_at(with_candidates, 12) == []
 
 
 def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
@@ -329,7 +374,7 @@ def test_reshaped_heads_start_as_the_heads_they_were_made_from(tiny):
 
 
 def test_bfloat16_products_propose_what_float32_does(tiny):
-    """best_columns in bfloat16 rescores its best candidates in float32: two vocabulary columns whose
+    """top_columns in bfloat16 rescores its best candidates in float32: two vocabulary columns whose
     scores differ by less than bfloat16 can tell apart still give float32's argmax (without the
     rescoring the rounded scores tie and the first column wins), and chained random heads propose
     the same tokens in either precision."""
@@ -341,7 +386,8 @@ def test_bfloat16_products_propose_what_float32_does(tiny):
     heads.bf16_columns = heads.head_columns.to(torch.bfloat16)
     ones = torch.ones(3, h)
     assert ((ones.to(torch.bfloat16) @ heads.bf16_columns).argmax(dim=-1) == 0).all()  # the rounding ties them
-    assert heads.best_columns(ones, "bfloat16").tolist() == heads.best_columns(ones, "float32").tolist() == [1, 1, 1]
+    assert heads.top_columns(ones, 1, "bfloat16").tolist() == heads.top_columns(ones, 1, "float32").tolist() == [[1]] * 3
+    assert heads.top_columns(ones, 2, "bfloat16").tolist() == heads.top_columns(ones, 2, "float32").tolist() == [[1, 0]] * 3
     features, next_tokens = torch.randn(8, h), torch.randint(0, 50, (8,))
     in_float32 = heads.propose(features, next_tokens)
     heads.product_dtypes = {1: "bfloat16"}
@@ -401,13 +447,13 @@ def test_heads_give_way_to_a_draft_that_promises_more():
     costs.observe_draft(3, 0.010)
     generation = head_policy_generation(costs, draft_service=True, max_new_tokens=20)
     generation._draft_retry_at = float("inf")  # the draft is backing off
-    generation._head_drafts = [7, 8, 9]
-    assert generation._head_round_drafts() == [7, 8, 9]  # no draft open: the prior (0.5) pays for 3
+    generation._head_drafts = [[7], [8], [9]]
+    assert generation._head_round_drafts() == ([7, 8, 9], [])  # no draft open: the prior (0.5) pays for 3
     generation._draft.replica = SimpleNamespace()  # a draft session is open ...
     for _ in range(10):
         generation._acceptance.update(3, 3)  # ... and its drafts are always accepted
-    generation._head_drafts = [7, 8, 9]
-    assert generation._head_round_drafts() == []
+    generation._head_drafts = [[7], [8], [9]]
+    assert generation._head_round_drafts() == ([], [])
     assert generation._head_drafts == []  # proposals are used once
 
 
@@ -426,15 +472,43 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     assert not generation._ask_head_drafts()
     rounds = 0
     while not generation._ask_head_drafts():  # each round that does not ask forgets toward the prior
-        assert generation._head_round_drafts() == []
+        assert generation._head_round_drafts() == ([], [])
         rounds += 1
         assert rounds < 100, "a request that stopped asking must ask again once its estimate forgets"
     assert rounds > 3  # ... but not at once
-    generation._head_drafts = [7, 8, 9]
-    assert generation._head_round_drafts()[:1] == [7]  # it asked: the proposals are judged by the estimate as before
+    generation._head_drafts = [[7], [8], [9]]
+    assert generation._head_round_drafts()[0][:1] == [7]  # it asked: the proposals are judged by the estimate as before
 
     assert head_policy_generation(costs, adaptive=False)._ask_head_drafts()  # no draft service: the heads draft
     assert not head_policy_generation(costs, draft_service=True, adaptive=False)._ask_head_drafts()  # the draft service drafts
+
+
+def test_a_head_tree_is_drafted_only_where_its_positions_pay():
+    """Unit: with two candidates a head (draft_branches 2) a head round is the chain with the second
+    candidates beside it as leaves where the measured verify costs and the rescue estimate promise more
+    tokens per second than the chain, and the chain where extra positions cost too much. Prior
+    acceptance 0.5 and rescue 0.3: a 3-deep chain promises 1.875 tokens, the tree 2.14 (+14%). Nearly
+    flat costs (a GPU's) make the tree pay; +20 ms a position (a CPU's) does not. A request whose
+    alternatives never hit learns it and goes back to the chain."""
+    flat, steep = StepCosts(), StepCosts()
+    for positions in range(1, 8):
+        flat.observe_verify(positions, 0.100 + 0.001 * positions)
+        steep.observe_verify(positions, 0.100 + 0.020 * positions)
+    proposals = [[7, 17], [8, 18], [9, 19]]
+    generation = head_policy_generation(flat, branches=2)
+    assert generation._head_branches() == 2
+    generation._head_drafts = [list(c) for c in proposals]
+    assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
+    for _ in range(30):
+        generation._head_rescue.observe(0, False)
+    generation._head_drafts = [list(c) for c in proposals]
+    assert generation._head_round_drafts() == ([7, 8, 9], [])
+    on_a_cpu = head_policy_generation(steep, branches=2)
+    on_a_cpu._head_drafts = [list(c) for c in proposals]
+    assert on_a_cpu._head_round_drafts()[1] == []  # a chain
+    one_candidate = head_policy_generation(flat, branches=2)
+    one_candidate._head_drafts = [[7], [8], [9]]  # the verify sent one a head: nothing to branch with
+    assert one_candidate._head_round_drafts() == ([7, 8, 9], [])
 
 
 def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
@@ -489,6 +563,21 @@ def test_greedy_with_head_rounds_equals_target_only_and_transformers(medusa_clus
         assert list(speculative.token_ids) == list(target_only.token_ids)
         assert list(speculative.token_ids) == hf_greedy(tiny.target, list(speculative.prompt_token_ids), 40)
         assert speculative.stats.head_rounds > 0
+    assert wait_for_no_sessions(medusa_cluster) == {"verify": 0}
+
+
+def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
+    """draft_branches 2 with no draft service: head rounds verify the heads' best chain with their second
+    candidates beside it (fixed policy: every head round; adaptive: where measured costs say so), and
+    the output is target-only's."""
+    stub = medusa_cluster.stub()
+    for prompt in PROMPTS:
+        target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+        for policy in (FIXED, 0):
+            trees = generate(stub, text=prompt, max_new_tokens=40, draft_branches=2, num_draft_tokens=3, draft_length_policy=policy)
+            assert list(trees.token_ids) == list(target_only.token_ids), (prompt, policy)
+            if policy == FIXED:
+                assert trees.stats.tree_rounds == trees.stats.head_rounds > 0
     assert wait_for_no_sessions(medusa_cluster) == {"verify": 0}
 
 

@@ -167,34 +167,39 @@ class MedusaHeads(nn.Module):
 
     @torch.inference_mode()
     def propose(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
-                layer_features: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """features [N, H] (next_tokens [N]; layer_features [N, L, H] with fusion) → token ids [N, K]: row
-        n holds heads 1..K's argmax, the drafts after row n's next token."""
+                layer_features: Optional[torch.Tensor] = None, candidates: int = 1) -> torch.Tensor:
+        """features [N, H] (next_tokens [N]; layer_features [N, L, H] with fusion) → token ids [N, K]:
+        row n holds heads 1..K's argmax, the drafts after row n's next token; with candidates c > 1,
+        [N, K, c]: each head's c best, best first (a tree's alternatives; chained heads read the
+        earlier heads' best)."""
         features = self.fused(features, layer_features)
         if not self.config.chained_input:
             outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, N, H]
-            best = self.best_columns(outputs.flatten(0, 1)).view(outputs.shape[:2])  # [K, N]: one product for all heads
-            return self.vocab_ids[best].T  # [N, K]
-        tokens = next_tokens[:, None]  # [N, 1 + proposals so far]
-        for index in range(len(self.heads)):
-            best = self.best_columns(self.head_output(index, features, tokens))  # [N]
-            tokens = torch.cat((tokens, self.vocab_ids[best][:, None]), dim=1)
-        return tokens[:, 1:]  # [N, K]
+            top = self.top_columns(outputs.flatten(0, 1), candidates).view(*outputs.shape[:2], candidates)  # [K, N, c]: one product
+            proposals = self.vocab_ids[top].transpose(0, 1)  # [N, K, c]
+        else:
+            tokens, picks = next_tokens[:, None], []  # [N, 1 + proposals so far]
+            for index in range(len(self.heads)):
+                top = self.vocab_ids[self.top_columns(self.head_output(index, features, tokens), candidates)]  # [N, c]
+                picks.append(top)
+                tokens = torch.cat((tokens, top[:, :1]), dim=1)
+            proposals = torch.stack(picks, dim=1)  # [N, K, c]
+        return proposals[..., 0] if candidates == 1 else proposals
 
-    def best_columns(self, outputs: torch.Tensor, precision: str = "") -> torch.Tensor:
-        """outputs [N, H] → [N]: each row's argmax over its scores outputs · head_columns, in the
-        product precision measured fastest for N rows (tune_product; `precision` overrides). In
-        bfloat16 the candidates are its RESCORED_CANDIDATES best, rescored exactly in float32: a
-        bfloat16 score has 8 bits of mantissa, too few to order close logits, and a proposal that
-        differs from the float32 one would cost acceptance (never exactness: the verify judges
-        every draft)."""
+    def top_columns(self, outputs: torch.Tensor, count: int = 1, precision: str = "") -> torch.Tensor:
+        """outputs [N, H] → [N, count]: each row's best columns by its scores outputs · head_columns,
+        best first, in the product precision measured fastest for N rows (tune_product; `precision`
+        overrides). In bfloat16 the candidates are its max(RESCORED_CANDIDATES, count) best, rescored
+        exactly in float32: a bfloat16 score has 8 bits of mantissa, too few to order close logits,
+        and a proposal that differs from the float32 one would cost acceptance (never exactness: the
+        verify judges every draft)."""
         precision = precision or autotune.by_size(self.product_dtypes, outputs.shape[0], FLOAT32)
         if precision != BFLOAT16:
-            return (outputs @ self.head_columns).argmax(dim=-1)
+            return (outputs @ self.head_columns).topk(count, dim=-1).indices
         rough = outputs.to(torch.bfloat16) @ self.bf16_columns  # [N, V']
-        candidates = rough.topk(RESCORED_CANDIDATES, dim=-1).indices  # [N, c]
+        candidates = rough.topk(max(RESCORED_CANDIDATES, count), dim=-1).indices  # [N, c]
         exact = torch.einsum("nh,hnc->nc", outputs, self.head_columns[:, candidates])  # [N, c]
-        return candidates.gather(1, exact.argmax(dim=-1, keepdim=True))[:, 0]
+        return candidates.gather(1, exact.topk(count, dim=-1).indices)
 
     @torch.inference_mode()
     def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7) -> dict[int, str]:
@@ -211,7 +216,7 @@ class MedusaHeads(nn.Module):
         self.bf16_columns = self.head_columns.to(torch.bfloat16)  # [H, V']
         threads = torch.get_num_threads()
         outputs = {n: torch.randn(n, self.config.hidden_size) for n in rows}  # [n, H], made before the timing
-        runs = {(threads, n, precision): lambda n=n, precision=precision: self.best_columns(outputs[n], precision)
+        runs = {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
                 for n in rows for precision in (FLOAT32, BFLOAT16)}
         costs = {key[1:]: seconds * 1e3 for key, seconds in autotune.measure_interleaved(runs, repeats).items()}  # (rows, precision) → ms
         self.product_dtypes = {n: BFLOAT16 if costs[n, BFLOAT16] * BF16_MARGIN < costs[n, FLOAT32] else FLOAT32 for n in rows}

@@ -49,12 +49,14 @@ class Part:
     drafts: Sequence[int]  # the drafted tokens scored after the pending one(s)
     features: bool = False
     head_drafts: bool = False
+    head_candidates: int = 1  # per head, when head_drafts
+    parents: Sequence[int] = ()  # the drafts' tree (specd_common/tree.py); () for a chain
 
 
 class HeadInputs(NamedTuple):
     """What the Medusa heads read for one session's proposals (Scorer.head_inputs)."""
 
-    first: int  # the first row's index among the rows the session's last chain forward read
+    first: int  # the first row's position less the first position the session's last forward read
     features: torch.Tensor  # [m, H]
     next_tokens: torch.Tensor  # [m]: each row's own next token
     layers: Optional[torch.Tensor]  # [m, L, H]: the fused layers' outputs, for heads that fuse them; else None
@@ -160,13 +162,15 @@ class Scorer:
             return None
         return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
-    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int]) -> Optional[HeadInputs]:
+    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int], parents: Sequence[int] = ()) -> Optional[HeadInputs]:
         """What the Medusa heads read for the session's proposals (HeadInputs); None without heads or kept
         features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;
         for rows before those (committed tokens read late) it is the committed token after it. A greedy
         session gets only the row the caller will read: the gateway keeps exactly the drafts that equal
-        the target's argmax, so its last committed token is the argmax after them."""
+        the target's argmax, so its last committed token is the argmax after them; after a tree (greedy
+        sessions only: parents), the row of the last node of the path the target's argmax walks
+        (tree.greedy_path), whose position is the root's plus the path's length."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
@@ -177,8 +181,12 @@ class Scorer:
         layers = sequence.fed_layers  # [n, L, H] where the heads fuse lower layers, else None
         if not session.warp.greedy:
             return HeadInputs(0, features, next_tokens, layers)
-        first = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
-        rows = slice(first, first + 1)
+        if parents:
+            path = tree.greedy_path(drafts, parents, own.tolist())
+            first, row = earlier + len(path), earlier + (path[-1] + 1 if path else 0)
+        else:
+            first = row = earlier + common_prefix(list(drafts), own[: len(drafts)].tolist())
+        rows = slice(row, row + 1)
         return HeadInputs(first, features[rows], next_tokens[rows], layers[rows] if layers is not None else None)
 
     def head_drafts(self, parts: Sequence[Part], owns: Sequence[torch.Tensor]) -> list[Optional[common_pb2.HeadDrafts]]:
@@ -186,22 +194,24 @@ class Scorer:
         propose over all their rows: the heads' cost is reading their V' × H rows once a head per call,
         plus a little a row (on the 2-core AMD EPYC, one row 3.2 ms, four rows 4.7 ms), so a batch's
         sessions share it."""
-        inputs = [self.head_inputs(part.session, own, part.drafts) if part.head_drafts else None for part, own in zip(parts, owns)]
+        inputs = [self.head_inputs(part.session, own, part.drafts, part.parents) if part.head_drafts else None
+                  for part, own in zip(parts, owns)]
         asked = [item for item in inputs if item is not None]
         if not asked:
             return [None] * len(parts)
         layers = torch.cat([item.layers for item in asked]) if asked[0].layers is not None else None  # [rows, L, H]
+        candidates = max(part.head_candidates for part, item in zip(parts, inputs) if item is not None)
         proposals = self.medusa.propose(torch.cat([item.features for item in asked]), torch.cat([item.next_tokens for item in asked]),
-                                        layers)  # [rows, K]
+                                        layers, candidates).view(-1, self.medusa.config.num_heads, candidates)  # [rows, K, c]
         replies, row = [], 0
         for part, item in zip(parts, inputs):
             if item is None:
                 replies.append(None)
                 continue
-            mine = proposals[row : row + item.features.shape[0]]  # [m, K]
+            mine = proposals[row : row + item.features.shape[0], :, : part.head_candidates]  # [m, K, c]
             row += item.features.shape[0]
             replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + item.first, heads=mine.shape[1],
-                                                 token_ids=mine.flatten().tolist()))
+                                                 token_ids=mine.flatten().tolist(), candidates=part.head_candidates))
         return replies
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
@@ -215,14 +225,16 @@ class Scorer:
         self.lm.settle_tree(session.sequence, tree.path_of(pending.tokens, pending.parents, walk))
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
-              features: bool = False, head_drafts: bool = False) -> Scores:
+              features: bool = False, head_drafts: bool = False, head_candidates: int = 1) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
-        Medusa heads' proposals there when asked for. Concurrent sessions' chain calls share one
+        Medusa heads' proposals (head_candidates a head) there when asked for; after a tree only a
+        greedy session gets proposals (head_inputs). Concurrent sessions' chain calls share one
         batched pass when batching is on, and the batch's replies are made together (_finish); a
         tree runs alone (its mask is its own)."""
+        head_drafts = head_drafts and (not parents or session.warp.greedy)
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
-        part = Part(session, draft_token_ids, features, head_drafts and not parents)
+        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents)
         if parents:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
         elif self.batcher is not None:

@@ -16,6 +16,7 @@ from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
 MAX_DRAFT_TOKENS = 32
+MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
@@ -49,6 +50,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
         if parents:
             validate_tree(drafts, parents)
+        require(0 <= request.head_candidates <= MAX_HEAD_CANDIDATES,
+                f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
@@ -56,7 +59,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             length = len(session.sequence.tokens)
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
-            scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts)
+            scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
+                                       request.head_candidates)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,

@@ -85,7 +85,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "lookahead_rounds", "lookahead_hits", "draft_model_seconds", "lookup_rounds", "head_rounds")
+    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "lookahead_rounds", "lookahead_hits", "draft_model_seconds", "lookup_rounds", "head_rounds", "tree_rounds")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class SpeculationStats(_message.Message):
     DRAFT_MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     draft_tokens: int
     accepted_tokens: int
@@ -114,7 +115,8 @@ class SpeculationStats(_message.Message):
     draft_model_seconds: float
     lookup_rounds: int
     head_rounds: int
-    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., lookahead_rounds: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ...) -> None: ...
+    tree_rounds: int
+    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., lookahead_rounds: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats")

@@ -279,12 +279,14 @@ class StepCosts:
             nearest = min(self._draft, key=lambda j: abs(j - k))
             return self._draft[nearest] * k / nearest
 
-    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None) -> float:
+    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None,
+                     widened: Optional[int] = None) -> float:
         """Seconds a round with k drafts is expected to take (1.0 while nothing is measured); a tree of
-        `branches` candidates per position verifies k × branches + 1 positions. drafting=False: the
-        drafts cost nothing to make (the gateway's prompt-lookup copies). heads: priced by the
-        Verifies that asked for the heads' proposals or did not (verify_s)."""
-        verify = self.verify_s(k * branches + 1, heads)
+        `branches` candidates per position verifies k × branches + 1 positions, or with `widened`
+        only the first `widened` drafts carry alternatives. drafting=False: the drafts cost nothing
+        to make (the gateway's prompt-lookup copies). heads: priced by the Verifies that asked for the
+        heads' proposals or did not (verify_s)."""
+        verify = self.verify_s(k + min(k, k if widened is None else widened) * (branches - 1) + 1, heads)
         return (1.0 if verify is None else verify) + (self.draft_s(k) if drafting else 0.0)
 
 

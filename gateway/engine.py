@@ -271,8 +271,8 @@ class Generation:
         kept = common_prefix(chain_nodes, list(outcome.path)) if parents else outcome.accepted  # of the chain; a leaf may add one
         estimate = self._lookup_acceptance if copied else self._head_acceptance if headed else self._acceptance
         estimate.update(len(chain), kept)
-        if headed and parents and kept < len(chain):  # the alternatives beside the first missed draft were tried
-            self._head_rescue.observe(kept, outcome.accepted > kept)
+        if headed and parents and kept < len(chain) and parents.count(parents[chain_nodes[kept]]) > 1:
+            self._head_rescue.observe(kept, outcome.accepted > kept)  # the alternatives beside the first missed draft were tried
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
@@ -447,9 +447,9 @@ class Generation:
         if not self.spec.adaptive:
             return ([], []) if self.speculate else head_round(proposals[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        k, branches = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True,
-                                       branches=min(len(proposals[0]), self._head_branches()))
-        return head_round([candidates[:branches] for candidates in proposals[:k]])
+        k, branches, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True,
+                                                branches=min(len(proposals[0]), self._head_branches()))
+        return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals[:k])])
 
     def _head_branches(self) -> int:
         """Candidates a head this request may draft with: its draft_branches when greedy (a tree of
@@ -476,31 +476,38 @@ class Generation:
             self._asked_heads = not self._heads_declined
         return self._asked_heads
 
-    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False, branches: int = 1) -> tuple[int, float]:
+    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False, branches: int = 1,
+                    widened: int = 0) -> tuple[int, float]:
         """The best number of free drafts (no draft call) out of `length` by their acceptance per position
         and the measured verify cost alone, and the tokens per second it promises. heads: the drafts are
         the heads' proposals, so a round with drafts is priced by the Verifies that asked for them
         (every head round's does, for the round after it) and one without by those that did not.
-        branches > 1: each draft has branches - 1 alternatives beside it as leaves, which rescue a
-        missed draft at the heads' measured rescue rate and cost their positions in the verify."""
+        branches > 1: the first `widened` drafts have branches - 1 alternatives beside them as leaves,
+        which rescue a missed draft at the heads' measured rescue rate there and cost their positions
+        in the verify."""
         costs = self.backends.costs
-        rescue = self._head_rescue.chain(length) if branches > 1 else ()
+        rescue = self._head_rescue.chain(widened) + [0.0] * (length - widened) if branches > 1 and widened else ()
         return best_rate(estimate.chain(length), length,
-                         lambda k: costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None), rescue)
+                         lambda k: costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened),
+                         rescue)
 
     def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
-                    branches: int = 1) -> tuple[int, int]:
-        """How many of `length` drafts that cost no draft call to verify, and with how many candidates
-        each (1, or `branches` where the tree promises more): the shape that maximizes expected tokens
-        per second (_free_round). (0, 1) when no length pays or `rival_rate` (tokens/s the draft
-        service promises) is higher; a declined source's estimate then forgets toward its prior, so a
-        request tries it again later."""
-        shapes = [(self._free_round(length, estimate, heads, b), b) for b in sorted({1, branches})]
-        (k, rate), chosen = max(shapes, key=lambda shape: shape[0][1])
+                    branches: int = 1) -> tuple[int, int, int]:
+        """How many of `length` drafts that cost no draft call to verify, and with alternatives beside
+        how many of the first (branches candidates each; alternatives are worth most early, where the
+        chain misses first and a rescue saves the most): the shape that maximizes expected tokens per
+        second (_free_round; held-out, the shipped heads' second candidate at position 1 alone moved
+        1.798 → 1.922 tokens a pass, beside all three 1.987: docs/benchmarks/heads_trees_offline.json).
+        (k, branches, widened); (0, 1, 0) when no length pays or `rival_rate` (tokens/s the draft
+        service promises) is higher, and a declined source's estimate then forgets toward its prior,
+        so a request tries it again later."""
+        shapes = [(self._free_round(length, estimate, heads, branches, widened), widened)
+                  for widened in range(length + 1 if branches > 1 else 1)]
+        (k, rate), widened = max(shapes, key=lambda shape: shape[0][1])  # ties: the fewest alternatives
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
-            return 0, 1
-        return k, chosen
+            return 0, 1, 0
+        return k, branches if widened else 1, min(widened, k)
 
     def _reopen_draft_if_due(self) -> None:
         """(Re)open the draft session when it is closed (it failed, or opened under load) and its back-off is over."""

@@ -509,7 +509,7 @@ def bench_service_modes(
     """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
     mode → the second gateway serving it ("overlap", "medusa", "capN"; the others use the main one).
     heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
-    specd runs on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
+    specd and its trees run on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
     again on a gateway whose speculation cap is fixed at each N (specd_capN). heads: names of heads
     folders, each served by a verify and a gateway of its own with no draft service (specd_heads_NAME)."""
     fixed = {"draft_length_policy": 1}  # specd.v1.DRAFT_LENGTH_POLICY_FIXED
@@ -519,7 +519,10 @@ def bench_service_modes(
     if heads_beside:  # the draft service's stack under the default policy, beside specd's heads
         modes.append((f"specd_{heads_beside}", default))
     modes += [(f"specd_k{k}", {"num_draft_tokens": k, **fixed}) for k in fixed_k]
-    modes += [(f"specd_tree{b}", {**default, "draft_branches": b}) for b in branches]
+    for b in branches:  # trees of specd's own drafter: the heads' candidates where they draft
+        modes.append((f"specd_tree{b}", {**default, "draft_branches": b}))
+        if heads_beside:
+            gateway[f"specd_tree{b}"] = "medusa"
     if overlap:
         modes.append(("specd_overlap", {**default, **fixed}))
         gateway["specd_overlap"] = "overlap"

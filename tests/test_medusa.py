@@ -488,8 +488,10 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
     candidates beside it as leaves where the measured verify costs and the rescue estimate promise more
     tokens per second than the chain, and the chain where extra positions cost too much. Prior
     acceptance 0.5 and rescue 0.3: a 3-deep chain promises 1.875 tokens, the tree 2.14 (+14%). Nearly
-    flat costs (a GPU's) make the tree pay; +20 ms a position (a CPU's) does not. A request whose
-    alternatives never hit learns it and goes back to the chain."""
+    flat costs (a GPU's) make the tree pay; +20 ms a position (a CPU's) does not; alternatives that never
+    hit do not either, and a request's misses move its rescue estimate there."""
+    from gateway.adaptive import AcceptanceEstimate
+
     flat, steep = StepCosts(), StepCosts()
     for positions in range(1, 8):
         flat.observe_verify(positions, 0.100 + 0.001 * positions)
@@ -499,10 +501,14 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
     assert generation._head_branches() == 2
     generation._head_drafts = [list(c) for c in proposals]
     assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
-    for _ in range(30):
-        generation._head_rescue.observe(0, False)
+    generation._head_rescue = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
     generation._head_drafts = [list(c) for c in proposals]
     assert generation._head_round_drafts() == ([7, 8, 9], [])
+    learning = AcceptanceEstimate(prior=0.3)
+    for _ in range(30):
+        learning.observe(0, False)
+    learning.observe(1, True)
+    assert learning.chain(2)[0] < 0.06 and learning.chain(2)[1] > 0.3
     on_a_cpu = head_policy_generation(steep, branches=2)
     on_a_cpu._head_drafts = [list(c) for c in proposals]
     assert on_a_cpu._head_round_drafts()[1] == []  # a chain

@@ -259,6 +259,7 @@ def test_step_costs_are_measured_and_extrapolated_optimistically():
     assert costs.verify_s(3) == pytest.approx(0.07)
     costs.observe_verify(7, 0.09)
     assert costs.round_cost_s(2, branches=3) == pytest.approx(0.09 + 0.004)  # a tree verifies 2 × 3 + 1 positions
+    assert costs.round_cost_s(2, branches=3, widened=1) == pytest.approx(0.07 + 0.004)  # alternatives beside the first: 5
 
 
 def test_verifies_that_asked_for_head_proposals_are_priced_apart():
@@ -506,6 +507,9 @@ def test_acceptance_per_position_makes_falling_acceptance_draft_shorter():
 
     assert expected_tokens([0.5], 2) == pytest.approx(1.75)  # (1 − α^3) / (1 − α)
     assert expected_tokens([0.6, 0.3, 0.2], 3) == pytest.approx(1 + 0.6 + 0.18 + 0.036)
+    # alternatives beside each draft keep a token where the draft missed: P(≥ j kept) = reach_{j−1} (a_j + (1 − a_j) s_j)
+    assert expected_tokens([0.5], 3, [0.3]) == pytest.approx(1 + 0.65 * (1 + 0.5 + 0.25))
+    assert expected_tokens([0.6, 0.3], 2, [0.4, 0.0]) == pytest.approx(1 + (0.6 + 0.4 * 0.4) + 0.6 * 0.3)
     estimate = AcceptanceEstimate(prior=0.5, prior_weight=1e-9, decay=1.0)
     for _ in range(20):  # first draft accepted in 60% of rounds, the second in a third of those
         for accepted in (2, 1, 1, 0, 0):
@@ -652,13 +656,13 @@ def test_specd_up_with_heads_starts_no_draft_service():
 def test_bench_runs_specd_on_the_heads_gateway_when_they_are_the_default():
     """`specd bench`'s modes: where `specd up` would draft with the verify's heads, specd runs on the
     gateway with no draft service and the draft service's stack is measured beside it as
-    specd_<drafter> (with the fixed-k and tree modes, which need it); otherwise specd is the main
-    gateway's and --medusa adds specd_medusa."""
+    specd_<drafter> (with the fixed-k modes, which need it; the tree modes are specd's own drafter's,
+    on its gateway); otherwise specd is the main gateway's and --medusa adds specd_medusa."""
     from specd_app.cli import bench_service_modes
 
     modes, gateways = bench_service_modes(3, [3], [2], overlap=False, medusa=True, heads_beside="feature")
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_k3", "specd_tree2"]
-    assert gateways == {"specd": "medusa"}
+    assert gateways == {"specd": "medusa", "specd_tree2": "medusa"}
     assert dict(modes)["specd_k3"] == {"num_draft_tokens": 3, "draft_length_policy": 1}
     assert dict(modes)["specd_tree2"] == {"num_draft_tokens": 3, "draft_branches": 2}
     modes, gateways = bench_service_modes(3, [], [], overlap=True, medusa=True, heads_beside="")

@@ -28,7 +28,7 @@ import numpy as np
 from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from gateway.text import TextStream
-from gateway.adaptive import AcceptanceEstimate, best_draft_length, best_rate
+from gateway.adaptive import AcceptanceEstimate, best_rate
 from gateway.backends import Backends
 from gateway.pool import Pool, Replica
 from gateway.features import FeatureLog, head_drafts_at, tree_path_rows
@@ -49,10 +49,11 @@ DRAFT_BACKOFF_S = 1.0
 DRAFT_MAX_BACKOFF_S = 30.0
 DRAFT_PROBE_S = 0.2  # longest a health check of a draft that failed before may take
 PROBE_EVERY_ROUNDS = 8  # adaptive k: after this many rounds without drafts, draft one token to re-measure
-# Until measured, the chance that a head's next best candidates hold the target's token where its best
-# does not: held-out offline, the shipped heads' second candidate at position 1 is right in ~30% of
-# the rounds the first misses (a prior only: each request measures its own, Generation._head_rescue)
+# Until measured, the chance that a drafter's next best candidates hold the target's token where its best
+# does not: held-out offline, the shipped heads' second candidate at position 1 is right in ~27% of
+# the rounds the first misses (a prior only: each request measures its own per drafter, Generation._rescue)
 RESCUE_PRIOR = 0.3
+HEADS, DRAFT = "heads", "draft"  # the drafters whose trees' alternatives are estimated apart (Generation._rescue)
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.NOT_FOUND,  # the replica restarted and lost the session
@@ -210,7 +211,8 @@ class Generation:
         self._acceptance = AcceptanceEstimate()  # the drafter's
         self._lookup_acceptance = AcceptanceEstimate()  # prompt-lookup copies' (they behave differently)
         self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
-        self._head_rescue = AcceptanceEstimate(prior=RESCUE_PRIOR)  # a head tree's: the alternatives', where a head's best missed
+        # a tree's alternatives, per drafter: whether one held the target's token where the chain's draft missed
+        self._rescue = {HEADS: AcceptanceEstimate(prior=RESCUE_PRIOR), DRAFT: AcceptanceEstimate(prior=RESCUE_PRIOR)}
         self._head_drafts: list[list[int]] = []  # each head's candidates after the last committed token (from the last Verify)
         self._heads_declined = False  # the last Verify did not ask for proposals: no head round could pay
         self._asked_heads = False  # the last Verify asked for the heads' proposals (its cost is priced apart)
@@ -245,17 +247,16 @@ class Generation:
         started = time.perf_counter()
         speculating = self.spec.speculate and self._speculation_allowed()  # this round's shape feeds the speculation cap
         self._skip_features_while_paused()
-        parents: list[int] = []  # a tree's shape; [] for a chain
         copied = self._lookup_drafts()
-        headed, parents = ([], []) if copied else self._head_round_drafts()
+        headed, parents = ([], []) if copied else self._head_round_drafts()  # parents: a tree's shape; [] for a chain
         free = copied or headed
         if free:
             k, drafts, draft_probs = len(free), free, [] if self.spec.warp.greedy else [one_hot(t) for t in free]
         else:
-            k = self._draft_length()
+            k, widened = self._draft_shape()
             drafts, draft_probs = self._take_lookahead(k)
             if k > 0 and not drafts:
-                drafts, draft_probs, parents = self._propose(k)
+                drafts, draft_probs, parents = self._propose(k, widened)
         proposed = time.perf_counter()
         # 2. Verify, on another replica if this one fails; with overlap the draft meanwhile drafts
         #    the next round, assuming every draft of this one is accepted
@@ -271,8 +272,8 @@ class Generation:
         kept = common_prefix(chain_nodes, list(outcome.path)) if parents else outcome.accepted  # of the chain; a leaf may add one
         estimate = self._lookup_acceptance if copied else self._head_acceptance if headed else self._acceptance
         estimate.update(len(chain), kept)
-        if headed and parents and kept < len(chain) and parents.count(parents[chain_nodes[kept]]) > 1:
-            self._head_rescue.observe(kept, outcome.accepted > kept)  # the alternatives beside the first missed draft were tried
+        if parents and kept < len(chain) and parents.count(parents[chain_nodes[kept]]) > 1:  # alternatives beside the first miss
+            self._rescue[HEADS if headed else DRAFT].observe(kept, outcome.accepted > kept)
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
@@ -476,38 +477,51 @@ class Generation:
             self._asked_heads = not self._heads_declined
         return self._asked_heads
 
-    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False, branches: int = 1,
-                    widened: int = 0) -> tuple[int, float]:
-        """The best number of free drafts (no draft call) out of `length` by their acceptance per position
-        and the measured verify cost alone, and the tokens per second it promises. heads: the drafts are
-        the heads' proposals, so a round with drafts is priced by the Verifies that asked for them
-        (every head round's does, for the round after it) and one without by those that did not.
-        branches > 1: the first `widened` drafts have branches - 1 alternatives beside them as leaves,
-        which rescue a missed draft at the heads' measured rescue rate there and cost their positions
-        in the verify."""
-        costs = self.backends.costs
-        rescue = self._head_rescue.chain(widened) + [0.0] * (length - widened) if branches > 1 and widened else ()
-        return best_rate(estimate.chain(length), length,
-                         lambda k: costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened),
-                         rescue)
+    def _free_round(self, length: int, estimate: AcceptanceEstimate, heads: bool = False) -> tuple[int, float]:
+        """The best number of free drafts (no draft call) out of `length` in a chain, by their acceptance
+        per position and the measured verify cost alone, and the tokens per second it promises. heads:
+        the drafts are the heads' proposals, so a round with drafts is priced by the Verifies that asked
+        for them (every head round's does, for the round after it) and one without by those that did not."""
+        k, _, rate = self._best_shape(length, estimate, None, 1, lambda k, w: self._free_cost(k, 1, w, heads))
+        return k, rate
+
+    def _free_cost(self, k: int, branches: int, widened: int, heads: bool) -> float:
+        """Seconds a round of k free drafts takes, alternatives beside the first `widened` (_free_round)."""
+        return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened)
 
     def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
                     branches: int = 1) -> tuple[int, int, int]:
-        """How many of `length` drafts that cost no draft call to verify, and with alternatives beside
-        how many of the first (branches candidates each; alternatives are worth most early, where the
-        chain misses first and a rescue saves the most): the shape that maximizes expected tokens per
-        second (_free_round; held-out, the shipped heads' second candidate at position 1 alone moved
-        1.798 → 1.922 tokens a pass, beside all three 1.987: docs/benchmarks/heads_trees_offline.json).
-        (k, branches, widened); (0, 1, 0) when no length pays or `rival_rate` (tokens/s the draft
-        service promises) is higher, and a declined source's estimate then forgets toward its prior,
-        so a request tries it again later."""
-        shapes = [(self._free_round(length, estimate, heads, branches, widened), widened)
-                  for widened in range(length + 1 if branches > 1 else 1)]
-        (k, rate), widened = max(shapes, key=lambda shape: shape[0][1])  # ties: the fewest alternatives
+        """How many of `length` drafts that cost no draft call to verify, and (heads' candidates: branches
+        > 1) with alternatives beside how many of the first: the shape that maximizes expected tokens
+        per second (_best_shape). (k, branches, widened); (0, 1, 0) when no length pays or `rival_rate`
+        (tokens/s the draft service promises) is higher, and a declined source's estimate then forgets
+        toward its prior, so a request tries it again later."""
+        k, widened, rate = self._best_shape(length, estimate, self._rescue[HEADS], branches,
+                                            lambda k, w: self._free_cost(k, branches, w, heads))
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
             return 0, 1, 0
-        return k, branches if widened else 1, min(widened, k)
+        return k, branches if widened else 1, widened
+
+    def _best_shape(self, length: int, estimate: AcceptanceEstimate, rescue: Optional[AcceptanceEstimate], branches: int,
+                    round_cost_s: Callable[[int, int], float]) -> tuple[int, int, float]:
+        """The round that maximizes expected tokens per second among chains of k ≤ `length` drafts and,
+        with branches > 1, trees of that chain with branches − 1 alternatives beside its first w drafts
+        (tree.chain_with_leaves): (k, w, tokens/s), w = 0 for a chain. Alternatives are worth most early,
+        where the chain misses first (held-out, the shipped heads' second candidate at position 1 alone
+        moved 1.806 → 1.930 tokens a pass, beside all three 2.005: docs/benchmarks/heads_trees_offline.json);
+        they rescue a missed draft at the request's measured `rescue` rate there (expected_tokens) and
+        cost the verify their positions (round_cost_s(k, w), measured). Only a request running alone
+        drafts trees: a tree pass cannot join a batched pass (its mask is its own), so beside other
+        requests it would hold them up, a cost no measured verify time shows."""
+        widths = range(length + 1) if branches > 1 and rescue is not None and self._running() <= 1 else range(1)
+        best = (0, 0, -1.0)
+        for widened in widths:
+            rescued = rescue.chain(widened) + [0.0] * (length - widened) if widened else ()
+            k, rate = best_rate(estimate.chain(length), length, lambda k: round_cost_s(k, widened), rescued)
+            if rate > best[2] * (1 + 1e-9):  # ties: the fewest alternatives
+                best = (k, min(widened, k), rate)
+        return best
 
     def _reopen_draft_if_due(self) -> None:
         """(Re)open the draft session when it is closed (it failed, or opened under load) and its back-off is over."""
@@ -518,37 +532,47 @@ class Generation:
         """Expected tokens per second of a round the draft service would draft now (0 when none is open)."""
         if not (self.speculate and self._draft.open):
             return 0.0
-        cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))
-        return best_rate(self._acceptance.chain(cap), cap, lambda k: self.backends.costs.round_cost_s(k, self.branches))[1]
+        return self._draft_best()[2]
 
-    def _draft_length(self) -> int:
-        """k for this round: 0 without a live draft; never more drafts than tokens left (the last is the bonus)."""
+    def _draft_best(self) -> tuple[int, int, float]:
+        """The draft service's best round now (_best_shape): (k, widened, tokens/s)."""
+        cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))
+        costs = self.backends.costs
+        return self._best_shape(cap, self._acceptance, self._rescue[DRAFT], self.branches,
+                                lambda k, w: costs.round_cost_s(k, self.branches, widened=w))
+
+    def _draft_shape(self) -> tuple[int, int]:
+        """k for this round and how many of its drafts get alternatives beside them (a tree, with
+        draft_branches > 1; the fixed policy: all of them): (0, 0) without a live draft; never more drafts
+        than tokens left (the last is the bonus)."""
         if not self.speculate:
-            return 0
+            return 0, 0
         if not self._speculation_allowed():
-            return 0  # the server is busy enough that drafts would cost throughput
+            return 0, 0  # the server is busy enough that drafts would cost throughput
         self._reopen_draft_if_due()
         if not self._draft.open:
-            return 0  # no draft (down, or backing off)
+            return 0, 0  # no draft (down, or backing off)
         cap = max(0, min(self.spec.num_draft_tokens, self._tokens_left() - 1))
         if not self.spec.adaptive:
-            return cap
-        k = best_draft_length(self._acceptance.chain(cap), cap, lambda k: self.backends.costs.round_cost_s(k, self.branches))
+            return cap, cap
+        k, widened, _ = self._draft_best()
         self._rounds_since_draft = 0 if k else self._rounds_since_draft + 1
         if self._rounds_since_draft > PROBE_EVERY_ROUNDS:  # a one-token probe keeps the estimate current
             self._rounds_since_draft = 0
-            return min(1, cap)
-        return k
+            return min(1, cap), 0
+        return k, widened
 
-    def _propose(self, k: int) -> tuple[list[int], list[common_pb2.Distribution], list[int]]:
-        """Drafts, their q (sampling) and a tree's parents ([] for a chain); nothing when the draft fails."""
+    def _propose(self, k: int, widened: int = 0) -> tuple[list[int], list[common_pb2.Distribution], list[int]]:
+        """Drafts, their q (sampling) and a tree's parents ([] for a chain); nothing when the draft fails.
+        With widened > 0 the draft drafts a tree and the alternatives beside its first `widened` drafts
+        are kept (tree.widened_nodes)."""
         stub = self._draft.replica.stub
         request = draft_pb2.ProposeRequest(
             session_id=self._draft.session_id,
             commit=self._draft.sync.commit(self.sequence),
             num_draft_tokens=k,
             seed=int(self.rng.integers(2**63)),
-            branches=self.branches,
+            branches=self.branches if widened else 1,
         )
         if self._features is not None:
             request.target_features.CopyFrom(self._unsent_features(self._draft.features_sent))
@@ -560,7 +584,11 @@ class Generation:
         self._draft.sync.agreed = len(self.sequence)
         self._draft.features_sent = len(self.sequence) - 1
         self._account(request, proposal, draft=True)
-        return list(proposal.token_ids), list(proposal.draft_probs), list(proposal.parents)
+        tokens, probs, parents = list(proposal.token_ids), list(proposal.draft_probs), list(proposal.parents)
+        if parents:
+            kept = tree.widened_nodes(parents, widened)
+            tokens, probs, parents = [tokens[i] for i in kept], [probs[i] for i in kept] if probs else [], tree.reindexed(parents, kept)
+        return tokens, probs, parents
 
     def _unsent_features(self, start: int) -> common_pb2.TargetFeatures:
         """Target features from row `start` up to the committed sequence's last position but one."""

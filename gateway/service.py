@@ -99,7 +99,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         require(1 <= max_new <= MAX_NEW_TOKENS, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new}")
         k = request.num_draft_tokens or self.options.num_draft_tokens
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
-        branches = request.draft_branches or min(self.options.draft_branches, max(1, MAX_TREE_NODES // k))
+        adaptive = self._adaptive(request)
+        # the gateway's default shapes adaptive rounds only: a fixed-policy round (seeded sampling's) drafts
+        # every round alike, so a tree there would cost every round its extra positions, paying or not
+        default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive else 1
+        branches = request.draft_branches or default_branches
         require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
                 f"draft_branches must be in [1, {MAX_BRANCHES}] with num_draft_tokens × draft_branches ≤ {MAX_TREE_NODES}, "
                 f"got {request.draft_branches} with {k} drafts")
@@ -120,7 +124,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             stop=tuple(request.stop),
             speculate=not request.disable_speculation,
             num_draft_tokens=k,
-            adaptive=self._adaptive(request),
+            adaptive=adaptive,
             branches=branches,
         )
 

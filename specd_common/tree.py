@@ -79,6 +79,20 @@ def chain_with_leaves(steps: Sequence[Sequence[int]]) -> tuple[list[int], list[i
     return tokens, parents
 
 
+def widened_nodes(parents: Sequence[int], widened: int) -> list[int]:
+    """The nodes to keep, in order, so that only the first `widened` positions keep their
+    alternatives: the main chain and every node at depth ≤ widened (closed under ancestors: a
+    node's parent is on the chain or shallower)."""
+    chain, depth = set(main_chain(parents)), depths(parents)
+    return [node for node in range(len(parents)) if node in chain or depth[node] <= widened]
+
+
+def reindexed(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
+    """The parents of the subtree of nodes `kept` (ascending, closed under ancestors), in its own indices."""
+    index = {node: position for position, node in enumerate(kept)}
+    return [ROOT if parents[node] == ROOT else index[parents[node]] for node in kept]
+
+
 def greedy_path(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -> list[int]:
     """The nodes a greedy target keeps, from the root: while the current node has a child carrying the
     target's choice after it (argmax [1 + n]: row 0 after the last committed token, row 1 + i after node

@@ -501,7 +501,7 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
     assert generation._head_branches() == 2
     generation._head_drafts = [list(c) for c in proposals]
     assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
-    generation._head_rescue = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
+    generation._rescue["heads"] = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
     generation._head_drafts = [list(c) for c in proposals]
     assert generation._head_round_drafts() == ([7, 8, 9], [])
     learning = AcceptanceEstimate(prior=0.3)
@@ -515,6 +515,43 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
     one_candidate = head_policy_generation(flat, branches=2)
     one_candidate._head_drafts = [[7], [8], [9]]  # the verify sent one a head: nothing to branch with
     assert one_candidate._head_round_drafts() == ([7, 8, 9], [])
+
+
+def test_a_draft_tree_keeps_the_alternatives_that_pay():
+    """Unit: with draft_branches 3 and a draft service, a round asks the draft for a tree only where the
+    measured costs and the rescue estimate promise more tokens/s than a chain (the same choice as the
+    heads'), and verifies only the alternatives of the first w drafts; a chain round asks for none.
+    Beside other requests no tree is drafted (a tree pass cannot share a batched pass)."""
+    from specd.v1 import draft_pb2
+
+    flat, steep = StepCosts(), StepCosts()
+    for positions in range(1, 11):
+        flat.observe_verify(positions, 0.100 + 0.0005 * positions)
+        steep.observe_verify(positions, 0.100 + 0.020 * positions)
+    requests = []
+    tree_reply = draft_pb2.ProposeResponse(token_ids=[10, 20, 30, 11, 21, 31, 12, 22, 32], parents=[-1, -1, -1, 0, 0, 0, 3, 3, 3])
+
+    def with_draft(costs: StepCosts, running: int = 1):
+        generation = head_policy_generation(costs, draft_service=True, branches=3)
+        generation._draft.replica = SimpleNamespace(stub=SimpleNamespace(Propose=lambda request, timeout: requests.append(request) or tree_reply))
+        generation._running = lambda: running
+        return generation
+
+    generation = with_draft(flat)
+    k, widened = generation._draft_shape()
+    assert (k, widened) == (3, 3)  # nearly free positions: alternatives beside every draft
+    generation._rescue["draft"].observe(0, True)
+    for _ in range(20):
+        generation._rescue["draft"].observe(1, False)  # alternatives beside the second draft never hit
+    k, widened = generation._draft_shape()
+    assert (k, widened) == (3, 1)
+    drafts, _, parents = generation._propose(k, widened)
+    assert requests[-1].branches == 3
+    assert (drafts, parents) == ([10, 20, 30, 11, 12], [-1, -1, -1, 0, 3])
+    assert with_draft(steep)._draft_shape()[1] == 0  # dear positions: a chain
+    assert with_draft(flat, running=2)._draft_shape()[1] == 0  # beside another request: a chain
+    generation._propose(2, 0)
+    assert requests[-1].branches == 1
 
 
 def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():

@@ -78,8 +78,9 @@ class LinearCosts:
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
-    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None) -> float:
-        return 1.0 + 0.1 * k * branches
+    def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None,
+                     widened: Optional[int] = None) -> float:
+        return 1.0 + 0.1 * (k + min(k, k if widened is None else widened) * (branches - 1))
 
 
 def test_adaptive_draft_length_follows_acceptance(tiny):

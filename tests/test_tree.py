@@ -102,6 +102,28 @@ def test_the_drafters_chain_is_each_nodes_first_child():
     assert main_chain([]) == []
 
 
+def test_a_tree_keeps_the_alternatives_of_its_first_positions_only():
+    """chain_with_leaves builds the drafters' tree shape; widened_nodes + reindexed cut it to the
+    alternatives beside the first w drafts (what a round verifies when only those pay), and a greedy
+    path through the cut tree is the one through the whole tree where it stays inside."""
+    from specd_common.tree import chain_with_leaves, greedy_path, reindexed, widened_nodes
+
+    tokens, parents = chain_with_leaves([[10, 20, 30], [11, 21, 31], [12, 22, 32]])
+    assert tokens == [10, 20, 30, 11, 21, 31, 12, 22, 32] and parents == [ROOT, ROOT, ROOT, 0, 0, 0, 3, 3, 3]
+    assert chain_with_leaves([[10], [11]]) == ([10, 11], chain_parents(2))
+    kept = widened_nodes(parents, 1)
+    assert kept == [0, 1, 2, 3, 6] and reindexed(parents, kept) == [ROOT, ROOT, ROOT, 0, 3]
+    assert widened_nodes(parents, 0) == [0, 3, 6] and reindexed(parents, [0, 3, 6]) == chain_parents(3)
+    assert widened_nodes(parents, 3) == list(range(9))
+    validate_tree([tokens[i] for i in kept], reindexed(parents, kept))
+    argmax = [20, 0, 7, 0, 0, 0, 0, 0, 0, 0]  # the target takes node 1 (an alternative, a leaf), then 7
+    assert greedy_path(tokens, parents, argmax) == [1]
+    argmax = [10, 11, 0, 0, 22, 0, 0, 0, 0, 0]  # node 0, node 3, then node 7 (22 under node 3)
+    assert greedy_path(tokens, parents, argmax) == [0, 3, 7]
+    cut_tokens, cut_parents = [tokens[i] for i in kept], reindexed(parents, kept)
+    assert greedy_path(cut_tokens, cut_parents, [argmax[0]] + [argmax[1 + i] for i in kept]) == [0, 3]
+
+
 def test_greedy_tree_verify_emits_what_target_only_decoding_would():
     from gateway.rejection import greedy_tree_verify
 

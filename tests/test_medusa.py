@@ -665,3 +665,22 @@ def test_the_verify_reports_its_heads(medusa_cluster, tiny):
     assert set(batch_costs) == {"2", "4", "8"} and all(ms > 0 for by_n in batch_costs.values() for ms in by_n.values())
     product = json.loads(info.runtime_config)["heads_product"]  # the heads' product precision, measured at start-up per row count
     assert set(product) == {"1", "2", "4", "8"} and all(choice.split()[0] in ("float32", "bfloat16") for choice in product.values())
+
+
+def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
+    import grpc
+
+    from specd.v1 import verify_pb2, verify_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="many", prompt_token_ids=[5, 17]), timeout=10)
+        try:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Verify(verify_pb2.VerifyRequest(session_id="many", return_head_drafts=True, head_candidates=5), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "head_candidates" in caught.value.details()
+            reply = stub.Verify(verify_pb2.VerifyRequest(session_id="many", commit=common_pb2.Commit(prefix_length=2),
+                                                         return_head_drafts=True, head_candidates=4), timeout=10)
+            assert reply.head_drafts.candidates == 4 and len(reply.head_drafts.token_ids) == HEADS * 4
+        finally:
+            stub.Release(common_pb2.ReleaseRequest(session_id="many"), timeout=10)

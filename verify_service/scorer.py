@@ -162,7 +162,8 @@ class Scorer:
             return None
         return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
 
-    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int], parents: Sequence[int] = ()) -> Optional[HeadInputs]:
+    def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int],
+                    parents: Sequence[int] = ()) -> Optional[HeadInputs]:
         """What the Medusa heads read for the session's proposals (HeadInputs); None without heads or kept
         features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER, CLIENT, INTERNAL = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_INTERNAL
 STATUS_ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 ROUND_ATTRIBUTES = (
-    "specd.round.index", "specd.round.lookup", "specd.draft.length", "specd.accepted.length", "specd.round.bonus", "specd.round.corrected",
+    "specd.round.index", "specd.round.lookup", "specd.round.heads", "specd.round.tree", "specd.draft.length", "specd.accepted.length", "specd.round.bonus", "specd.round.corrected",
     "specd.acceptance_rate_so_far", "specd.time.draft_wait_ms", "specd.time.verify_wait_ms", "specd.time.accept_ms",
 )
 STARTUP_TIMEOUT_S = 180.0

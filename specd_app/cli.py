@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--branches", type=int, nargs="*", default=[],
-                       help="also run specd (adaptive k) drafting trees of these many candidates per position (greedy)")
+                       help="also run specd (adaptive k) with these many candidates per position for its trees (1: chains only)")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
     bench.add_argument("--drafter", default="auto", help=f"auto (as `specd up`), {HEADS_ONLY}, ngram, model or feature (local stack; "

@@ -31,7 +31,7 @@ from gateway.text import TextStream
 from gateway.adaptive import AcceptanceEstimate, best_rate
 from gateway.backends import Backends
 from gateway.pool import Pool, Replica
-from gateway.features import FeatureLog, head_drafts_at, tree_path_rows
+from gateway.features import FeatureLog, head_drafts_after_tree, head_drafts_at, tree_path_rows
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common import tree
@@ -292,7 +292,10 @@ class Generation:
         if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
             self.backends.observe_round(len(outcome.emitted(drafts)), len(drafts) + 1, time.perf_counter() - started,
                                         self._running(), speculating)
-        self._head_drafts = head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
+        if parents and not self.spec.warp.greedy:  # the verify sent every row: the sampled path picks its own
+            self._head_drafts = head_drafts_after_tree(scores.head_drafts, len(drafts), outcome.path)
+        else:
+            self._head_drafts = head_drafts_at(scores.head_drafts, len(self.sequence) - 2)
         if self._features is not None:
             self._features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self.stats.round_seconds += time.perf_counter() - started
@@ -433,9 +436,10 @@ class Generation:
         """A head round's drafts and, for a tree, their parents ([] for a chain): the Medusa heads'
         proposals after the last committed token (from the last Verify), cut like a lookup copy; none
         when there are none, speculation is paused, or the draft service's drafts promise more tokens
-        per second. With several candidates a head (a greedy request with draft_branches > 1), the
-        heads' best in a chain with the others beside each as leaves (tree.chain_with_leaves), where
-        that promises more than the chain alone (_free_shape). Under the fixed policy the heads draft
+        per second. With several candidates a head (draft_branches > 1), the heads' best in a chain
+        with the others beside its first drafts as leaves (tree.chain_with_leaves), where that
+        promises more than the chain alone (_free_shape); when sampling each candidate is judged as a
+        fixed token with its own one-hot q (gateway.rejection.multi_candidate_sample). Under the fixed policy the heads draft
         (num_draft_tokens at most, every candidate) only where no draft service does."""
         proposals, self._head_drafts = self._head_drafts, []
         if self._heads_declined:  # not asked for (_ask_head_drafts): declined like proposals that do not pay
@@ -449,14 +453,8 @@ class Generation:
             return ([], []) if self.speculate else head_round(proposals[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
         k, branches, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True,
-                                                branches=min(len(proposals[0]), self._head_branches()))
+                                                branches=min(len(proposals[0]), self.branches))
         return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals[:k])])
-
-    def _head_branches(self) -> int:
-        """Candidates a head this request may draft with: its draft_branches when greedy (a tree of
-        deterministic candidates has no use when sampling: the multi-candidate rule needs them drawn
-        from a distribution), else 1."""
-        return self.branches if self.spec.warp.greedy else 1
 
     def _ask_head_drafts(self) -> bool:
         """Whether this round's Verify should return the heads' proposals for the next round: only when a
@@ -639,7 +637,7 @@ class Generation:
                 draft_parents=parents,
                 return_features=self._features is not None,
                 return_head_drafts=self._ask_head_drafts(),
-                head_candidates=self._head_branches() if self._asked_heads and self._head_branches() > 1 else 0,
+                head_candidates=self.branches if self._asked_heads and self.branches > 1 else 0,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())

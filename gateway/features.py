@@ -61,7 +61,21 @@ def tree_path_rows(message: common_pb2.TargetFeatures, nodes: int, path: tuple[i
 def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> list[list[int]]:
     """The Medusa heads' proposals of the row at `position` (the tokens after that position's next
     token): one list of candidates per head, best first; [] when the message has no such row."""
-    row, per_head = position - message.start_position, max(message.candidates, 1)
+    return head_drafts_in_row(message, position - message.start_position)
+
+
+def head_drafts_after_tree(message: common_pb2.HeadDrafts, nodes: int, path: tuple[int, ...]) -> list[list[int]]:
+    """After a sampled tree pass, whose rows are the features' (the committed-but-unread rows, then
+    one per node in node order): the proposals of the kept path's last node, or of the root's row
+    when no node was kept."""
+    width = message.heads * max(message.candidates, 1)
+    rows = len(message.token_ids) // width if width > 0 else 0
+    return head_drafts_in_row(message, rows - nodes - 1 + (path[-1] + 1 if path else 0))
+
+
+def head_drafts_in_row(message: common_pb2.HeadDrafts, row: int) -> list[list[int]]:
+    """head_drafts_at by the row's index in the message."""
+    per_head = max(message.candidates, 1)
     width = message.heads * per_head
     if message.heads <= 0 or row < 0 or (row + 1) * width > len(message.token_ids):
         return []

@@ -10,7 +10,7 @@ from p_{k+1}. Greedy decoding is the limit: accept while x_i == argmax p_i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -81,33 +81,41 @@ def residual_of(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return residual / residual.sum() if residual.sum() > 0 else p
 
 
-def multi_candidate_sample(candidates: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[Optional[int], int]:
-    """Several candidates for one position, drawn from q WITHOUT replacement in this order; the
-    output follows p exactly (recursive rejection sampling: SpecInfer's multi-step rule, with the
-    proposal of each later draw being q without the earlier ones, Jeon et al. 2024).
+def multi_candidate_sample(candidates: Sequence[int], q: Union[np.ndarray, Sequence[Optional[np.ndarray]]], p: np.ndarray,
+                           rng: np.random.Generator) -> tuple[Optional[int], int]:
+    """Several candidates for one position; the output follows p exactly (recursive rejection
+    sampling: SpecInfer's multi-step rule, Jeon et al. 2024). q: the distribution the candidates were
+    drawn from WITHOUT replacement in this order, or one entry per candidate: the distribution it was
+    drawn from given the earlier ones, None for "the previous entry without the previous candidate"
+    (a later draw without replacement). Deterministic candidates (the Medusa heads' best tokens) are
+    each their own one-hot.
 
     Candidate i is one ordinary speculative-sampling step, accepted with min(1, r_i(x)/q_i(x)),
-    where r_1 = p, q_1 = q; a rejection moves on with r_{i+1} = norm(max(0, r_i - q_i)) and q_{i+1}
-    = q_i without x. Each step emits exactly r_i (any proposal works, so the shrinking q_i is
-    allowed), hence the whole emits p. Returns (index of the accepted candidate or None, token): None
-    means every candidate was rejected and the token came from the last residual."""
-    target, proposal = p, q
+    where r_1 = p; a rejection moves on with r_{i+1} = norm(max(0, r_i - q_i)). Each step emits
+    exactly r_i whatever q_i is, as long as x_i was drawn from q_i given what came before (a later
+    draw without replacement: q_i is q without the earlier ones; a fixed token: its one-hot), hence
+    the whole emits p. Returns (index of the accepted candidate or None, token): None means every
+    candidate was rejected and the token came from the last residual."""
+    proposals = [q] + [None] * (len(candidates) - 1) if isinstance(q, np.ndarray) else list(q)
+    target, proposal = p, None
     for index, token in enumerate(candidates):
+        proposal = proposals[index] if proposals[index] is not None else without(proposal, candidates[index - 1])
         if proposal[token] > 0 and rng.random() * proposal[token] < target[token]:  # u < r/q without dividing
             return index, int(token)
-        target, proposal = residual_of(target, proposal), without(proposal, token)
+        target = residual_of(target, proposal)
     return None, sample_from(target, rng)
 
 
 def tree_rejection_sample(
     node_tokens: Sequence[int],
     parents: Sequence[int],
-    draft_probs: Sequence[Optional[np.ndarray]],  # [n]: q each node was drawn from; None for a later sibling (its first sibling's q)
+    draft_probs: Sequence[Optional[np.ndarray]],  # [n]: q each node was drawn from; None for a later sibling drawn from its first sibling's q
     target_probs: np.ndarray,  # p: [1 + n, V], after the last committed token (row 0) and after each node
     rng: np.random.Generator,
 ) -> RoundOutcome:
     """A tree round when sampling: from the root, the children of the current node are candidates
-    drawn without replacement from one q (multi_candidate_sample against the p after that node); an
+    drawn without replacement from one q (a draft's tree) or fixed tokens each with its one-hot q (the
+    Medusa heads' tree), judged by multi_candidate_sample against the p after that node; an
     accepted child with children of its own goes on, one without is a leaf whose p gives the bonus
     token; when all are rejected the residual gives the correction. A chain is the tree of one child
     per node, where this is rejection_sample."""
@@ -117,7 +125,8 @@ def tree_rejection_sample(
         children = [node for node, parent in enumerate(parents) if parent == at]
         if not children:
             return RoundOutcome(len(path), sample_from(target_probs[row], rng), bonus=True, path=tuple(path))
-        index, token = multi_candidate_sample([node_tokens[c] for c in children], draft_probs[children[0]], target_probs[row], rng)
+        index, token = multi_candidate_sample([node_tokens[c] for c in children], [draft_probs[c] for c in children],
+                                              target_probs[row], rng)
         if index is None:
             return RoundOutcome(len(path), token, bonus=False, path=tuple(path))
         path.append(children[index])

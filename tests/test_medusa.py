@@ -143,7 +143,10 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
 def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
     """A greedy tree pass returns the heads' proposals of one row: the last node of the path the
     target's argmax walks, at the position that node takes once kept, equal to what a chain pass over
-    that path alone returns (candidates included); a sampling session gets none after a tree."""
+    that path alone returns (candidates included). A sampling session gets every row, the root's then
+    the nodes' in node order, and the gateway's pick (head_drafts_after_tree) of the same kept path is
+    that same row (the heads read the same inputs: the target's argmax as each row's next token)."""
+    from gateway.features import head_drafts_after_tree
     from specd_common.batching import BatchPolicy
     from specd_common.params import Warp
     from verify_service.scorer import Scorer
@@ -163,8 +166,11 @@ def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
         assert in_tree.head_drafts == in_chain.head_drafts
     missed = scorer.score(scorer.open(prompt, Warp()), wrong, [-1, 0], head_drafts=True)  # the root's row: no node kept
     assert missed.head_drafts == scorer.score(scorer.open(prompt, Warp()), [], head_drafts=True).head_drafts
-    sampled = scorer.score(scorer.open(prompt, Warp(temperature=1.0)), nodes, parents, head_drafts=True)
-    assert sampled.head_drafts is None
+    sampled = scorer.score(scorer.open(prompt, Warp(temperature=1.0)), nodes, parents, head_drafts=True, head_candidates=3)
+    assert sampled.head_drafts.start_position == len(prompt) - 1 and len(sampled.head_drafts.token_ids) == 5 * HEADS * 3
+    assert head_drafts_after_tree(sampled.head_drafts, len(nodes), (1, 3)) == head_drafts_at(in_tree.head_drafts, len(prompt) + 1)
+    root = scorer.score(scorer.open(prompt, Warp()), wrong, [-1, 0], head_drafts=True, head_candidates=3)  # no node kept
+    assert head_drafts_after_tree(sampled.head_drafts, len(nodes), ()) == head_drafts_at(root.head_drafts, len(prompt) - 1)
 
 
 def test_heads_candidates_are_their_best_in_order(tiny):
@@ -498,7 +504,6 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
         steep.observe_verify(positions, 0.100 + 0.020 * positions)
     proposals = [[7, 17], [8, 18], [9, 19]]
     generation = head_policy_generation(flat, branches=2)
-    assert generation._head_branches() == 2
     generation._head_drafts = [list(c) for c in proposals]
     assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
     generation._rescue["heads"] = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
@@ -651,6 +656,11 @@ def test_sampled_head_rounds_are_reproducible_with_a_seed(medusa_cluster):
     second = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11)
     assert list(first.token_ids) == list(second.token_ids)
     assert first.stats.head_rounds > 0
+    # trees of the heads' candidates when sampling (a seeded request asking for them: every head round),
+    # judged as fixed tokens with their own one-hot q (the rule's exactness: tests/test_tree_sampling.py)
+    trees = [generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11, draft_branches=2) for _ in range(2)]
+    assert list(trees[0].token_ids) == list(trees[1].token_ids)
+    assert trees[0].stats.tree_rounds == trees[0].stats.head_rounds > 1  # head rounds go on after sampled trees
 
 
 def test_the_verify_reports_its_heads(medusa_cluster, tiny):

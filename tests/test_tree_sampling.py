@@ -103,6 +103,38 @@ def test_a_rule_that_forgets_earlier_candidates_fails_the_test():
     assert chi_square_p_value(wrong, TOY_P) < SIGNIFICANCE
 
 
+def exact_output_fixed(p: np.ndarray, tokens: list[int], update_target: bool = True) -> np.ndarray:
+    """P(emitted token) when the candidates are fixed tokens (the Medusa heads' best), each judged
+    against its own one-hot q: accepted with r_i(x_i), else r_{i+1} = norm(max(0, r_i − onehot(x_i))).
+    update_target off is the wrong rule that keeps testing each candidate against p."""
+    out, reach, target = np.zeros_like(p), 1.0, p
+    for token in tokens:
+        out[token] += reach * target[token]
+        reach *= 1 - target[token]
+        if update_target:
+            target = residual(target, np.eye(len(p))[token])
+    return out + reach * target
+
+
+def test_fixed_candidates_each_with_their_own_one_hot_emit_p():
+    """Deterministic candidates (a sampled Medusa head tree: each head's best tokens, not draws): exact
+    by enumeration, the wrong rule is not, the chi-square test has power ≥ 0.99 against it at 6,000
+    samples, and samples of the served rule (tree_rejection_sample with one one-hot per node) pass."""
+    tokens = [2, 4, 0]  # q's favourites: p gives them 0.15, 0.10, 0.30
+    one_hots = [np.eye(len(TOY_P))[t] for t in tokens]
+    assert np.allclose(exact_output_fixed(TOY_P, tokens), TOY_P, atol=1e-12)
+    wrong = exact_output_fixed(TOY_P, tokens, update_target=False)
+    assert not np.allclose(wrong, TOY_P, atol=1e-3)
+    assert chi_square_power(wrong, TOY_P, SAMPLES) >= REQUIRED_POWER
+    rng = np.random.default_rng(17)
+    emitted = [tree_rejection_sample(tokens, [-1, -1, -1], one_hots, np.stack([TOY_P] * 4), rng).emitted(tokens)[0]
+               for _ in range(SAMPLES)]
+    assert chi_square_p_value(np.array(emitted), TOY_P) > SIGNIFICANCE
+    # one shared q for fixed candidates (as for draws without replacement) never accepts the second
+    assert multi_candidate_sample(tokens[:2], one_hots[0], np.eye(len(TOY_P))[4], np.random.default_rng(0)) == (None, 4)
+    assert multi_candidate_sample(tokens[:2], one_hots[:2], np.eye(len(TOY_P))[4], np.random.default_rng(0)) == (1, 4)
+
+
 def test_a_sampled_tree_round_follows_the_target_at_both_depths():
     """A two-level tree (2 candidates at each depth, the second level under the first candidate): the
     first emitted token follows p_root and, after the first candidate, the second follows p there."""

@@ -169,9 +169,11 @@ class Scorer:
         pending token and each draft): a row's own next token, which heads with the token input read;
         for rows before those (committed tokens read late) it is the committed token after it. A greedy
         session gets only the row the caller will read: the gateway keeps exactly the drafts that equal
-        the target's argmax, so its last committed token is the argmax after them; after a tree (greedy
-        sessions only: parents), the row of the last node of the path the target's argmax walks
-        (tree.greedy_path), whose position is the root's plus the path's length."""
+        the target's argmax, so its last committed token is the argmax after them; after a tree
+        (parents), the row of the last node of the path the target's argmax walks (tree.greedy_path),
+        whose position is the root's plus the path's length. A sampling session gets every row, after
+        a tree too (then in node order after the committed rows, like the features: the gateway
+        picks the row of the path it sampled)."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
@@ -229,11 +231,10 @@ class Scorer:
               features: bool = False, head_drafts: bool = False, head_candidates: int = 1) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
-        Medusa heads' proposals (head_candidates a head) there when asked for; after a tree only a
-        greedy session gets proposals (head_inputs). Concurrent sessions' chain calls share one
+        Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
+        rows). Concurrent sessions' chain calls share one
         batched pass when batching is on, and the batch's replies are made together (_finish); a
         tree runs alone (its mask is its own)."""
-        head_drafts = head_drafts and (not parents or session.warp.greedy)
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents)
         if parents:

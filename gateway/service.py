@@ -100,9 +100,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         k = request.num_draft_tokens or self.options.num_draft_tokens
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
         adaptive = self._adaptive(request)
-        # the gateway's default shapes adaptive rounds only: a fixed-policy round (seeded sampling's) drafts
-        # every round alike, so a tree there would cost every round its extra positions, paying or not
-        default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive else 1
+        # the gateway's default shapes greedy adaptive rounds only: a fixed-policy round drafts every round
+        # alike, so a tree there would cost every round its extra positions, paying or not; and sampled
+        # trees lost side by side on the 2-core EPYC (1.207x transformers against chains' 1.28x,
+        # docs/benchmarks/bench_sampled_s36.json: every row's distribution and proposals come back)
+        warp = Warp.from_proto(request.sampling)
+        default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches
         require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
                 f"draft_branches must be in [1, {MAX_BRANCHES}] with num_draft_tokens × draft_branches ≤ {MAX_TREE_NODES}, "
@@ -119,7 +122,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return GenerationSpec(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
-            warp=Warp.from_proto(request.sampling),
+            warp=warp,
             seed=request.seed if request.HasField("seed") else secrets.randbits(63),
             stop=tuple(request.stop),
             speculate=not request.disable_speculation,

@@ -629,6 +629,21 @@ def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
     assert wait_for_no_sessions(medusa_cluster) == {"verify": 0}
 
 
+def test_the_gateways_default_trees_shape_greedy_adaptive_rounds_only(medusa_cluster):
+    """--draft-branches (default 2) applies to greedy adaptive requests; a sampled or fixed-policy
+    request drafts chains unless it asks for trees itself (sampled trees lost side by side, and a
+    fixed-policy tree costs every round its extra positions)."""
+    from specd.v1 import generate_pb2
+
+    servicer = medusa_cluster.gateway.servicer
+    assert servicer.options.draft_branches == 2
+    spec = lambda **fields: servicer.to_spec(generate_pb2.GenerateRequest(text="hi", **fields))  # noqa: E731
+    sampling = common_pb2.SamplingParams(temperature=0.7)
+    assert spec().branches == 2
+    assert spec(sampling=sampling).branches == 1 and spec(draft_length_policy=FIXED).branches == 1
+    assert spec(sampling=sampling, draft_branches=3).branches == 3 and spec(draft_length_policy=FIXED, draft_branches=2).branches == 2
+
+
 def test_served_head_rounds_match_the_simulation_on_the_same_tokens(medusa_cluster):
     """Fixed k = 3, no draft service, no lookup: every round after the first drafts the heads' proposals
     of the row before the last committed token. With untrained heads those are the target's own next

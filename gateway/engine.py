@@ -585,7 +585,8 @@ class Generation:
         tokens, probs, parents = list(proposal.token_ids), list(proposal.draft_probs), list(proposal.parents)
         if parents:
             kept = tree.widened_nodes(parents, widened)
-            tokens, probs, parents = [tokens[i] for i in kept], [probs[i] for i in kept] if probs else [], tree.reindexed(parents, kept)
+            tokens, parents = [tokens[i] for i in kept], tree.reindexed(parents, kept)
+            probs = [probs[i] for i in kept] if probs else []
         return tokens, probs, parents
 
     def _unsent_features(self, start: int) -> common_pb2.TargetFeatures:

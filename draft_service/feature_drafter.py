@@ -148,17 +148,17 @@ class FeatureDrafter:
         sampling, an alternative's draft_probs entry is empty: its q is its first sibling's."""
         sequence, head = session.sequence, self.head
         kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
-        proposal, chain, steps = Proposal(token_ids=[]), [], []
+        proposal, steps = Proposal(token_ids=[]), []  # steps: [chain token, its alternatives...] a position
         for step in range(k):
             scores = head.logits(estimate)  # [V']
             token = self._choose(scores, session.warp, rng, proposal)
-            chain.append(token)
             steps.append([token] + (self._alternatives(scores, token, branches - 1, session.warp, rng, proposal) if branches > 1 else []))
             if step + 1 < k:
                 with model_forward(1):
                     estimate = head(torch.tensor([[token]]), estimate[None, None], torch.tensor([position]), session.cache)[0, -1]
                 position += 1
         session.cache.crop(kept)
+        chain = [candidates[0] for candidates in steps]
         sequence.tokens.extend(chain)  # pending: re-read with true features once accepted
         if branches > 1:
             proposal.token_ids, proposal.parents = tree.chain_with_leaves(steps)

@@ -430,7 +430,8 @@ class Generation:
         copy = prompt_lookup(self.sequence, cap, min_ngram=self.lookup_min_ngram) if cap > 0 else []
         if not copy or not self.spec.adaptive:
             return copy
-        return copy[: self._free_shape(len(copy), self._lookup_acceptance)[0]]
+        k, _ = self._free_shape(len(copy), self._lookup_acceptance)
+        return copy[:k]
 
     def _head_round_drafts(self) -> tuple[list[int], list[int]]:
         """A head round's drafts and, for a tree, their parents ([] for a chain): the Medusa heads'
@@ -452,8 +453,8 @@ class Generation:
         if not self.spec.adaptive:
             return ([], []) if self.speculate else head_round(proposals[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        k, branches, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True,
-                                                branches=min(len(proposals[0]), self.branches))
+        branches = min(len(proposals[0]), self.branches)
+        k, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True, branches=branches)
         return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals[:k])])
 
     def _ask_head_drafts(self) -> bool:
@@ -488,18 +489,18 @@ class Generation:
         return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened)
 
     def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
-                    branches: int = 1) -> tuple[int, int, int]:
+                    branches: int = 1) -> tuple[int, int]:
         """How many of `length` drafts that cost no draft call to verify, and (heads' candidates: branches
-        > 1) with alternatives beside how many of the first: the shape that maximizes expected tokens
-        per second (_best_shape). (k, branches, widened); (0, 1, 0) when no length pays or `rival_rate`
+        > 1) beside how many of the first their alternatives go: the shape that maximizes expected
+        tokens per second (_best_shape). (k, widened); (0, 0) when no length pays or `rival_rate`
         (tokens/s the draft service promises) is higher, and a declined source's estimate then forgets
         toward its prior, so a request tries it again later."""
-        k, widened, rate = self._best_shape(length, estimate, self._rescue[HEADS], branches,
+        k, widened, rate = self._best_shape(length, estimate, self._rescue[HEADS] if heads else None, branches,
                                             lambda k, w: self._free_cost(k, branches, w, heads))
         if not k or rate <= rival_rate:
             estimate.update(0, 0)
-            return 0, 1, 0
-        return k, branches if widened else 1, widened
+            return 0, 0
+        return k, widened
 
     def _best_shape(self, length: int, estimate: AcceptanceEstimate, rescue: Optional[AcceptanceEstimate], branches: int,
                     round_cost_s: Callable[[int, int], float]) -> tuple[int, int, float]:

@@ -60,6 +60,41 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
     return best_k, best
 
 
+def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
+                   round_cost_s: Callable[[int], float]) -> tuple[list[int], float, float]:
+    """A tree of the Medusa heads' candidates chosen by their confidence this round (EAGLE-2's dynamic
+    tree): confidences[d][r] is head d + 1's probability of its r-th candidate (best first). A node's
+    value is the chance it is the target's token: the product of the probabilities along its path
+    (the chain of each head's best; a later candidate of head d hangs off the chain's node d − 1,
+    since chained heads read the earlier heads' best), times the request's measured `scale`
+    (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
+    round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n) (the
+    measured verify of n + 1 positions). Held out, the shipped heads' path products are the
+    acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
+    and trees so chosen beat fixed shapes of equal size (6 nodes: 2.083 tokens a pass against
+    2.005 for the chain with its second candidates beside).
+
+    Returns (candidates per depth, all ≥ 1: the chain is as long as the list, each depth's first
+    count[d] candidates drafted, tree.chain_with_leaves; [] for no drafts), the sum of the chosen
+    nodes' unscaled values (the round's prediction, for HeadCalibration) and the tokens per second
+    expected."""
+    nodes, reach = [], 1.0  # (value, depth, rank)
+    for depth, probs in enumerate(confidences):
+        nodes += [(reach * p, depth, rank) for rank, p in enumerate(probs)]
+        reach *= probs[0] if probs else 0.0
+    nodes.sort(key=lambda node: (-node[0], node[1], node[2]))  # a parent before its children: never worth less
+    best_n, best_rate, expected = 0, 1.0 / max(round_cost_s(0), 1e-9), 1.0
+    for n, (value, _, _) in enumerate(nodes, start=1):
+        expected += min(value * scale, 0.999)
+        rate = expected / max(round_cost_s(n), 1e-9)
+        if rate > best_rate * (1 + 1e-9):
+            best_n, best_rate = n, rate
+    counts = [0] * len(confidences)
+    for _, depth, _ in nodes[:best_n]:
+        counts[depth] += 1
+    return counts[: counts.index(0)] if 0 in counts else counts, sum(value for value, *_ in nodes[:best_n]), best_rate
+
+
 # Speculating in a shared batch must promise this much more than the verify's start-up costs and the
 # rounds' measured shapes say it costs. On the 2-core AMD EPYC VM, end to end with every stream
 # speculating, 4 streams gained 1.085x where the model promised ~1.05x, and 8 streams lost (0.83x)
@@ -342,6 +377,26 @@ class AcceptanceEstimate:
         for i in range(len(self._examined)):
             self._examined[i] = self.decay * self._examined[i] + (i in examined)
             self._accepted[i] = self.decay * self._accepted[i] + (i in accepted)
+
+
+class HeadCalibration:
+    """How the Medusa heads' confidence predicts this request's acceptance: accepted drafts over the sum of
+    the drafted nodes' values (confident_tree), exponentially forgotten, shrunk toward 1 (calibrated).
+    Held out the greedy path products are close to the acceptance rates, but a request's own kind
+    of text, or sampling (a fixed candidate is kept with the target's probability of it, below its
+    argmax's), moves them: the scale follows the request."""
+
+    def __init__(self, prior_weight: float = 2.0, decay: float = 0.9):
+        self.prior_weight, self.decay = prior_weight, decay
+        self._accepted = self._predicted = 0.0
+
+    @property
+    def scale(self) -> float:
+        return (self._accepted + self.prior_weight) / (self._predicted + self.prior_weight)
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        self._accepted = self.decay * self._accepted + accepted
+        self._predicted = self.decay * self._predicted + predicted
 
 
 def describe_shapes(shapes: dict[tuple[int, bool], RoundShape]) -> str:

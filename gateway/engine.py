@@ -28,10 +28,10 @@ import numpy as np
 from gateway.observe import GenerationObserver
 from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
 from gateway.text import TextStream
-from gateway.adaptive import AcceptanceEstimate, best_rate
+from gateway.adaptive import AcceptanceEstimate, HeadCalibration, best_rate, confident_tree
 from gateway.backends import Backends
 from gateway.pool import Pool, Replica
-from gateway.features import FeatureLog, head_drafts_after_tree, head_drafts_at, tree_path_rows
+from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, head_drafts_at, tree_path_rows
 from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common import tree
@@ -213,7 +213,10 @@ class Generation:
         self._head_acceptance = AcceptanceEstimate()  # the Medusa heads'
         # a tree's alternatives, per drafter: whether one held the target's token where the chain's draft missed
         self._rescue = {HEADS: AcceptanceEstimate(prior=RESCUE_PRIOR), DRAFT: AcceptanceEstimate(prior=RESCUE_PRIOR)}
-        self._head_drafts: list[list[int]] = []  # each head's candidates after the last committed token (from the last Verify)
+        self._head_drafts = HeadProposals()  # each head's candidates after the last committed token (from the last Verify)
+        self._head_calibration = HeadCalibration()  # how the heads' confidence predicts this request's acceptance
+        self._head_predicted: Optional[float] = None  # this round's heads' tree: the sum of its nodes' values
+        self._rounds_since_head_round = 0  # rounds the heads' confidence declined in a row (a probe follows PROBE_EVERY_ROUNDS)
         self._heads_declined = False  # the last Verify did not ask for proposals: no head round could pay
         self._asked_heads = False  # the last Verify asked for the heads' proposals (its cost is priced apart)
         self._rounds_since_draft = 0
@@ -274,6 +277,9 @@ class Generation:
         estimate.update(len(chain), kept)
         if parents and kept < len(chain) and parents.count(parents[chain_nodes[kept]]) > 1:  # alternatives beside the first miss
             self._rescue[HEADS if headed else DRAFT].observe(kept, outcome.accepted > kept)
+        if headed and self._head_predicted is not None:
+            self._head_calibration.observe(self._head_predicted, outcome.accepted)
+        self._head_predicted = None
         # 4. Commit (both services learn it on their next request) and emit. After a tree the verify's
         #    sequence ends at the committed tokens: the commit appends the kept path (it keeps those nodes)
         if not parents:
@@ -442,20 +448,44 @@ class Generation:
         promises more than the chain alone (_free_shape); when sampling each candidate is judged as a
         fixed token with its own one-hot q (gateway.rejection.multi_candidate_sample). Under the fixed policy the heads draft
         (num_draft_tokens at most, every candidate) only where no draft service does."""
-        proposals, self._head_drafts = self._head_drafts, []
+        proposals, self._head_drafts = self._head_drafts, HeadProposals()
         if self._heads_declined:  # not asked for (_ask_head_drafts): declined like proposals that do not pay
             self._heads_declined = False
             self._head_acceptance.update(0, 0)
             return [], []
         if not proposals or not self._speculation_allowed():
             return [], []
-        cap = max(0, min(len(proposals), self._tokens_left() - 1))
+        cap = max(0, min(len(proposals.tokens), self._tokens_left() - 1))
         if not self.spec.adaptive:
-            return ([], []) if self.speculate else head_round(proposals[: min(cap, self.spec.num_draft_tokens)])
+            return ([], []) if self.speculate else head_round(proposals.tokens[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        branches = min(len(proposals[0]), self.branches)
+        branches = min(len(proposals.tokens[0]), self.branches)
+        if proposals.confidences:
+            return self._confident_head_round(proposals, cap, branches if self._running() <= 1 else 1)
         k, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True, branches=branches)
-        return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals[:k])])
+        return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals.tokens[:k])])
+
+    def _confident_head_round(self, proposals: HeadProposals, cap: int, branches: int) -> tuple[list[int], list[int]]:
+        """A head round shaped by the heads' confidence this round (adaptive.confident_tree): of the
+        first `cap` heads' first `branches` candidates, the most valuable nodes, as many as pay for
+        their verified positions (a chain when branches is 1: a request beside others, _best_shape);
+        none when none pays or the draft service promises more."""
+        confidences = [probs[:branches] for probs in proposals.confidences[:cap]]
+        counts, predicted, rate = confident_tree(confidences, self._head_calibration.scale,
+                                                 lambda n: self._free_cost(n, 1, 0, heads=True))
+        rival_rate = self._draft_rate()
+        if counts and rate > rival_rate:
+            self._rounds_since_head_round = 0
+        elif not rival_rate and confidences and self._rounds_since_head_round >= PROBE_EVERY_ROUNDS:
+            # a one-token probe: heads less confident than they are right would never draft, and the
+            # calibration learns only from rounds that do
+            counts, predicted, self._rounds_since_head_round = [1], confidences[0][0], 0
+        else:
+            self._rounds_since_head_round += 1
+            self._head_acceptance.update(0, 0)  # declined: forgets toward its prior (_free_shape)
+            return [], []
+        self._head_predicted = predicted
+        return head_round([candidates[:count] for candidates, count in zip(proposals.tokens, counts)])
 
     def _ask_head_drafts(self) -> bool:
         """Whether this round's Verify should return the heads' proposals for the next round: only when a

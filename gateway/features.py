@@ -10,6 +10,8 @@ replica that failed be re-primed from position 0. Rows stay opaque float16 bytes
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from specd.v1 import common_pb2
 
 
@@ -58,13 +60,25 @@ def tree_path_rows(message: common_pb2.TargetFeatures, nodes: int, path: tuple[i
     return common_pb2.TargetFeatures(start_position=message.start_position, hidden_size=message.hidden_size, data=data)
 
 
-def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> list[list[int]]:
+@dataclass
+class HeadProposals:
+    """The Medusa heads' proposals after one position: each head's candidates, best first, and their
+    confidences in the same layout ([] from a verify that sends none: HeadDrafts.confidences)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    confidences: list[list[float]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+
+def head_drafts_at(message: common_pb2.HeadDrafts, position: int) -> HeadProposals:
     """The Medusa heads' proposals of the row at `position` (the tokens after that position's next
-    token): one list of candidates per head, best first; [] when the message has no such row."""
+    token); empty when the message has no such row."""
     return head_drafts_in_row(message, position - message.start_position)
 
 
-def head_drafts_after_tree(message: common_pb2.HeadDrafts, nodes: int, path: tuple[int, ...]) -> list[list[int]]:
+def head_drafts_after_tree(message: common_pb2.HeadDrafts, nodes: int, path: tuple[int, ...]) -> HeadProposals:
     """After a sampled tree pass, whose rows are the features' (the committed-but-unread rows, then
     one per node in node order): the proposals of the kept path's last node, or of the root's row
     when no node was kept."""
@@ -73,11 +87,16 @@ def head_drafts_after_tree(message: common_pb2.HeadDrafts, nodes: int, path: tup
     return head_drafts_in_row(message, rows - nodes - 1 + (path[-1] + 1 if path else 0))
 
 
-def head_drafts_in_row(message: common_pb2.HeadDrafts, row: int) -> list[list[int]]:
+def head_drafts_in_row(message: common_pb2.HeadDrafts, row: int) -> HeadProposals:
     """head_drafts_at by the row's index in the message."""
     per_head = max(message.candidates, 1)
     width = message.heads * per_head
     if message.heads <= 0 or row < 0 or (row + 1) * width > len(message.token_ids):
-        return []
-    mine = message.token_ids[row * width : (row + 1) * width]
-    return [list(mine[head * per_head : (head + 1) * per_head]) for head in range(message.heads)]
+        return HeadProposals()
+    mine = slice(row * width, (row + 1) * width)
+
+    def by_head(values) -> list[list]:
+        return [list(values[mine][head * per_head : (head + 1) * per_head]) for head in range(message.heads)]
+
+    has_confidences = len(message.confidences) == len(message.token_ids)
+    return HeadProposals(by_head(message.token_ids), by_head(message.confidences) if has_confidences else [])

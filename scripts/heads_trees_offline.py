@@ -34,6 +34,8 @@ TREES = {
     "chain3+leaves2": [(-1, 0, 0), (-1, 0, 1), (0, 1, 0), (0, 1, 1), (2, 2, 0), (2, 2, 1)],
     "chain3+leaves3": [(-1, 0, 0), (-1, 0, 1), (-1, 0, 2), (0, 1, 0), (0, 1, 1), (0, 1, 2), (3, 2, 0), (3, 2, 1), (3, 2, 2)],
 }
+CONFIDENT_NODES = (3, 4, 5, 6, 9)  # per-row trees of that many nodes chosen by the heads' confidence
+CONFIDENT_THRESHOLDS = (0.02, 0.05, 0.1, 0.2)  # ... of up to 9 nodes, those worth at least that
 
 
 def accepted_depth(tree: list, candidates: list, row: int, continuation: list[int]) -> int:
@@ -49,14 +51,63 @@ def accepted_depth(tree: list, candidates: list, row: int, continuation: list[in
     return depth
 
 
-def passes_for(tree: list, candidates: list, tokens: list[int], start: int) -> int:
-    """Target passes to produce tokens[start:] greedily: the prompt's pass, then one per round."""
-    length, passes = start + 1, 1
+def node_values(confidences: list, row: int) -> list:
+    """[(value, depth, rank)] for every candidate at that row: the product of the heads'
+    probabilities along its path (chain nodes: the earlier heads' best; an alternative hangs off the
+    chain node before it), the chance it is accepted if the heads were calibrated.
+    confidences[d][row][r]: head d's probability of its r-th candidate."""
+    pool, reach = [], 1.0
+    for depth, probs in enumerate(confidences):
+        pool += [(reach * p, depth, rank) for rank, p in enumerate(probs[row])]
+        reach *= probs[row][0]
+    return pool
+
+
+def confident_tree(confidences: list, row: int, nodes: int, threshold: float = 0.0) -> list:
+    """At most `nodes` nodes of the most value (node_values) at that row, those of value ≥ threshold
+    past the first (EAGLE-2's dynamic tree); parents come first since a child's value is below its
+    parent's."""
+    ranked = sorted(node_values(confidences, row), reverse=True)[:nodes]
+    chosen = sorted(ranked[:1] + [node for node in ranked[1:] if node[0] >= threshold], key=lambda node: (node[1], node[2]))
+    chain = {}  # depth → index of the chain node there
+    tree = []
+    for _, depth, rank in chosen:
+        if depth > 0 and depth - 1 not in chain:
+            continue  # its parent was not chosen (equal values)
+        tree.append((chain.get(depth - 1, -1), depth, rank))
+        if rank == 0:
+            chain[depth] = len(tree) - 1
+    return tree
+
+
+def passes_for(tree, candidates: list, tokens: list[int], start: int) -> tuple[int, int]:
+    """(target passes to produce tokens[start:] greedily: the prompt's pass, then one per round;
+    nodes verified in all); tree: a fixed tree, or row → that row's tree."""
+    length, passes, nodes = start + 1, 1, 0
     while length < len(tokens):
         room = len(tokens) - length - 1  # the last token always comes from the target
-        length += 1 + accepted_depth(tree, candidates, length - 2, tokens[length : length + room])
-        passes += 1
-    return passes
+        row = length - 2
+        shape = tree(row) if callable(tree) else tree
+        length += 1 + accepted_depth(shape, candidates, row, tokens[length : length + room])
+        passes, nodes = passes + 1, nodes + len(shape)
+    return passes, nodes
+
+
+CALIBRATION_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
+
+
+def calibration_counts(confidences: list, candidates: list, tokens: list[int], start: int, counts: list) -> None:
+    """Adds each answer row's nodes to counts[bin] = [nodes, Σ value, nodes on the target's path],
+    binned by value (CALIBRATION_EDGES): are the heads' path probabilities the acceptance rates?"""
+    for row in range(start - 1, len(tokens) - 2):
+        truth = tokens[row + 2 :]
+        for value, depth, rank in node_values(confidences, row):
+            path = [candidates[d][row][0] for d in range(depth)] + [candidates[depth][row][rank]]
+            hit = len(truth) > depth and path == truth[: depth + 1]
+            b = next(i for i, edge in enumerate(CALIBRATION_EDGES[1:]) if value < edge)
+            counts[b][0] += 1
+            counts[b][1] += value
+            counts[b][2] += hit
 
 
 def main() -> None:
@@ -70,22 +121,37 @@ def main() -> None:
     target, records = load_held_out(args)
     heads = load_heads(Path(args.heads), target.model, vocab_digest(target.tokenizer))
     ranks = 1 + max(r for tree in TREES.values() for *_, r in tree)
-    passes = dict.fromkeys(TREES, 0)
+    shapes = {**TREES, **{f"confident{n}": (n, 0.0) for n in CONFIDENT_NODES},
+              **{f"confident9>={t}": (9, t) for t in CONFIDENT_THRESHOLDS}}
+    passes, nodes = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0)
+    counts = [[0, 0.0, 0] for _ in CALIBRATION_EDGES[1:]]
     with torch.inference_mode():
         for record in records:
             tokens = record["tokens"].long().tolist()
             next_tokens = torch.tensor(tokens[1:] + tokens[-1:])  # [T]: each row's own next token
-            proposed = heads.propose(record["features"].float(), next_tokens, record.get("layer_features"), ranks)  # [T, K, ranks]
-            candidates = proposed.view(len(tokens), -1, ranks).transpose(0, 1).tolist()  # [K][T][ranks]
-            for name, tree in TREES.items():
-                passes[name] += passes_for(tree, candidates, tokens, record["start"])
+            proposed, probs = heads.ranked(record["features"].float(), next_tokens, record.get("layer_features"), ranks)  # [T, K, ranks]
+            candidates = proposed.transpose(0, 1).tolist()  # [K][T][ranks]
+            confidences = probs.transpose(0, 1).tolist()
+            for name, tree in shapes.items():
+                if name not in TREES:
+                    tree = lambda row, shape=tree: confident_tree(confidences, row, *shape)
+                record_passes, record_nodes = passes_for(tree, candidates, tokens, record["start"])
+                passes[name], nodes[name] = passes[name] + record_passes, nodes[name] + record_nodes
+            calibration_counts(confidences, candidates, tokens, record["start"], counts)
     produced = sum(len(r["tokens"]) - r["start"] for r in records)
-    results = {name: {"nodes": len(tree), "passes": passes[name], "tokens_per_pass": round(produced / passes[name], 4)}
-               for name, tree in TREES.items()}
+    rounds = {name: passes[name] - len(records) for name in shapes}  # the prompts' passes draft nothing
+    results = {name: {"nodes_per_round": round(nodes[name] / rounds[name], 3), "passes": passes[name],
+                      "tokens_per_pass": round(produced / passes[name], 4)} for name in shapes}
+    calibration = [{"value_from": low, "value_to": min(high, 1.0), "nodes": n, "mean_value": round(total / n, 4),
+                    "accepted": round(hits / n, 4)} for (low, high), (n, total, hits)
+                   in zip(zip(CALIBRATION_EDGES, CALIBRATION_EDGES[1:]), counts) if n]
     for name, result in results.items():
         print(name, json.dumps(result), flush=True)
+    for row in calibration:
+        print("calibration", json.dumps(row), flush=True)
     report = {**report_header(), "heads": args.heads, "held_out_answers": len(records), "answer_tokens": produced,
-              "trees": {name: [list(node) for node in tree] for name, tree in TREES.items()}, "results": results}
+              "trees": {name: [list(node) for node in tree] for name, tree in TREES.items()}, "results": results,
+              "calibration": calibration}
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
 

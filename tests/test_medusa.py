@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 
 from draft_training.medusa_training import answer_rows, medusa_rows, simulate_chain
 from gateway.adaptive import StepCosts
-from gateway.features import head_drafts_at
+from gateway.features import HeadProposals, head_drafts_at
 from specd.v1 import common_pb2
 from tests.conftest import start_cluster
 from tests.test_services import FIXED, generate, hf_greedy, wait_for_no_sessions
@@ -88,13 +89,13 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "", MedusaRecipe(num_heads=2, next_token_input=True))
     scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads.eval())
     seen = []
-    real = MedusaHeads.propose
+    real = MedusaHeads.ranked
 
     def recording(self, features, next_tokens=None, layer_features=None, candidates=1):
         seen.append(next_tokens.tolist())
         return real(self, features, next_tokens, layer_features, candidates)
 
-    monkeypatch.setattr(MedusaHeads, "propose", recording)
+    monkeypatch.setattr(MedusaHeads, "ranked", recording)
     def argmax_after(drafts: list[int]) -> list[int]:
         return scorer.score(scorer.open([5, 17, 42], Warp()), drafts).argmax_token_ids
 
@@ -124,8 +125,8 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     heads, loaded = random_token_heads(tiny, chained=True)
     scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
     calls = []
-    real = MedusaHeads.propose
-    monkeypatch.setattr(MedusaHeads, "propose", lambda self, features, tokens=None, layers=None, candidates=1:
+    real = MedusaHeads.ranked
+    monkeypatch.setattr(MedusaHeads, "ranked", lambda self, features, tokens=None, layers=None, candidates=1:
                         calls.append(features.shape[0]) or real(self, features, tokens, layers, candidates))
     greedy, sampled, plain = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(temperature=0.8), Warp()))
     parts = [Part(greedy, [9, 3], head_drafts=True), Part(sampled, [9], head_drafts=True), Part(plain, [4])]
@@ -135,7 +136,9 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     together = scorer._replies(parts, logits)
     assert calls == [1 + 2]  # one propose: the greedy session's row and the sampling session's two
     alone = [scorer._replies([part], [rows])[0] for part, rows in zip(parts, logits)]
-    assert together == alone
+    for batched, single in zip(together, alone):
+        assert batched.argmax_token_ids == single.argmax_token_ids and batched.target_probs == single.target_probs
+        assert batched.head_drafts is single.head_drafts is None or same_proposals(batched.head_drafts, single.head_drafts)
     assert len(together[0].head_drafts.token_ids) == HEADS and len(together[1].head_drafts.token_ids) == 2 * HEADS
     assert together[2].head_drafts is None and together[2].argmax_token_ids
 
@@ -163,14 +166,14 @@ def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
         in_chain = scorer.score(scorer.open(prompt, Warp()), [first, second], head_drafts=True, head_candidates=candidates)
         assert in_tree.head_drafts.start_position == in_chain.head_drafts.start_position == len(prompt) + 1
         assert len(in_tree.head_drafts.token_ids) == HEADS * candidates and in_tree.head_drafts.candidates == candidates
-        assert in_tree.head_drafts == in_chain.head_drafts
+        assert same_proposals(in_tree.head_drafts, in_chain.head_drafts)
     missed = scorer.score(scorer.open(prompt, Warp()), wrong, [-1, 0], head_drafts=True)  # the root's row: no node kept
-    assert missed.head_drafts == scorer.score(scorer.open(prompt, Warp()), [], head_drafts=True).head_drafts
+    assert same_proposals(missed.head_drafts, scorer.score(scorer.open(prompt, Warp()), [], head_drafts=True).head_drafts)
     sampled = scorer.score(scorer.open(prompt, Warp(temperature=1.0)), nodes, parents, head_drafts=True, head_candidates=3)
     assert sampled.head_drafts.start_position == len(prompt) - 1 and len(sampled.head_drafts.token_ids) == 5 * HEADS * 3
-    assert head_drafts_after_tree(sampled.head_drafts, len(nodes), (1, 3)) == head_drafts_at(in_tree.head_drafts, len(prompt) + 1)
+    assert same_row(head_drafts_after_tree(sampled.head_drafts, len(nodes), (1, 3)), head_drafts_at(in_tree.head_drafts, len(prompt) + 1))
     root = scorer.score(scorer.open(prompt, Warp()), wrong, [-1, 0], head_drafts=True, head_candidates=3)  # no node kept
-    assert head_drafts_after_tree(sampled.head_drafts, len(nodes), ()) == head_drafts_at(root.head_drafts, len(prompt) - 1)
+    assert same_row(head_drafts_after_tree(sampled.head_drafts, len(nodes), ()), head_drafts_at(root.head_drafts, len(prompt) - 1))
 
 
 def test_heads_candidates_are_their_best_in_order(tiny):
@@ -208,7 +211,7 @@ def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("heads broke")
 
-    monkeypatch.setattr(MedusaHeads, "propose", broken)
+    monkeypatch.setattr(MedusaHeads, "ranked", broken)
     replies = scorer._replies(parts, logits)
     assert isinstance(replies[0], RuntimeError) and replies[1].argmax_token_ids and replies[2].target_probs
     monkeypatch.undo()
@@ -251,13 +254,32 @@ def test_served_fusing_heads_read_the_layers_of_their_own_rows(tiny):
 
 def test_head_drafts_at_picks_the_row_of_a_position():
     message = common_pb2.HeadDrafts(start_position=10, heads=2, token_ids=[1, 2, 3, 4, 5, 6])  # rows 10, 11, 12
-    assert head_drafts_at(message, 11) == [[3], [4]]
-    assert head_drafts_at(message, 12) == [[5], [6]]
-    assert head_drafts_at(message, 9) == [] and head_drafts_at(message, 13) == []
-    assert head_drafts_at(common_pb2.HeadDrafts(), 0) == []
+    assert head_drafts_at(message, 11).tokens == [[3], [4]]
+    assert head_drafts_at(message, 12).tokens == [[5], [6]]
+    assert head_drafts_at(message, 9).tokens == [] and head_drafts_at(message, 13).tokens == []
+    assert head_drafts_at(common_pb2.HeadDrafts(), 0).tokens == []
     with_candidates = common_pb2.HeadDrafts(start_position=10, heads=2, candidates=3, token_ids=list(range(12)))  # rows 10, 11
-    assert head_drafts_at(with_candidates, 11) == [[6, 7, 8], [9, 10, 11]]
-    assert head_drafts_at(with_candidates, 12) == []
+    assert head_drafts_at(with_candidates, 11).tokens == [[6, 7, 8], [9, 10, 11]]
+    assert head_drafts_at(with_candidates, 12).tokens == []
+    assert head_drafts_at(with_candidates, 11).confidences == []  # a verify that sends none
+    confident = common_pb2.HeadDrafts(start_position=10, heads=2, candidates=2, token_ids=list(range(8)),
+                                      confidences=[0.5, 0.25, 0.125, 0.0625, 0.75, 0.5, 0.25, 0.125])  # rows 10, 11
+    assert head_drafts_at(confident, 11) == HeadProposals([[4, 5], [6, 7]], [[0.75, 0.5], [0.25, 0.125]])
+
+
+def same_row(first: HeadProposals, second: HeadProposals) -> bool:
+    """same_proposals for one row each."""
+    return first.tokens == second.tokens and len(first.confidences) == len(second.confidences) > 0 and \
+        torch.allclose(torch.tensor(first.confidences), torch.tensor(second.confidences), rtol=1e-5, atol=1e-8)
+
+
+def same_proposals(first: common_pb2.HeadDrafts, second: common_pb2.HeadDrafts) -> bool:
+    """The same tokens, and confidences equal up to float rounding (a batched or tree pass sums in
+    another order)."""
+    return (first.start_position, first.heads, first.candidates, list(first.token_ids)) == \
+        (second.start_position, second.heads, second.candidates, list(second.token_ids)) and \
+        len(first.confidences) == len(second.confidences) == len(first.token_ids) and \
+        all(abs(a - b) <= 1e-5 * max(abs(a), 1e-3) for a, b in zip(first.confidences, second.confidences))
 
 
 def test_training_pairs_row_t_with_the_targets_row_t_plus_k():
@@ -453,14 +475,14 @@ def test_heads_give_way_to_a_draft_that_promises_more():
     costs.observe_draft(3, 0.010)
     generation = head_policy_generation(costs, draft_service=True, max_new_tokens=20)
     generation._draft_retry_at = float("inf")  # the draft is backing off
-    generation._head_drafts = [[7], [8], [9]]
+    generation._head_drafts = HeadProposals([[7], [8], [9]])
     assert generation._head_round_drafts() == ([7, 8, 9], [])  # no draft open: the prior (0.5) pays for 3
     generation._draft.replica = SimpleNamespace()  # a draft session is open ...
     for _ in range(10):
         generation._acceptance.update(3, 3)  # ... and its drafts are always accepted
-    generation._head_drafts = [[7], [8], [9]]
+    generation._head_drafts = HeadProposals([[7], [8], [9]])
     assert generation._head_round_drafts() == ([], [])
-    assert generation._head_drafts == []  # proposals are used once
+    assert not generation._head_drafts  # proposals are used once
 
 
 def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
@@ -482,7 +504,7 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
         rounds += 1
         assert rounds < 100, "a request that stopped asking must ask again once its estimate forgets"
     assert rounds > 3  # ... but not at once
-    generation._head_drafts = [[7], [8], [9]]
+    generation._head_drafts = HeadProposals([[7], [8], [9]])
     assert generation._head_round_drafts()[0][:1] == [7]  # it asked: the proposals are judged by the estimate as before
 
     assert head_policy_generation(costs, adaptive=False)._ask_head_drafts()  # no draft service: the heads draft
@@ -504,10 +526,10 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
         steep.observe_verify(positions, 0.100 + 0.020 * positions)
     proposals = [[7, 17], [8, 18], [9, 19]]
     generation = head_policy_generation(flat, branches=2)
-    generation._head_drafts = [list(c) for c in proposals]
+    generation._head_drafts = HeadProposals([list(c) for c in proposals])
     assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
     generation._rescue["heads"] = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
-    generation._head_drafts = [list(c) for c in proposals]
+    generation._head_drafts = HeadProposals([list(c) for c in proposals])
     assert generation._head_round_drafts() == ([7, 8, 9], [])
     learning = AcceptanceEstimate(prior=0.3)
     for _ in range(30):
@@ -515,11 +537,68 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
     learning.observe(1, True)
     assert learning.chain(2)[0] < 0.06 and learning.chain(2)[1] > 0.3
     on_a_cpu = head_policy_generation(steep, branches=2)
-    on_a_cpu._head_drafts = [list(c) for c in proposals]
+    on_a_cpu._head_drafts = HeadProposals([list(c) for c in proposals])
     assert on_a_cpu._head_round_drafts()[1] == []  # a chain
     one_candidate = head_policy_generation(flat, branches=2)
-    one_candidate._head_drafts = [[7], [8], [9]]  # the verify sent one a head: nothing to branch with
+    one_candidate._head_drafts = HeadProposals([[7], [8], [9]])  # the verify sent one a head: nothing to branch with
     assert one_candidate._head_round_drafts() == ([7, 8, 9], [])
+
+
+CONFIDENCES = [[0.9, 0.05], [0.5, 0.3], [0.4, 0.2]]  # each head's two candidates; path values 0.9, 0.05 | 0.45, 0.27 | 0.18, 0.09
+
+
+def per_position(cost: float) -> Callable[[int], float]:
+    """A verify of n drafts (n + 1 positions) costing 1 + cost · n."""
+    return lambda n: 1.0 + cost * n
+
+
+def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
+    """Unit, by hand: values are path products (0.9 | 0.45, 0.27 | 0.18, ...: a second candidate of head 2
+    hangs off head 1's best); n nodes promise 1 + the n largest values over the cost of n drafts. At
+    +0.1 a position: n = 2 gives 2.35/1.2 = 1.958, n = 3 (head 2's second candidate) 2.62/1.3 = 2.015,
+    n = 4 2.80/1.4 = 2.0, so the tree is head 1's best with both of head 2's beside, not the chain of
+    3; at +0.2 the chain of 2 (2.35/1.4); free positions take every node; a halved scale (heads
+    twice as confident as they are right) the chain of 2; nothing of value: no drafts."""
+    from gateway.adaptive import confident_tree
+
+    counts, predicted, rate = confident_tree(CONFIDENCES, 1.0, per_position(0.1))
+    assert counts == [1, 2] and predicted == pytest.approx(1.62) and rate == pytest.approx(2.62 / 1.3)
+    assert confident_tree(CONFIDENCES, 1.0, per_position(0.2))[0] == [1, 1]
+    assert confident_tree(CONFIDENCES, 1.0, per_position(0.0))[0] == [2, 2, 2]
+    assert confident_tree(CONFIDENCES, 0.5, per_position(0.1))[0] == [1, 1]
+    counts, predicted, rate = confident_tree([[0.01], [0.5]], 1.0, per_position(0.2))
+    assert (counts, predicted, rate) == ([], 0.0, 1.0)
+
+
+def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibration():
+    """Unit, the engine with confidences from the verify: the round is confident_tree's shape as a chain
+    with leaves (alone), a chain beside another request; a request whose heads keep promising more
+    than the target accepts scales their values down (HeadCalibration) and drafts less; heads never
+    confident enough to draft still get a one-token probe every PROBE_EVERY_ROUNDS rounds."""
+    from gateway.engine import PROBE_EVERY_ROUNDS
+
+    costs = StepCosts()
+    for positions in range(1, 8):
+        costs.observe_verify(positions, 0.100 + 0.010 * (positions - 1))  # + 0.1 a position, relative
+    proposals = HeadProposals([[7, 17], [8, 18], [9, 19]], CONFIDENCES)
+    alone = head_policy_generation(costs, branches=2)
+    alone._head_drafts = proposals
+    assert alone._head_round_drafts() == ([7, 8, 18], [-1, 0, 0])  # tree.chain_with_leaves([[7], [8, 18]])
+    shared = head_policy_generation(costs, branches=2)
+    shared._running = lambda: 2
+    shared._head_drafts = proposals
+    assert shared._head_round_drafts() == ([7, 8], [])  # a chain: the best of 2.35/1.2 and 2.53/1.3
+    for _ in range(20):
+        alone._head_calibration.observe(1.62, 0)  # nothing it drafted was accepted: scale 2 / 16.2
+    alone._head_drafts = proposals
+    assert alone._head_round_drafts() == ([7], [])  # 1 + 0.9 · 0.12 over 1.1 still pays, barely
+    timid = head_policy_generation(costs, branches=2)
+    drafted = []
+    for _ in range(2 * PROBE_EVERY_ROUNDS + 2):
+        timid._head_drafts = HeadProposals([[7], [8], [9]], [[0.01], [0.01], [0.01]])
+        drafted.append(timid._head_round_drafts()[0])
+    assert drafted.count([7]) == 2 and drafted.count([]) == 2 * PROBE_EVERY_ROUNDS
+    assert drafted[PROBE_EVERY_ROUNDS] == [7]
 
 
 def test_a_draft_tree_keeps_the_alternatives_that_pay():

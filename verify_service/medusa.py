@@ -172,34 +172,52 @@ class MedusaHeads(nn.Module):
         row n holds heads 1..K's argmax, the drafts after row n's next token; with candidates c > 1,
         [N, K, c]: each head's c best, best first (a tree's alternatives; chained heads read the
         earlier heads' best)."""
+        proposals, _ = self.ranked(features, next_tokens, layer_features, candidates)  # [N, K, c]
+        return proposals[..., 0] if candidates == 1 else proposals
+
+    @torch.inference_mode()
+    def ranked(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
+               layer_features: Optional[torch.Tensor] = None, candidates: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """propose's candidates, always [N, K, c], and each one's probability under its head's softmax
+        over the heads' vocabulary [N, K, c] (float32): the heads' confidence, which says where a
+        tree's alternatives are worth their verified positions (EAGLE-2's dynamic trees)."""
         features = self.fused(features, layer_features)
         if not self.config.chained_input:
             outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, N, H]
-            top = self.top_columns(outputs.flatten(0, 1), candidates).view(*outputs.shape[:2], candidates)  # [K, N, c]: one product
-            proposals = self.vocab_ids[top].transpose(0, 1)  # [N, K, c]
-        else:
-            tokens, picks = next_tokens[:, None], []  # [N, 1 + proposals so far]
-            for index in range(len(self.heads)):
-                top = self.vocab_ids[self.top_columns(self.head_output(index, features, tokens), candidates)]  # [N, c]
-                picks.append(top)
-                tokens = torch.cat((tokens, top[:, :1]), dim=1)
-            proposals = torch.stack(picks, dim=1)  # [N, K, c]
-        return proposals[..., 0] if candidates == 1 else proposals
+            top, probs = self.top_columns(outputs.flatten(0, 1), candidates, with_probs=True)  # [K·N, c] each: one product
+            shape = (*outputs.shape[:2], candidates)
+            return self.vocab_ids[top.view(shape)].transpose(0, 1), probs.view(shape).transpose(0, 1)
+        tokens, picks, confidences = next_tokens[:, None], [], []  # [N, 1 + proposals so far]
+        for index in range(len(self.heads)):
+            top, probs = self.top_columns(self.head_output(index, features, tokens), candidates, with_probs=True)  # [N, c] each
+            picks.append(self.vocab_ids[top])
+            confidences.append(probs)
+            tokens = torch.cat((tokens, picks[-1][:, :1]), dim=1)
+        return torch.stack(picks, dim=1), torch.stack(confidences, dim=1)  # [N, K, c] each
 
-    def top_columns(self, outputs: torch.Tensor, count: int = 1, precision: str = "") -> torch.Tensor:
+    def top_columns(self, outputs: torch.Tensor, count: int = 1, precision: str = "", with_probs: bool = False):
         """outputs [N, H] → [N, count]: each row's best columns by its scores outputs · head_columns,
         best first, in the product precision measured fastest for N rows (tune_product; `precision`
-        overrides). In bfloat16 the candidates are its max(RESCORED_CANDIDATES, count) best, rescored
-        exactly in float32: a bfloat16 score has 8 bits of mantissa, too few to order close logits,
-        and a proposal that differs from the float32 one would cost acceptance (never exactness: the
-        verify judges every draft)."""
+        overrides); with_probs: (columns, their softmax probabilities [N, count]). In bfloat16 the
+        candidates are its max(RESCORED_CANDIDATES, count) best, rescored exactly in float32: a
+        bfloat16 score has 8 bits of mantissa, too few to order close logits, and a proposal that
+        differs from the float32 one would cost acceptance (never exactness: the verify judges every
+        draft); the softmax's normalizer comes from the bfloat16 scores (a confidence, not a
+        probability the sampling rule uses)."""
         precision = precision or autotune.by_size(self.product_dtypes, outputs.shape[0], FLOAT32)
         if precision != BFLOAT16:
-            return (outputs @ self.head_columns).topk(count, dim=-1).indices
-        rough = outputs.to(torch.bfloat16) @ self.bf16_columns  # [N, V']
-        candidates = rough.topk(max(RESCORED_CANDIDATES, count), dim=-1).indices  # [N, c]
-        exact = torch.einsum("nh,hnc->nc", outputs, self.head_columns[:, candidates])  # [N, c]
-        return candidates.gather(1, exact.topk(count, dim=-1).indices)
+            scores = outputs @ self.head_columns  # [N, V']
+            best = scores.topk(count, dim=-1)
+            columns, top_scores = best.indices, best.values  # [N, count] each
+        else:
+            scores = (outputs.to(torch.bfloat16) @ self.bf16_columns).float()  # [N, V']
+            rescored = scores.topk(max(RESCORED_CANDIDATES, count), dim=-1).indices  # [N, c]
+            exact = torch.einsum("nh,hnc->nc", outputs, self.head_columns[:, rescored])  # [N, c]
+            order = exact.topk(count, dim=-1)
+            columns, top_scores = rescored.gather(1, order.indices), order.values
+        if not with_probs:
+            return columns
+        return columns, (top_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
 
     @torch.inference_mode()
     def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7) -> dict[int, str]:

@@ -204,17 +204,19 @@ class Scorer:
             return [None] * len(parts)
         layers = torch.cat([item.layers for item in asked]) if asked[0].layers is not None else None  # [rows, L, H]
         candidates = max(part.head_candidates for part, item in zip(parts, inputs) if item is not None)
-        proposals = self.medusa.propose(torch.cat([item.features for item in asked]), torch.cat([item.next_tokens for item in asked]),
-                                        layers, candidates).view(-1, self.medusa.config.num_heads, candidates)  # [rows, K, c]
+        proposals, confidences = self.medusa.ranked(torch.cat([item.features for item in asked]),
+                                                    torch.cat([item.next_tokens for item in asked]), layers, candidates)  # [rows, K, c] each
         replies, row = [], 0
         for part, item in zip(parts, inputs):
             if item is None:
                 replies.append(None)
                 continue
-            mine = proposals[row : row + item.features.shape[0], :, : part.head_candidates]  # [m, K, c]
+            mine = slice(row, row + item.features.shape[0])
             row += item.features.shape[0]
-            replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + item.first, heads=mine.shape[1],
-                                                 token_ids=mine.flatten().tolist(), candidates=part.head_candidates))
+            replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + item.first,
+                                                 heads=proposals.shape[1], candidates=part.head_candidates,
+                                                 token_ids=proposals[mine, :, : part.head_candidates].flatten().tolist(),
+                                                 confidences=confidences[mine, :, : part.head_candidates].flatten().tolist()))
         return replies
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:

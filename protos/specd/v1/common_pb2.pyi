@@ -57,16 +57,18 @@ class TargetFeatures(_message.Message):
     def __init__(self, start_position: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class HeadDrafts(_message.Message):
-    __slots__ = ("start_position", "heads", "token_ids", "candidates")
+    __slots__ = ("start_position", "heads", "token_ids", "candidates", "confidences")
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     HEADS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     start_position: int
     heads: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     candidates: int
-    def __init__(self, start_position: _Optional[int] = ..., heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[int] = ...) -> None: ...
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, start_position: _Optional[int] = ..., heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[int] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

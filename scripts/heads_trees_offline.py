@@ -34,8 +34,9 @@ TREES = {
     "chain3+leaves2": [(-1, 0, 0), (-1, 0, 1), (0, 1, 0), (0, 1, 1), (2, 2, 0), (2, 2, 1)],
     "chain3+leaves3": [(-1, 0, 0), (-1, 0, 1), (-1, 0, 2), (0, 1, 0), (0, 1, 1), (0, 1, 2), (3, 2, 0), (3, 2, 1), (3, 2, 2)],
 }
-CONFIDENT_NODES = (3, 4, 5, 6, 9)  # per-row trees of that many nodes chosen by the heads' confidence
-CONFIDENT_THRESHOLDS = (0.02, 0.05, 0.1, 0.2)  # ... of up to 9 nodes, those worth at least that
+CONFIDENT_NODES = (3, 4, 5, 6, 8)  # per-row trees of that many nodes chosen by the heads' confidence ...
+CONFIDENT_CANDIDATES = (2, 3, 4)  # ... among each head's best c candidates
+CONFIDENT_THRESHOLDS = (0.02, 0.05, 0.1, 0.2)  # ... of up to 12 nodes (c = 4), those worth at least that
 
 
 def accepted_depth(tree: list, candidates: list, row: int, continuation: list[int]) -> int:
@@ -63,11 +64,12 @@ def node_values(confidences: list, row: int) -> list:
     return pool
 
 
-def confident_tree(confidences: list, row: int, nodes: int, threshold: float = 0.0) -> list:
+def confident_tree(confidences: list, row: int, nodes: int, threshold: float = 0.0, candidates: int = 0) -> list:
     """At most `nodes` nodes of the most value (node_values) at that row, those of value ≥ threshold
-    past the first (EAGLE-2's dynamic tree); parents come first since a child's value is below its
-    parent's."""
-    ranked = sorted(node_values(confidences, row), reverse=True)[:nodes]
+    past the first, among each head's first `candidates` (0: all; EAGLE-2's dynamic tree); parents
+    come first since a child's value is below its parent's."""
+    pool = [node for node in node_values(confidences, row) if not candidates or node[2] < candidates]
+    ranked = sorted(pool, reverse=True)[:nodes]
     chosen = sorted(ranked[:1] + [node for node in ranked[1:] if node[0] >= threshold], key=lambda node: (node[1], node[2]))
     chain = {}  # depth → index of the chain node there
     tree = []
@@ -120,9 +122,9 @@ def main() -> None:
     args = parser.parse_args()
     target, records = load_held_out(args)
     heads = load_heads(Path(args.heads), target.model, vocab_digest(target.tokenizer))
-    ranks = 1 + max(r for tree in TREES.values() for *_, r in tree)
-    shapes = {**TREES, **{f"confident{n}": (n, 0.0) for n in CONFIDENT_NODES},
-              **{f"confident9>={t}": (9, t) for t in CONFIDENT_THRESHOLDS}}
+    ranks = max(CONFIDENT_CANDIDATES)
+    shapes = {**TREES, **{f"confident{n}/c{c}": (n, 0.0, c) for c in CONFIDENT_CANDIDATES for n in CONFIDENT_NODES},
+              **{f"confident>={t}/c{ranks}": (heads.config.num_heads * ranks, t, ranks) for t in CONFIDENT_THRESHOLDS}}
     passes, nodes = dict.fromkeys(shapes, 0), dict.fromkeys(shapes, 0)
     counts = [[0, 0.0, 0] for _ in CALIBRATION_EDGES[1:]]
     with torch.inference_mode():

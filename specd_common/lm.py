@@ -1,7 +1,7 @@
 """A causal LM serving many sessions, each with its own KV cache that can be rolled back.
 
 Shared by the verify service (the target) and the model drafter. A session is a TokenSequence
-whose cache is a transformers DynamicCache; `forward` feeds the pending tokens plus any extra
+whose cache is a transformers DynamicCache (appending in place: kv_cache.py); `forward` feeds the pending tokens plus any extra
 (drafted) tokens in one pass and returns logits for the positions after each.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch, model_thread, tree
+from specd_common import autotune, kv_batch, kv_cache, model_thread, tree
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -281,7 +281,7 @@ class CausalLM:
         """A session holding `prompt`, with everything but the last token already in its cache."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
-        cache = DynamicCache(config=self.loaded.model.config)
+        cache = kv_cache.growing_cache(self.loaded.model.config)
         session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
         session.cache = cache
         session.keep_features = keep_features
@@ -347,10 +347,7 @@ class CausalLM:
         pending = session.tree
         if pending is None:
             return
-        keep = torch.tensor(list(range(pending.base)) + [pending.base + node for node in path], device=self.loaded.device)
-        for layer in session.cache.layers:
-            layer.keys = layer.keys.index_select(2, keep)  # [1, H, base + len(path), D]
-            layer.values = layer.values.index_select(2, keep)
+        kv_cache.keep_rows(session.cache, pending.base, [pending.base + node for node in path])  # [1, H, base + len(path), D]
         session.tokens = session.tokens[: pending.base] + [pending.tokens[node] for node in path]
         session.cached = len(session.tokens)
         session.tree = None

@@ -61,15 +61,15 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
 
 
 def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
-                   round_cost_s: Callable[[int], float]) -> tuple[list[int], float, float]:
+                   round_cost_s: Callable[[int, bool], float]) -> tuple[list[int], float, float]:
     """A tree of the Medusa heads' candidates chosen by their confidence this round (EAGLE-2's dynamic
     tree): confidences[d][r] is head d + 1's probability of its r-th candidate (best first). A node's
     value is the chance it is the target's token: the product of the probabilities along its path
     (the chain of each head's best; a later candidate of head d hangs off the chain's node d − 1,
     since chained heads read the earlier heads' best), times the request's measured `scale`
     (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
-    round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n) (the
-    measured verify of n + 1 positions). Held out, the shipped heads' path products are the
+    round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n, tree)
+    (the measured verify of n + 1 positions, tree: some of them are alternatives). Held out, the shipped heads' path products are the
     acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
     and trees so chosen beat fixed shapes of equal size (6 nodes: 2.083 tokens a pass against
     2.005 for the chain with its second candidates beside).
@@ -83,16 +83,20 @@ def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
         nodes += [(reach * p, depth, rank) for rank, p in enumerate(probs)]
         reach *= probs[0] if probs else 0.0
     nodes.sort(key=lambda node: (-node[0], node[1], node[2]))  # a parent before its children: never worth less
-    best_n, best_rate, expected = 0, 1.0 / max(round_cost_s(0), 1e-9), 1.0
-    for n, (value, _, _) in enumerate(nodes, start=1):
-        expected += min(value * scale, 0.999)
-        rate = expected / max(round_cost_s(n), 1e-9)
-        if rate > best_rate * (1 + 1e-9):
-            best_n, best_rate = n, rate
+    chain = [node for node in nodes if node[2] == 0]  # a tree costs more (round_cost_s), so the best chain is a candidate too
+    best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)
+    for pool in (nodes, chain):
+        expected, branched = 1.0, False
+        for n, (value, _, rank) in enumerate(pool, start=1):
+            expected += min(value * scale, 0.999)
+            branched = branched or rank > 0
+            rate = expected / max(round_cost_s(n, branched), 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = pool[:n], rate
     counts = [0] * len(confidences)
-    for _, depth, _ in nodes[:best_n]:
+    for _, depth, _ in best:
         counts[depth] += 1
-    return counts[: counts.index(0)] if 0 in counts else counts, sum(value for value, *_ in nodes[:best_n]), best_rate
+    return counts[: counts.index(0)] if 0 in counts else counts, sum(value for value, *_ in best), best_rate
 
 
 # Speculating in a shared batch must promise this much more than the verify's start-up costs and the
@@ -273,6 +277,13 @@ class StepCosts:
     (the proposals cost the pass ~3 ms here, ~5% of a one-position pass): a head round is priced with
     them, the plain round it is weighed against without (asking in every pass would otherwise make
     plain rounds look dearer than they are, and head rounds cheaper).
+
+    A tree pass costs more than a chain pass over as many positions (its own attention mask; the
+    kept path's cache columns move at the next commit): on the 2-core AMD EPYC, rounds of trees of
+    2.2 nodes on average took as long as chain rounds of 2.9 drafts (69.4 against 69.6 ms of
+    verify, docs/benchmarks/bench_s37_confident_cache.json). Tree Verifies therefore stay out of the tables
+    where a chain of their size is measured and move `tree_extra_s` instead, the moving average of
+    what a tree took beyond that chain; round_cost_s adds it to a tree.
     """
 
     def __init__(self, smoothing: float = 0.1):
@@ -280,10 +291,17 @@ class StepCosts:
         self._verify: dict[int, float] = {}
         self._verify_by_heads: dict[bool, dict[int, float]] = {False: {}, True: {}}  # asked for proposals → positions → s
         self._draft: dict[int, float] = {}
+        self.tree_extra_s = 0.0  # what a tree Verify takes beyond a chain over as many positions
         self._lock = threading.Lock()
 
-    def observe_verify(self, positions: int, seconds: float, heads: bool = False) -> None:
-        """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals."""
+    def observe_verify(self, positions: int, seconds: float, heads: bool = False, tree: bool = False) -> None:
+        """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals; tree: it
+        verified a tree (priced apart where a chain of its size is measured: tree_extra_s)."""
+        chain = self._verify_by_heads[heads].get(positions) if tree else None
+        if chain is not None:
+            with self._lock:
+                self.tree_extra_s += self.smoothing * (seconds - chain - self.tree_extra_s)
+            return
         self._observe(self._verify, positions, seconds)
         self._observe(self._verify_by_heads[heads], positions, seconds)
 
@@ -315,14 +333,16 @@ class StepCosts:
             return self._draft[nearest] * k / nearest
 
     def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None,
-                     widened: Optional[int] = None) -> float:
+                     widened: Optional[int] = None, tree: bool = False) -> float:
         """Seconds a round with k drafts is expected to take (1.0 while nothing is measured); a tree of
         `branches` candidates per position verifies k × branches + 1 positions, or with `widened`
         only the first `widened` drafts carry alternatives. drafting=False: the drafts cost nothing
         to make (the gateway's prompt-lookup copies). heads: priced by the Verifies that asked for the
-        heads' proposals or did not (verify_s)."""
-        verify = self.verify_s(k + min(k, k if widened is None else widened) * (branches - 1) + 1, heads)
-        return (1.0 if verify is None else verify) + (self.draft_s(k) if drafting else 0.0)
+        heads' proposals or did not (verify_s). A tree (alternatives, or `tree`: k nodes of any shape but
+        a chain) costs tree_extra_s more."""
+        extra = min(k, k if widened is None else widened) * (branches - 1)
+        verify = self.verify_s(k + extra + 1, heads)
+        return (1.0 if verify is None else verify + (self.tree_extra_s if extra or tree else 0.0)) + (self.draft_s(k) if drafting else 0.0)
 
 
 class AcceptanceEstimate:

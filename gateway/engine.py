@@ -265,7 +265,7 @@ class Generation:
         #    the next round, assuming every draft of this one is accepted
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts, parents)
-        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed, heads=self._asked_heads)
+        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed, heads=self._asked_heads, tree=bool(parents))
         if k > 0 and not free and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
@@ -472,7 +472,7 @@ class Generation:
         none when none pays or the draft service promises more."""
         confidences = [probs[:branches] for probs in proposals.confidences[:cap]]
         counts, predicted, rate = confident_tree(confidences, self._head_calibration.scale,
-                                                 lambda n: self._free_cost(n, 1, 0, heads=True))
+                                                 lambda n, tree: self._free_cost(n, 1, 0, heads=True, tree=tree))
         rival_rate = self._draft_rate()
         if counts and rate > rival_rate:
             self._rounds_since_head_round = 0
@@ -514,9 +514,10 @@ class Generation:
         k, _, rate = self._best_shape(length, estimate, None, 1, lambda k, w: self._free_cost(k, 1, w, heads))
         return k, rate
 
-    def _free_cost(self, k: int, branches: int, widened: int, heads: bool) -> float:
-        """Seconds a round of k free drafts takes, alternatives beside the first `widened` (_free_round)."""
-        return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened)
+    def _free_cost(self, k: int, branches: int, widened: int, heads: bool, tree: bool = False) -> float:
+        """Seconds a round of k free drafts takes, alternatives beside the first `widened` (_free_round);
+        tree: k nodes that are not a chain."""
+        return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened, tree=tree)
 
     def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
                     branches: int = 1) -> tuple[int, int]:

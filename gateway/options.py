@@ -18,7 +18,7 @@ class GatewayOptions:
     max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
     max_speculative_requests: int = -1  # above this many running requests, rounds are target-only; 0: no limit; < 0: from measured costs
     overlap: bool = False  # draft the next round while the target verifies
-    draft_branches: int = 2  # candidates per drafted position a greedy adaptive request may draft a tree with (gateway/engine.py)
+    draft_branches: int = 4  # candidates per drafted position a greedy adaptive request may draft a tree with (gateway/engine.py)
     lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none (the CLI default is 8)
     lookup_min_ngram: int = 2  # a lookup round needs the sequence's last n ≥ this many tokens to have occurred before
     connect_timeout_s: float = 300.0

@@ -8,6 +8,10 @@ node is (parent node, head d, rank r): head d's r-th candidate at that row, plac
 Candidates come from MedusaHeads.propose as served: chained heads read the earlier heads' best, so
 every node's parent is a node of the best chain (or the root); "chain3+leaves2" is the shape the
 gateway drafts with draft_branches 2 (tree.chain_with_leaves).
+"confident<N>/c<C>" is the gateway's rule with confidences (adaptive.confident_tree) at a fixed size: per
+row the N nodes of the largest path products of the heads' probabilities among each head's best C;
+"confident>=<t>" keeps the nodes worth at least t instead. "calibration" bins every candidate node
+by that value against how often it was the target's path: are the products acceptance rates?
 The round keeps the deepest path whose tokens are the target's greedy continuation, plus one
 target token. No timing: the node count is what a pass verifies beyond the pending token; the
 stack's cost per position count is what `specd bench` and the verify's start-up measure.

@@ -8,7 +8,7 @@ Modes (keys of the JSON report):
                 policy, when specd runs on the heads; specd_k<N> uses that draft service too
   specd_k<N>    speculation on with a fixed k = N (each N in --fixed-k), to compare with adaptive
   specd_tree<B> adaptive, trees of up to B candidates a position from specd's own drafter (each B
-                in --branches; specd itself uses the gateway's default, 2; B = 1: chains only): the
+                in --branches; specd itself uses the gateway's default, 4; B = 1: chains only): the
                 heads' best chain with their next candidates beside it where the heads draft, else
                 the draft service's
   specd_overlap / specd_medusa   second gateways: overlapped drafting; no draft service (--medusa)

@@ -180,8 +180,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "resolve-period", 5.0, "seconds between DNS lookups of dns:/// addresses (also looked up after a replica fails)")
     add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
     add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
-    add_flag(parser, "draft-branches", 2, "candidates per drafted position, 1..4, for greedy adaptive requests: above 1 a round may draft and "
-             "verify a tree (the drafter's chain plus its runners-up beside its first drafts) where measured costs say it pays; "
+    add_flag(parser, "draft-branches", 4, "candidates per drafted position, 1..4, for greedy adaptive requests: above 1 a round may draft and "
+             "verify a tree (the drafter's chain plus its runners-up beside it; the heads' most confident nodes) where measured costs say it pays; "
              "1 = chains only. A sampled or fixed-policy request drafts a tree only when it asks for one (draft_branches)")
     add_flag(parser, "lookup-tokens", 8, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
              "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")

@@ -547,9 +547,9 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
 CONFIDENCES = [[0.9, 0.05], [0.5, 0.3], [0.4, 0.2]]  # each head's two candidates; path values 0.9, 0.05 | 0.45, 0.27 | 0.18, 0.09
 
 
-def per_position(cost: float) -> Callable[[int], float]:
-    """A verify of n drafts (n + 1 positions) costing 1 + cost · n."""
-    return lambda n: 1.0 + cost * n
+def per_position(cost: float, tree_extra: float = 0.0) -> Callable[[int, bool], float]:
+    """A verify of n drafts (n + 1 positions) costing 1 + cost · n, and tree_extra more for a tree."""
+    return lambda n, tree: 1.0 + cost * n + (tree_extra if tree else 0.0)
 
 
 def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
@@ -558,7 +558,10 @@ def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
     +0.1 a position: n = 2 gives 2.35/1.2 = 1.958, n = 3 (head 2's second candidate) 2.62/1.3 = 2.015,
     n = 4 2.80/1.4 = 2.0, so the tree is head 1's best with both of head 2's beside, not the chain of
     3; at +0.2 the chain of 2 (2.35/1.4); free positions take every node; a halved scale (heads
-    twice as confident as they are right) the chain of 2; nothing of value: no drafts."""
+    twice as confident as they are right) the chain of 2; nothing of value: no drafts. At +0.05 a
+    position the 4 best nodes (2.80/1.2 = 2.333, head 2's second candidate among them); when a tree
+    costs 0.3 more than a chain of its size, the chain of 3 (2.53/1.15 = 2.2): not the 3 most
+    valuable nodes, so chains are weighed apart."""
     from gateway.adaptive import confident_tree
 
     counts, predicted, rate = confident_tree(CONFIDENCES, 1.0, per_position(0.1))
@@ -566,6 +569,9 @@ def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
     assert confident_tree(CONFIDENCES, 1.0, per_position(0.2))[0] == [1, 1]
     assert confident_tree(CONFIDENCES, 1.0, per_position(0.0))[0] == [2, 2, 2]
     assert confident_tree(CONFIDENCES, 0.5, per_position(0.1))[0] == [1, 1]
+    assert confident_tree(CONFIDENCES, 1.0, per_position(0.05))[0] == [1, 2, 1]
+    counts, predicted, rate = confident_tree(CONFIDENCES, 1.0, per_position(0.05, tree_extra=0.3))
+    assert counts == [1, 1, 1] and rate == pytest.approx(2.53 / 1.15)
     counts, predicted, rate = confident_tree([[0.01], [0.5]], 1.0, per_position(0.2))
     assert (counts, predicted, rate) == ([], 0.0, 1.0)
 
@@ -709,16 +715,16 @@ def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
 
 
 def test_the_gateways_default_trees_shape_greedy_adaptive_rounds_only(medusa_cluster):
-    """--draft-branches (default 2) applies to greedy adaptive requests; a sampled or fixed-policy
+    """--draft-branches (default 4) applies to greedy adaptive requests; a sampled or fixed-policy
     request drafts chains unless it asks for trees itself (sampled trees lost side by side, and a
     fixed-policy tree costs every round its extra positions)."""
     from specd.v1 import generate_pb2
 
     servicer = medusa_cluster.gateway.servicer
-    assert servicer.options.draft_branches == 2
+    assert servicer.options.draft_branches == 4
     spec = lambda **fields: servicer.to_spec(generate_pb2.GenerateRequest(text="hi", **fields))  # noqa: E731
     sampling = common_pb2.SamplingParams(temperature=0.7)
-    assert spec().branches == 2
+    assert spec().branches == 4
     assert spec(sampling=sampling).branches == 1 and spec(draft_length_policy=FIXED).branches == 1
     assert spec(sampling=sampling, draft_branches=3).branches == 3 and spec(draft_length_policy=FIXED, draft_branches=2).branches == 2
 

@@ -276,6 +276,23 @@ def test_verifies_that_asked_for_head_proposals_are_priced_apart():
     assert costs.round_cost_s(1, drafting=False, heads=True) == 0.125
 
 
+def test_a_tree_verify_is_priced_as_a_chain_of_its_size_plus_what_trees_took_beyond_it():
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=0.5)
+    costs.observe_verify(1, 0.050)
+    costs.observe_verify(4, 0.060)
+    costs.observe_verify(4, 0.066, tree=True)  # 6 ms beyond the chain of 4 positions
+    costs.observe_verify(4, 0.064, tree=True)
+    assert costs.tree_extra_s == pytest.approx(0.5 * 0.006 + 0.5 * (0.004 - 0.003))  # moving average from 0
+    assert costs.verify_s(4) == 0.060  # the chain table is the chains'
+    assert costs.round_cost_s(3, drafting=False) == 0.060  # a chain
+    assert costs.round_cost_s(3, drafting=False, tree=True) == pytest.approx(0.060 + costs.tree_extra_s)
+    assert costs.round_cost_s(1, branches=3, drafting=False) == pytest.approx(0.060 + costs.tree_extra_s)  # 1 + 2 alternatives
+    costs.observe_verify(6, 0.080, tree=True)  # no chain of 6 measured: the tree's time is the best guess of 6 positions
+    assert costs.verify_s(6) == 0.080 and costs.tree_extra_s == pytest.approx(0.0035)
+
+
 # A verify's start-up batch costs on the 2-core AMD EPYC VM (`specd serve verify`; rows → positions per
 # row → ms of one batched round, the heads' proposals included; Scorer.measure_batch_costs)
 EPYC_BATCH_COSTS = {2: {1: 76.0, 4: 99.3, 8: 122.2}, 4: {1: 86.5, 4: 142.9, 8: 172.4}, 8: {1: 124.6, 4: 228.0, 8: 291.3}}

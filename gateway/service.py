@@ -102,8 +102,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         adaptive = self._adaptive(request)
         # the gateway's default shapes greedy adaptive rounds only: a fixed-policy round drafts every round
         # alike, so a tree there would cost every round its extra positions, paying or not; and sampled
-        # trees lost side by side on the 2-core EPYC (1.207x transformers against chains' 1.28x,
-        # docs/benchmarks/bench_sampled_s36.json: every row's distribution and proposals come back)
+        # trees did not gain side by side on the 2-core EPYC: 1.207x transformers against chains' 1.28x
+        # with fixed shapes (docs/benchmarks/bench_sampled_s36.json), 1.245x against 1.25x chosen by
+        # the heads' confidence (bench_sampled_s37.json: every row's distribution comes back)
         warp = Warp.from_proto(request.sampling)
         default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches

@@ -21,6 +21,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specd_common.kv_cache import GrowingLayer
+
 
 @dataclass
 class PackedBatch:
@@ -39,7 +41,7 @@ def is_packable(cache: DynamicCache) -> bool:
     if getattr(cache, "offloading", False):
         return False
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
             return False
         if layer.is_initialized and layer.keys.numel() and layer.keys.shape[0] != 1:
             return False

@@ -59,6 +59,23 @@ def run_rounds(lm: CausalLM, rounds: Sequence[Sequence[tuple[int, list[int], lis
             assert_caches_match(one, other)
 
 
+def test_a_batch_of_sessions_is_one_model_pass(lm, monkeypatch):
+    """forward_batch falls back to one pass per session when a cache cannot be packed, with the same
+    results, so only a count shows it: sessions as new_session makes them (their cache's layers
+    included, kv_cache.GrowingLayer), after a tree, share one pass."""
+    from specd_common import kv_batch
+
+    passes = []
+    real = CausalLM._run_batch
+    monkeypatch.setattr(CausalLM, "_run_batch", lambda self, sessions, fed: passes.append(len(sessions)) or real(self, sessions, fed))
+    sessions = [lm.new_session(prompt) for prompt in PROMPTS[:3]]
+    lm.forward_tree(sessions[0], [1, 2, 3], [-1, -1, 0])
+    lm.settle_tree(sessions[0], [0, 2])
+    assert all(kv_batch.is_packable(session.cache) for session in sessions)
+    lm.forward_batch([(session, [4]) for session in sessions])
+    assert passes == [3]
+
+
 def test_batched_forward_matches_one_at_a_time_over_rounds_with_rollbacks(lm):
     """Ragged pasts (1 to 23 tokens, one empty cache), ragged drafts (0 to 5), then partial rollbacks
     (keep some drafts, append a correction) and full ones (back into the prompt)."""

@@ -441,12 +441,15 @@ class Generation:
 
     def _head_round_drafts(self) -> tuple[list[int], list[int]]:
         """A head round's drafts and, for a tree, their parents ([] for a chain): the Medusa heads'
-        proposals after the last committed token (from the last Verify), cut like a lookup copy; none
-        when there are none, speculation is paused, or the draft service's drafts promise more tokens
-        per second. With several candidates a head (draft_branches > 1), the heads' best in a chain
-        with the others beside its first drafts as leaves (tree.chain_with_leaves), where that
-        promises more than the chain alone (_free_shape); when sampling each candidate is judged as a
-        fixed token with its own one-hot q (gateway.rejection.multi_candidate_sample). Under the fixed policy the heads draft
+        proposals after the last committed token (from the last Verify); none when there are none,
+        speculation is paused, or the draft service's drafts promise more tokens per second. With the
+        heads' confidences (every verify of this version sends them) the round is shaped by them
+        (_confident_head_round): the nodes among each head's first draft_branches candidates worth
+        their verified positions. Without, the older rule: cut like a lookup copy by the per-position
+        estimates and, with several candidates a head, the heads' best in a chain with the others
+        beside its first drafts as leaves (tree.chain_with_leaves) where that promises more
+        (_free_shape). When sampling each candidate is judged as a fixed token with its own one-hot q
+        (gateway.rejection.multi_candidate_sample). Under the fixed policy the heads draft
         (num_draft_tokens at most, every candidate) only where no draft service does."""
         proposals, self._head_drafts = self._head_drafts, HeadProposals()
         if self._heads_declined:  # not asked for (_ask_head_drafts): declined like proposals that do not pay

@@ -72,14 +72,14 @@ class LinearCosts:
     """Step costs fixed by the test (a round with k drafts costs 1 + 0.1 k), so k depends on acceptance
     alone; the live measurement of costs is tested in test_units."""
 
-    def observe_verify(self, positions: int, seconds: float, heads: bool = False) -> None:
+    def observe_verify(self, positions: int, seconds: float, heads: bool = False, tree: bool = False) -> None:
         pass
 
     def observe_draft(self, k: int, seconds: float) -> None:
         pass
 
     def round_cost_s(self, k: int, branches: int = 1, drafting: bool = True, heads: Optional[bool] = None,
-                     widened: Optional[int] = None) -> float:
+                     widened: Optional[int] = None, tree: bool = False) -> float:
         return 1.0 + 0.1 * (k + min(k, k if widened is None else widened) * (branches - 1))
 
 

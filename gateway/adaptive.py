@@ -69,8 +69,8 @@ def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
     since chained heads read the earlier heads' best), times the request's measured `scale`
     (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
     round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n, tree)
-    (the measured verify of n + 1 positions, tree: some of them are alternatives). Held out, the shipped heads' path products are the
-    acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
+    (the measured verify of n + 1 positions, tree: some of them are alternatives). Held out, the
+    shipped heads' path products are the acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
     and trees so chosen beat fixed shapes of equal size (6 nodes: 2.083 tokens a pass against
     2.005 for the chain with its second candidates beside).
 
@@ -281,9 +281,9 @@ class StepCosts:
     A tree pass costs more than a chain pass over as many positions (its own attention mask; the
     kept path's cache columns move at the next commit): on the 2-core AMD EPYC, rounds of trees of
     2.2 nodes on average took as long as chain rounds of 2.9 drafts (69.4 against 69.6 ms of
-    verify, docs/benchmarks/bench_s37_confident_cache.json). Tree Verifies therefore stay out of the tables
-    where a chain of their size is measured and move `tree_extra_s` instead, the moving average of
-    what a tree took beyond that chain; round_cost_s adds it to a tree.
+    verify, docs/benchmarks/bench_s37_confident_cache.json). Tree Verifies therefore stay out of the
+    tables where a chain of their size is measured and move `tree_extra_s` instead, the moving
+    average of what a tree took beyond that chain; round_cost_s adds it to a tree.
     """
 
     def __init__(self, smoothing: float = 0.1):
@@ -342,7 +342,9 @@ class StepCosts:
         a chain) costs tree_extra_s more."""
         extra = min(k, k if widened is None else widened) * (branches - 1)
         verify = self.verify_s(k + extra + 1, heads)
-        return (1.0 if verify is None else verify + (self.tree_extra_s if extra or tree else 0.0)) + (self.draft_s(k) if drafting else 0.0)
+        if verify is not None and (extra or tree):
+            verify += self.tree_extra_s
+        return (1.0 if verify is None else verify) + (self.draft_s(k) if drafting else 0.0)
 
 
 class AcceptanceEstimate:

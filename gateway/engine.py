@@ -265,7 +265,8 @@ class Generation:
         #    the next round, assuming every draft of this one is accepted
         lookahead = self._start_lookahead(drafts, k) if self.overlap and drafts else None
         scores = self._verify_drafts(drafts, parents)
-        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed, heads=self._asked_heads, tree=bool(parents))
+        self.backends.costs.observe_verify(len(drafts) + 1, time.perf_counter() - proposed, heads=self._asked_heads,
+                                           tree=bool(parents))
         if k > 0 and not free and proposed - started > 1e-4:
             self.backends.costs.observe_draft(k, proposed - started)
         # 3. Accept / reject / correct
@@ -520,7 +521,8 @@ class Generation:
     def _free_cost(self, k: int, branches: int, widened: int, heads: bool, tree: bool = False) -> float:
         """Seconds a round of k free drafts takes, alternatives beside the first `widened` (_free_round);
         tree: k nodes that are not a chain."""
-        return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None, widened=widened, tree=tree)
+        return self.backends.costs.round_cost_s(k, branches, drafting=False, heads=k > 0 if heads else None,
+                                                widened=widened, tree=tree)
 
     def _free_shape(self, length: int, estimate: AcceptanceEstimate, rival_rate: float = 0.0, heads: bool = False,
                     branches: int = 1) -> tuple[int, int]:

@@ -204,8 +204,9 @@ class Scorer:
             return [None] * len(parts)
         layers = torch.cat([item.layers for item in asked]) if asked[0].layers is not None else None  # [rows, L, H]
         candidates = max(part.head_candidates for part, item in zip(parts, inputs) if item is not None)
-        proposals, confidences = self.medusa.ranked(torch.cat([item.features for item in asked]),
-                                                    torch.cat([item.next_tokens for item in asked]), layers, candidates)  # [rows, K, c] each
+        features = torch.cat([item.features for item in asked])  # [rows, H]
+        next_tokens = torch.cat([item.next_tokens for item in asked])  # [rows]
+        proposals, confidences = self.medusa.ranked(features, next_tokens, layers, candidates)  # [rows, K, c] each
         replies, row = [], 0
         for part, item in zip(parts, inputs):
             if item is None:

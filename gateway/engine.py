@@ -465,14 +465,14 @@ class Generation:
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
         branches = min(len(proposals.tokens[0]), self.branches)
         if proposals.confidences:
-            return self._confident_head_round(proposals, cap, branches if self._running() <= 1 else 1)
+            return self._confident_head_round(proposals, cap, self._tree_branches(branches))
         k, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True, branches=branches)
         return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals.tokens[:k])])
 
     def _confident_head_round(self, proposals: HeadProposals, cap: int, branches: int) -> tuple[list[int], list[int]]:
         """A head round shaped by the heads' confidence this round (adaptive.confident_tree): of the
         first `cap` heads' first `branches` candidates, the most valuable nodes, as many as pay for
-        their verified positions (a chain when branches is 1: a request beside others, _best_shape);
+        their verified positions (a chain when branches is 1: a request beside others, _tree_branches);
         none when none pays or the draft service promises more."""
         confidences = [probs[:branches] for probs in proposals.confidences[:cap]]
         counts, predicted, rate = confident_tree(confidences, self._head_calibration.scale,
@@ -546,10 +546,9 @@ class Generation:
         where the chain misses first (held-out, the shipped heads' second candidate at position 1 alone
         moved 1.806 → 1.930 tokens a pass, beside all three 2.005: docs/benchmarks/heads_trees_offline.json);
         they rescue a missed draft at the request's measured `rescue` rate there (expected_tokens) and
-        cost the verify their positions (round_cost_s(k, w), measured). Only a request running alone
-        drafts trees: a tree pass cannot join a batched pass (its mask is its own), so beside other
-        requests it would hold them up, a cost no measured verify time shows."""
-        widths = range(length + 1) if branches > 1 and rescue is not None and self._running() <= 1 else range(1)
+        cost the verify their positions (round_cost_s(k, w), measured); chains only beside other
+        requests (_tree_branches)."""
+        widths = range(length + 1) if self._tree_branches(branches) > 1 and rescue is not None else range(1)
         best = (0, 0, -1.0)
         for widened in widths:
             rescued = rescue.chain(widened) + [0.0] * (length - widened) if widened else ()
@@ -557,6 +556,12 @@ class Generation:
             if rate > best[2] * (1 + 1e-9):  # ties: the fewest alternatives
                 best = (k, min(widened, k), rate)
         return best
+
+    def _tree_branches(self, branches: int) -> int:
+        """Candidates a position this round may draft: `branches` for a request running alone, else 1.
+        A tree pass cannot join a batched pass (its mask is its own), so beside other requests it would
+        hold them up, a cost no measured verify time shows."""
+        return branches if self._running() <= 1 else 1
 
     def _reopen_draft_if_due(self) -> None:
         """(Re)open the draft session when it is closed (it failed, or opened under load) and its back-off is over."""

@@ -60,14 +60,25 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
     return best_k, best
 
 
+def node_values(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
+    """[(value, depth, rank)] for every candidate of the Medusa heads (confidences[d][r]: head d + 1's
+    probability of its r-th candidate, best first): the product of the probabilities along its path,
+    the chain of each head's best, where a later candidate of head d hangs off the chain's node d − 1
+    (chained heads read the earlier heads' best). Calibrated heads make it the chance that the node
+    is the target's token (confident_tree)."""
+    nodes, reach = [], 1.0
+    for depth, probs in enumerate(confidences):
+        nodes += [(reach * p, depth, rank) for rank, p in enumerate(probs)]
+        reach *= probs[0] if probs else 0.0
+    return nodes
+
+
 def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
                    round_cost_s: Callable[[int, bool], float]) -> tuple[list[int], float, float]:
     """A tree of the Medusa heads' candidates chosen by their confidence this round (EAGLE-2's dynamic
     tree): confidences[d][r] is head d + 1's probability of its r-th candidate (best first). A node's
-    value is the chance it is the target's token: the product of the probabilities along its path
-    (the chain of each head's best; a later candidate of head d hangs off the chain's node d − 1,
-    since chained heads read the earlier heads' best), times the request's measured `scale`
-    (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
+    value is the chance it is the target's token: its path product (node_values) times the
+    request's measured `scale` (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
     round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n, tree)
     (the measured verify of n + 1 positions, tree: some of them are alternatives). Held out, the
     shipped heads' path products are the acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
@@ -78,10 +89,7 @@ def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
     count[d] candidates drafted, tree.chain_with_leaves; [] for no drafts), the sum of the chosen
     nodes' unscaled values (the round's prediction, for HeadCalibration) and the tokens per second
     expected."""
-    nodes, reach = [], 1.0  # (value, depth, rank)
-    for depth, probs in enumerate(confidences):
-        nodes += [(reach * p, depth, rank) for rank, p in enumerate(probs)]
-        reach *= probs[0] if probs else 0.0
+    nodes = node_values(confidences)
     nodes.sort(key=lambda node: (-node[0], node[1], node[2]))  # a parent before its children: never worth less
     chain = [node for node in nodes if node[2] == 0]  # a tree costs more (round_cost_s), so the best chain is a candidate too
     best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)

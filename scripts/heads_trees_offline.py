@@ -57,15 +57,11 @@ def accepted_depth(tree: list, candidates: list, row: int, continuation: list[in
 
 
 def node_values(confidences: list, row: int) -> list:
-    """[(value, depth, rank)] for every candidate at that row: the product of the heads'
-    probabilities along its path (chain nodes: the earlier heads' best; an alternative hangs off the
-    chain node before it), the chance it is accepted if the heads were calibrated.
-    confidences[d][row][r]: head d's probability of its r-th candidate."""
-    pool, reach = [], 1.0
-    for depth, probs in enumerate(confidences):
-        pool += [(reach * p, depth, rank) for rank, p in enumerate(probs[row])]
-        reach *= probs[row][0]
-    return pool
+    """adaptive.node_values of that row (the gateway's rule): [(value, depth, rank)] for every
+    candidate. confidences[d][row][r]: head d's probability of its r-th candidate."""
+    from gateway.adaptive import node_values as values_of
+
+    return values_of([probs[row] for probs in confidences])
 
 
 def confident_tree(confidences: list, row: int, nodes: int, threshold: float = 0.0, candidates: int = 0) -> list:

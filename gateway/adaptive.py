@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from specd_common import autotune
 
@@ -73,38 +73,95 @@ def node_values(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int
     return nodes
 
 
-def confident_tree(confidences: Sequence[Sequence[float]], scale: float,
-                   round_cost_s: Callable[[int, bool], float]) -> tuple[list[int], float, float]:
-    """A tree of the Medusa heads' candidates chosen by their confidence this round (EAGLE-2's dynamic
-    tree): confidences[d][r] is head d + 1's probability of its r-th candidate (best first). A node's
-    value is the chance it is the target's token: its path product (node_values) times the
-    request's measured `scale` (HeadCalibration). The expected tokens of a round are 1 + the sum of its nodes' values, so the
-    round takes the n most valuable nodes for the n that maximizes that over round_cost_s(n, tree)
-    (the measured verify of n + 1 positions, tree: some of them are alternatives). Held out, the
+class TreeNode(NamedTuple):
+    """A candidate node of a round's tree: the tokens from the root to it, and its value, the chance it
+    is the target's token there (calibrated); never above its parent's value."""
+
+    path: tuple[int, ...]
+    value: float
+
+
+def head_nodes(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]], scale: float) -> list[TreeNode]:
+    """The Medusa heads' candidates as tree nodes (tokens[d][r], confidences[d][r]: head d + 1's r-th
+    candidate and its probability, best first): valued by node_values times the request's `scale`
+    (HeadCalibration), in node_values' order, so each head's best comes before its alternatives."""
+    chain = [candidates[0] for candidates in tokens]
+    return [TreeNode((*chain[:depth], tokens[depth][rank]), value * scale) for value, depth, rank in node_values(confidences)]
+
+
+def chain_nodes(tokens: Sequence[int], rates: Sequence[float]) -> list[TreeNode]:
+    """A chain of drafts (a lookup copy) as tree nodes: node i's value is the chance that drafts 0..i are
+    all the target's, the product of the per-position acceptance rates (AcceptanceEstimate.chain)."""
+    nodes, reach = [], 1.0
+    for i, rate in enumerate(rates[: len(tokens)]):
+        reach *= rate
+        nodes.append(TreeNode(tuple(tokens[: i + 1]), reach))
+    return nodes
+
+
+def pool_chain(pool: Sequence[TreeNode]) -> list[TreeNode]:
+    """A drafter's own chain among its nodes: from the root, each node's first child in the pool's order."""
+    chain: list[TreeNode] = []
+    while (child := next((node for node in pool if node.path[:-1] == (chain[-1].path if chain else ())), None)) is not None:
+        chain.append(child)
+    return chain
+
+
+def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int, bool], float]) -> tuple[list[TreeNode], float]:
+    """The nodes of one round's tree from free drafters' candidates (EAGLE-2's dynamic tree, over every
+    drafter that needs no draft call): pools[i] are drafter i's nodes, each one's parent among them.
+    A round's expected tokens are 1 + the sum of its nodes' values, so the round takes the n most
+    valuable nodes of all pools (a path offered twice counts once, at its larger value) for the n
+    that maximizes that over round_cost_s(n, tree) (the measured verify of n + 1 positions, tree:
+    some nodes are siblings; a tree pass costs more than a chain of its size), and weighs each pool's
+    chain (pool_chain: a drafter's best guesses) apart, since the best
+    chain need not be a prefix of the nodes by value once trees cost more.
+
+    Returns (the chosen nodes ordered for a tree: parents first, and among siblings those of the
+    earliest pool first, so tree.main_chain is the first pool's chain as far as it was chosen; [] for
+    no drafts) and the tokens per second expected."""
+    merged: dict[tuple[int, ...], TreeNode] = {}
+    first_pool: dict[tuple[int, ...], int] = {}
+    for index, pool in enumerate(pools):
+        for node in pool:
+            first_pool.setdefault(node.path, index)
+            if node.path not in merged or node.value > merged[node.path].value:
+                merged[node.path] = node
+    ranked = sorted(merged.values(), key=lambda node: (-node.value, len(node.path)))  # stable: a parent first at equal value
+    chains = [[merged[node.path] for node in pool_chain(pool)] for pool in pools]
+    best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)
+    for candidates in (ranked, *chains):
+        chosen: set[tuple[int, ...]] = {()}
+        taken: list[TreeNode] = []
+        expected, branched = 1.0, False
+        for node in candidates:
+            if node.path[:-1] not in chosen:
+                continue  # its parent was not taken (equal values)
+            branched = branched or any(len(other.path) == len(node.path) and other.path[:-1] == node.path[:-1] for other in taken)
+            chosen.add(node.path)
+            taken.append(node)
+            expected += min(node.value, 0.999)
+            rate = expected / max(round_cost_s(len(taken), branched), 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = list(taken), rate
+    best.sort(key=lambda node: (len(node.path), first_pool[node.path], -node.value))
+    return best, best_rate
+
+
+def confident_tree(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]], scale: float,
+                   round_cost_s: Callable[[int, bool], float]) -> tuple[list[TreeNode], float, float]:
+    """A tree of the Medusa heads' candidates chosen by their confidence this round (valued_tree over
+    head_nodes): tokens[d][r] and confidences[d][r] are head d + 1's r-th candidate and its
+    probability (best first); a node's value is the chance it is the target's token, its path product
+    (node_values) times the request's measured `scale` (HeadCalibration). Held out, the
     shipped heads' path products are the acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
     and trees so chosen beat fixed shapes of equal size (6 nodes: 2.083 tokens a pass against
     2.005 for the chain with its second candidates beside).
 
-    Returns (candidates per depth, all ≥ 1: the chain is as long as the list, each depth's first
-    count[d] candidates drafted, tree.chain_with_leaves; [] for no drafts), the sum of the chosen
-    nodes' unscaled values (the round's prediction, for HeadCalibration) and the tokens per second
-    expected."""
-    nodes = node_values(confidences)
-    nodes.sort(key=lambda node: (-node[0], node[1], node[2]))  # a parent before its children: never worth less
-    chain = [node for node in nodes if node[2] == 0]  # a tree costs more (round_cost_s), so the best chain is a candidate too
-    best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)
-    for pool in (nodes, chain):
-        expected, branched = 1.0, False
-        for n, (value, _, rank) in enumerate(pool, start=1):
-            expected += min(value * scale, 0.999)
-            branched = branched or rank > 0
-            rate = expected / max(round_cost_s(n, branched), 1e-9)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = pool[:n], rate
-    counts = [0] * len(confidences)
-    for _, depth, _ in best:
-        counts[depth] += 1
-    return counts[: counts.index(0)] if 0 in counts else counts, sum(value for value, *_ in best), best_rate
+    Returns (the chosen nodes, ordered for tree.from_paths; [] for no drafts), the sum of their
+    unscaled values (the round's prediction, for HeadCalibration) and the tokens per second expected."""
+    chosen, rate = valued_tree([head_nodes(tokens, confidences, scale)], round_cost_s)
+    return chosen, sum(node.value for node in chosen) / scale if scale else 0.0, rate
 
 
 # Speculating in a shared batch must promise this much more than the verify's start-up costs and the

@@ -79,6 +79,13 @@ def chain_with_leaves(steps: Sequence[Sequence[int]]) -> tuple[list[int], list[i
     return tokens, parents
 
 
+def from_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The tree whose node i is the last token of paths[i] (the tokens from the root to it; each path's
+    parent path comes earlier, siblings' last tokens differ) → (tokens, parents)."""
+    index = {tuple(path): i for i, path in enumerate(paths)}
+    return [path[-1] for path in paths], [index[tuple(path[:-1])] if len(path) > 1 else ROOT for path in paths]
+
+
 def widened_nodes(parents: Sequence[int], widened: int) -> list[int]:
     """The nodes to keep, in order, so that only the first `widened` positions keep their
     alternatives: the main chain and every node at depth ≤ widened (closed under ancestors: a

@@ -545,6 +545,7 @@ def test_a_head_tree_is_drafted_only_where_its_positions_pay():
 
 
 CONFIDENCES = [[0.9, 0.05], [0.5, 0.3], [0.4, 0.2]]  # each head's two candidates; path values 0.9, 0.05 | 0.45, 0.27 | 0.18, 0.09
+TOKENS = [[7, 17], [8, 18], [9, 19]]  # their tokens
 
 
 def per_position(cost: float, tree_extra: float = 0.0) -> Callable[[int, bool], float]:
@@ -564,16 +565,78 @@ def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
     valuable nodes, so chains are weighed apart."""
     from gateway.adaptive import confident_tree
 
-    counts, predicted, rate = confident_tree(CONFIDENCES, 1.0, per_position(0.1))
-    assert counts == [1, 2] and predicted == pytest.approx(1.62) and rate == pytest.approx(2.62 / 1.3)
-    assert confident_tree(CONFIDENCES, 1.0, per_position(0.2))[0] == [1, 1]
-    assert confident_tree(CONFIDENCES, 1.0, per_position(0.0))[0] == [2, 2, 2]
-    assert confident_tree(CONFIDENCES, 0.5, per_position(0.1))[0] == [1, 1]
-    assert confident_tree(CONFIDENCES, 1.0, per_position(0.05))[0] == [1, 2, 1]
-    counts, predicted, rate = confident_tree(CONFIDENCES, 1.0, per_position(0.05, tree_extra=0.3))
-    assert counts == [1, 1, 1] and rate == pytest.approx(2.53 / 1.15)
-    counts, predicted, rate = confident_tree([[0.01], [0.5]], 1.0, per_position(0.2))
-    assert (counts, predicted, rate) == ([], 0.0, 1.0)
+    def counts(confidences, scale, cost):  # candidates taken per depth (head)
+        nodes, predicted, rate = confident_tree(TOKENS, confidences, scale, cost)
+        return [sum(len(node.path) == depth for node in nodes) for depth in range(1, 4) if any(len(node.path) == depth for node in nodes)]
+
+    nodes, predicted, rate = confident_tree(TOKENS, CONFIDENCES, 1.0, per_position(0.1))
+    assert [node.path for node in nodes] == [(7,), (7, 8), (7, 18)]  # parents first, the heads' best before their alternatives
+    assert predicted == pytest.approx(1.62) and rate == pytest.approx(2.62 / 1.3)
+    assert counts(CONFIDENCES, 1.0, per_position(0.2)) == [1, 1]
+    assert counts(CONFIDENCES, 1.0, per_position(0.0)) == [2, 2, 2]
+    assert counts(CONFIDENCES, 0.5, per_position(0.1)) == [1, 1]
+    assert counts(CONFIDENCES, 1.0, per_position(0.05)) == [1, 2, 1]
+    nodes, predicted, rate = confident_tree(TOKENS, CONFIDENCES, 1.0, per_position(0.05, tree_extra=0.3))
+    assert [node.path for node in nodes] == [(7,), (7, 8), (7, 8, 9)] and rate == pytest.approx(2.53 / 1.15)
+    nodes, predicted, rate = confident_tree([[7], [8]], [[0.01], [0.5]], 1.0, per_position(0.2))
+    assert (nodes, predicted, rate) == ([], 0.0, 1.0)
+
+
+def test_free_drafters_share_one_tree_by_value():
+    """Unit, adaptive.valued_tree by hand: a lookup copy valued 0.8, 0.6 (rates 0.8, 0.75) and the heads'
+    nodes 0.5 (9), 0.25 (9, 4), 0.1 (3). Free positions take every node, the copy first among siblings
+    (tree.main_chain is the copy); at +0.2 a node the three best (2.9/1.6 = 1.81 against the copy's
+    2.4/1.4); when a tree costs 0.3 more, the copy's chain alone (1.71 against 2.9/1.9 = 1.53), not a
+    prefix of the nodes by value; a path both offer counts once, at the larger value."""
+    from gateway.adaptive import TreeNode, chain_nodes, valued_tree
+    from specd_common import tree
+
+    copy = chain_nodes([7, 8], [0.8, 0.75])
+    heads = [TreeNode((9,), 0.5), TreeNode((9, 4), 0.25), TreeNode((3,), 0.1)]
+    nodes, rate = valued_tree([copy, heads], per_position(0.0))
+    tokens, parents = tree.from_paths([node.path for node in nodes])
+    assert (tokens, parents) == ([7, 9, 3, 8, 4], [-1, -1, -1, 0, 1]) and tree.main_chain(parents) == [0, 3]
+    assert rate == pytest.approx(3.25)
+    nodes, rate = valued_tree([copy, heads], per_position(0.2))
+    assert [node.path for node in nodes] == [(7,), (9,), (7, 8)] and rate == pytest.approx(2.9 / 1.6)
+    nodes, rate = valued_tree([copy, heads], per_position(0.2, tree_extra=0.3))
+    assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(2.4 / 1.4)
+    nodes, rate = valued_tree([copy, [TreeNode((7,), 0.9)]], per_position(0.0))
+    assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(1 + 0.9 + 0.6)
+
+
+def test_a_lookup_copy_and_the_heads_share_a_round_alone():
+    """Unit, the engine: a request alone with a lookup copy (5 6 ... 5 6 → 7 8 5 6 ...) whose first token is
+    right half the time and confident heads drafts one tree: the copy first (its estimate learns from the main
+    chain), the heads' best beside it; beside another request (no trees) the copy alone, cut by its
+    own estimate as before; heads worth nothing leave the round to the copy and keep their proposals."""
+    costs = StepCosts()
+    for positions in range(1, 14):
+        costs.observe_verify(positions, 0.100 + 0.002 * (positions - 1))
+    heads = HeadProposals([[9, 17], [10, 18], [11, 19]], [[0.9, 0.05], [0.8, 0.1], [0.7, 0.1]])
+
+    def with_copy(running: int = 1, proposals: HeadProposals = heads):
+        generation = head_policy_generation(costs, branches=2)
+        generation.lookup_tokens = 8  # the CLI's default
+        generation.sequence[:] = [5, 6, 7, 8, 5, 6]
+        generation._running = lambda: running
+        for hit in (0, 1) * 5:
+            generation._lookup_acceptance.update(1, hit)  # the copy's first token holds half the time
+        generation._head_drafts = proposals
+        return generation
+
+    alone = with_copy()
+    drafts, parents, copied, headed = alone._free_drafts()
+    assert headed and copied >= 1 and drafts[0] == 7 and 9 in drafts
+    assert parents[drafts.index(9)] == -1  # the heads' best beside the copy's first token
+    assert alone._head_nodes == {i for i, token in enumerate(drafts) if token in (9, 10, 11, 17, 18, 19)}
+    assert not alone._head_drafts  # taken
+    beside = with_copy(running=2)
+    drafts, parents, copied, headed = beside._free_drafts()
+    assert parents == [] and not headed and drafts == [7, 8, 5, 6, 7, 8, 5, 6][:copied]
+    timid = with_copy(proposals=HeadProposals([[9], [10], [11]], [[0.001], [0.001], [0.001]]))
+    drafts, parents, copied, headed = timid._free_drafts()
+    assert not headed and parents == [] and timid._head_drafts  # the copy's rule; the proposals stay
 
 
 def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibration():
@@ -586,7 +649,7 @@ def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibra
     costs = StepCosts()
     for positions in range(1, 8):
         costs.observe_verify(positions, 0.100 + 0.010 * (positions - 1))  # + 0.1 a position, relative
-    proposals = HeadProposals([[7, 17], [8, 18], [9, 19]], CONFIDENCES)
+    proposals = HeadProposals(TOKENS, CONFIDENCES)
     alone = head_policy_generation(costs, branches=2)
     alone._head_drafts = proposals
     assert alone._head_round_drafts() == ([7, 8, 18], [-1, 0, 0])  # tree.chain_with_leaves([[7], [8, 18]])
@@ -712,6 +775,34 @@ def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
             if policy == FIXED:
                 assert trees.stats.tree_rounds == trees.stats.head_rounds > 0
     assert wait_for_no_sessions(medusa_cluster) == {"verify": 0}
+
+
+def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny, medusa_heads, monkeypatch):
+    """The gateway's own lookup copies on (the CLI's default, 8) beside the heads, no draft service:
+    where a copy exists the round may verify it and the heads' candidates in one tree
+    (Generation._joined_round, counted by a spy), and the output is target-only's."""
+    from gateway.engine import Generation
+
+    joined = []
+    original = Generation._joined_round
+
+    def spy(self, copy):
+        result = original(self, copy)
+        joined.append(result is not None)
+        return result
+
+    monkeypatch.setattr(Generation, "_joined_round", spy)
+    running = start_cluster(tiny.target, "", medusa_heads=medusa_heads, lookup_tokens=8)
+    try:
+        stub = running.stub()
+        for prompt in PROMPTS:
+            target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+            speculative = generate(stub, text=prompt, max_new_tokens=40, draft_branches=4)
+            assert list(speculative.token_ids) == list(target_only.token_ids), prompt
+        assert any(joined), "no round joined a copy and the heads"
+        assert wait_for_no_sessions(running) == {"verify": 0}
+    finally:
+        running.stop()
 
 
 def test_the_gateways_default_trees_shape_greedy_adaptive_rounds_only(medusa_cluster):

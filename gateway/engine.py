@@ -492,8 +492,9 @@ class Generation:
         first, so the tree's main chain is the copy as far as it was taken (its estimate learns from
         that, the calibration from the heads' nodes). None when no node of the heads pays: the copy
         alone decides, as before (_lookup_drafts), and the proposals stay for a head round. Held
-        out, offline: +0.08 tokens a pass over a copy that preempts the heads (2.885 against 2.802;
-        scripts/free_trees_offline.py)."""
+        out, offline with these rules: 2.722 tokens a pass against 2.623 for a copy that preempts the
+        heads (scripts/free_trees_offline.py); through the services, four A/B pairs: 2.399 against
+        2.288 tokens a pass, +3.2% tokens/s (docs/benchmarks/ab_joined/)."""
         proposals = self._head_drafts
         cap = max(0, min(len(proposals.tokens), self._tokens_left() - 1))
         branches = min(len(proposals.tokens[0]), self.branches)

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
-from specd_common import autotune
+from specd_common import autotune, tree
 
 
 def expected_tokens(chain: Sequence[float], k: int, rescue: Sequence[float] = ()) -> float:
@@ -107,7 +107,8 @@ def pool_chain(pool: Sequence[TreeNode]) -> list[TreeNode]:
     return chain
 
 
-def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int, bool], float]) -> tuple[list[TreeNode], float]:
+def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int, bool], float],
+                max_nodes: int = tree.MAX_TREE_NODES) -> tuple[list[TreeNode], float]:
     """The nodes of one round's tree from free drafters' candidates (EAGLE-2's dynamic tree, over every
     drafter that needs no draft call): pools[i] are drafter i's nodes, each one's parent among them.
     A round's expected tokens are 1 + the sum of its nodes' values, so the round takes the n most
@@ -115,7 +116,8 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     that maximizes that over round_cost_s(n, tree) (the measured verify of n + 1 positions, tree:
     some nodes are siblings; a tree pass costs more than a chain of its size), and weighs each pool's
     chain (pool_chain: a drafter's best guesses) apart, since the best
-    chain need not be a prefix of the nodes by value once trees cost more.
+    chain need not be a prefix of the nodes by value once trees cost more. At most max_nodes nodes (what a
+    Verify scores).
 
     Returns (the chosen nodes ordered for a tree: parents first, and among siblings those of the
     earliest pool first, so tree.main_chain is the first pool's chain as far as it was chosen; [] for
@@ -135,6 +137,8 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
         taken: list[TreeNode] = []
         expected, branched = 1.0, False
         for node in candidates:
+            if len(taken) == max_nodes:
+                break
             if node.path[:-1] not in chosen:
                 continue  # its parent was not taken (equal values)
             branched = branched or any(len(other.path) == len(node.path) and other.path[:-1] == node.path[:-1] for other in taken)

@@ -16,13 +16,13 @@ from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.errors import grpc_errors, grpc_stream_errors, require
 from specd_common.params import Warp
 from specd_common.sequence import validate_token_ids
+from specd_common.tree import MAX_TREE_NODES
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_NEW_TOKENS = 8192
 MAX_DRAFT_TOKENS = 16
 MAX_BRANCHES = 4  # candidates per drafted position of a tree (GenerateRequest.draft_branches)
-MAX_TREE_NODES = 32  # drafts a Verify may score (verify_service.service.MAX_DRAFT_TOKENS)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from specd_common.errors import InvalidArgument
 
 ROOT = -1
+MAX_TREE_NODES = 32  # drafted nodes one Verify may score (verify_service.service.MAX_DRAFT_TOKENS)
 
 
 def chain_parents(k: int) -> list[int]:

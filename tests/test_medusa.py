@@ -587,7 +587,7 @@ def test_free_drafters_share_one_tree_by_value():
     nodes 0.5 (9), 0.25 (9, 4), 0.1 (3). Free positions take every node, the copy first among siblings
     (tree.main_chain is the copy); at +0.2 a node the three best (2.9/1.6 = 1.81 against the copy's
     2.4/1.4); when a tree costs 0.3 more, the copy's chain alone (1.71 against 2.9/1.9 = 1.53), not a
-    prefix of the nodes by value; a path both offer counts once, at the larger value."""
+    prefix of the nodes by value; a path both offer counts once, at the larger value; max_nodes caps the tree."""
     from gateway.adaptive import TreeNode, chain_nodes, valued_tree
     from specd_common import tree
 
@@ -603,6 +603,8 @@ def test_free_drafters_share_one_tree_by_value():
     assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(2.4 / 1.4)
     nodes, rate = valued_tree([copy, [TreeNode((7,), 0.9)]], per_position(0.0))
     assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(1 + 0.9 + 0.6)
+    nodes, rate = valued_tree([copy, heads], per_position(0.0), max_nodes=2)  # no more than a Verify scores
+    assert [node.path for node in nodes] == [(7,), (7, 8)]
 
 
 def test_a_lookup_copy_and_the_heads_share_a_round_alone():

@@ -38,10 +38,32 @@ def medusa_heads(tiny, tmp_path_factory):
     return build_medusa_heads(tiny.target, tmp_path_factory.mktemp("medusa") / "heads", heads=HEADS)
 
 
+class FrozenCosts(StepCosts):
+    """Step costs that serving does not move (their observations are dropped)."""
+
+    def observe_verify(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_draft(self, *args, **kwargs) -> None:
+        pass
+
+
+def frozen_costs(base_s: float, per_position_s: float) -> StepCosts:
+    """A verify of n positions costing base + per_position · n, with or without the heads' proposals, for good."""
+    costs = FrozenCosts()
+    for positions in range(1, 34):
+        for heads in (False, True):
+            StepCosts.observe_verify(costs, positions, base_s + per_position_s * positions, heads=heads)
+    return costs
+
+
 @pytest.fixture(scope="module")
 def medusa_cluster(tiny, medusa_heads):
-    """A verify with Medusa heads and no draft service at all."""
+    """A verify with Medusa heads and no draft service at all; frozen, nearly flat step costs, so the
+    adaptive rounds' shapes follow the tokens, not the machine's load (under a busy CPU a measured
+    spike could price the heads out for a whole request: head_rounds 0 in 3 of 8 runs)."""
     running = start_cluster(tiny.target, "", medusa_heads=medusa_heads)
+    running.gateway.servicer.backends.costs = frozen_costs(0.100, 0.001)
     yield running
     running.stop()
 
@@ -782,7 +804,10 @@ def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
 def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny, medusa_heads, monkeypatch):
     """The gateway's own lookup copies on (the CLI's default, 8) beside the heads, no draft service:
     where a copy exists the round may verify it and the heads' candidates in one tree
-    (Generation._joined_round, counted by a spy), and the output is target-only's."""
+    (Generation._joined_round, counted by a spy), and the output is target-only's; on the sampling path
+    too (top_k 1, so its output is greedy's: each candidate judged as a fixed token with its one-hot q,
+    the rule tests/test_tree_sampling.py checks for exactness). Costs are frozen so the rounds' shapes
+    follow the tokens, not the machine's load."""
     from gateway.engine import Generation
 
     joined = []
@@ -795,6 +820,7 @@ def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny
 
     monkeypatch.setattr(Generation, "_joined_round", spy)
     running = start_cluster(tiny.target, "", medusa_heads=medusa_heads, lookup_tokens=8)
+    running.gateway.servicer.backends.costs = frozen_costs(0.100, 0.001)  # as medusa_cluster's
     try:
         stub = running.stub()
         for prompt in PROMPTS:
@@ -802,6 +828,15 @@ def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny
             speculative = generate(stub, text=prompt, max_new_tokens=40, draft_branches=4)
             assert list(speculative.token_ids) == list(target_only.token_ids), prompt
         assert any(joined), "no round joined a copy and the heads"
+        joined.clear()
+        # the sampling path with a one-token support (top_k 1): a sampled request that asks for trees joins
+        # too, judges each candidate as a fixed token (multi_candidate_sample) and must emit greedy's tokens
+        sampling = common_pb2.SamplingParams(temperature=1.0, top_k=1)
+        for prompt in PROMPTS:
+            target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+            sampled = generate(stub, text=prompt, max_new_tokens=40, draft_branches=4, sampling=sampling)
+            assert list(sampled.token_ids) == list(target_only.token_ids), prompt
+        assert any(joined), "no sampled round joined a copy and the heads"
         assert wait_for_no_sessions(running) == {"verify": 0}
     finally:
         running.stop()

@@ -495,13 +495,9 @@ class Generation:
         out, offline with these rules: 2.722 tokens a pass against 2.623 for a copy that preempts the
         heads (scripts/free_trees_offline.py); through the services, four A/B pairs: 2.399 against
         2.288 tokens a pass, +3.2% tokens/s (docs/benchmarks/ab_joined/)."""
-        proposals = self._head_drafts
-        cap = max(0, min(len(proposals.tokens), self._tokens_left() - 1))
-        branches = min(len(proposals.tokens[0]), self.branches)
         scale = self._head_calibration.scale
-        heads = head_nodes([c[:branches] for c in proposals.tokens[:cap]], [p[:branches] for p in proposals.confidences[:cap]], scale)
-        nodes, _ = valued_tree([chain_nodes(copy, self._lookup_acceptance.chain(len(copy))), heads],
-                               lambda n, tree: self._free_cost(n, 1, 0, heads=True, tree=tree))
+        heads = head_nodes(*self._head_candidates(self._head_drafts), scale)
+        nodes, _ = valued_tree([chain_nodes(copy, self._lookup_acceptance.chain(len(copy))), heads], self._head_round_cost)
         own = {node.path: node.value for node in heads}
         if not any(node.path in own for node in nodes):
             return None
@@ -540,25 +536,22 @@ class Generation:
         proposals = self._take_head_proposals()
         if not proposals or not self._speculation_allowed():
             return [], []
-        cap = max(0, min(len(proposals.tokens), self._tokens_left() - 1))
+        cap = self._head_cap(proposals)
         if not self.spec.adaptive:
             return ([], []) if self.speculate else head_round(proposals.tokens[: min(cap, self.spec.num_draft_tokens)])
         self._reopen_draft_if_due()  # so the heads are compared with a live draft, not with none
-        branches = min(len(proposals.tokens[0]), self.branches)
         if proposals.confidences:
-            return self._confident_head_round(proposals, cap, self._tree_branches(branches))
+            return self._confident_head_round(*self._head_candidates(proposals))
+        branches = min(len(proposals.tokens[0]), self.branches)
         k, widened = self._free_shape(cap, self._head_acceptance, rival_rate=self._draft_rate(), heads=True, branches=branches)
         return head_round([candidates[: branches if i < widened else 1] for i, candidates in enumerate(proposals.tokens[:k])])
 
-    def _confident_head_round(self, proposals: HeadProposals, cap: int, branches: int) -> tuple[list[int], list[int]]:
+    def _confident_head_round(self, tokens: list[list[int]], confidences: list[list[float]]) -> tuple[list[int], list[int]]:
         """A head round shaped by the heads' confidence this round (adaptive.confident_tree): of the
-        first `cap` heads' first `branches` candidates, the most valuable nodes, as many as pay for
-        their verified positions (a chain when branches is 1: a request beside others, _tree_branches);
-        none when none pays or the draft service promises more."""
-        tokens = [candidates[:branches] for candidates in proposals.tokens[:cap]]
-        confidences = [probs[:branches] for probs in proposals.confidences[:cap]]
-        nodes, predicted, rate = confident_tree(tokens, confidences, self._head_calibration.scale,
-                                                lambda n, tree: self._free_cost(n, 1, 0, heads=True, tree=tree))
+        candidates tokens[d][r] (_head_candidates), the most valuable nodes, as many as pay for their
+        verified positions (a chain when there is one candidate a head: a request beside others,
+        _tree_branches); none when none pays or the draft service promises more."""
+        nodes, predicted, rate = confident_tree(tokens, confidences, self._head_calibration.scale, self._head_round_cost)
         rival_rate = self._draft_rate()
         if nodes and rate > rival_rate:
             self._rounds_since_head_round = 0
@@ -572,6 +565,21 @@ class Generation:
             return [], []
         self._head_predicted, self._head_nodes = predicted, set(range(len(nodes)))
         return tree_round(nodes)
+
+    def _head_cap(self, proposals: HeadProposals) -> int:
+        """How many heads' proposals a round may draft: one token fewer than the request may still emit."""
+        return max(0, min(len(proposals.tokens), self._tokens_left() - 1))
+
+    def _head_candidates(self, proposals: HeadProposals) -> tuple[list[list[int]], list[list[float]]]:
+        """What a round shaped by the heads' confidence chooses among: the first _head_cap heads' first
+        draft_branches candidates (one beside other requests: _tree_branches) and their confidences."""
+        cap, branches = self._head_cap(proposals), self._tree_branches(min(len(proposals.tokens[0]), self.branches))
+        return [c[:branches] for c in proposals.tokens[:cap]], [p[:branches] for p in proposals.confidences[:cap]]
+
+    def _head_round_cost(self, drafts: int, tree: bool) -> float:
+        """Seconds of a free round of `drafts` nodes (a tree pass when `tree`) whose Verify asks for the
+        heads' proposals: how head and joined rounds are priced."""
+        return self._free_cost(drafts, 1, 0, heads=True, tree=tree)
 
     def _ask_head_drafts(self) -> bool:
         """Whether this round's Verify should return the heads' proposals for the next round: only when a

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from specd_common.errors import InvalidArgument
 
 ROOT = -1
-MAX_TREE_NODES = 32  # drafted nodes one Verify may score (verify_service.service.MAX_DRAFT_TOKENS)
+MAX_TREE_NODES = 32  # drafted nodes one Verify scores at most: the verify's limit, the gateway's checks and trees
 
 
 def chain_parents(k: int) -> list[int]:

@@ -11,12 +11,11 @@ from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
-from specd_common import tree
-from specd_common.tree import validate_tree
+from specd_common.tree import MAX_TREE_NODES, validate_tree
 from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
-MAX_DRAFT_TOKENS = tree.MAX_TREE_NODES
+MAX_DRAFT_TOKENS = MAX_TREE_NODES
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 

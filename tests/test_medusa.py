@@ -48,22 +48,25 @@ class FrozenCosts(StepCosts):
         pass
 
 
-def frozen_costs(base_s: float, per_position_s: float) -> StepCosts:
-    """A verify of n positions costing base + per_position · n, with or without the heads' proposals, for good."""
+def start_heads_cluster(target, heads, **options):
+    """A verify with Medusa heads and no draft service at all (start_cluster's `options` besides), whose
+    gateway prices rounds by frozen, nearly flat step costs (a verify of n positions 100 + n ms, with
+    or without the heads' proposals), so adaptive rounds' shapes follow the tokens, not the machine's
+    load (under a busy CPU a measured spike could price the heads out for a whole request: head_rounds
+    0 in 3 of 8 runs)."""
+    running = start_cluster(target, "", medusa_heads=heads, **options)
     costs = FrozenCosts()
     for positions in range(1, 34):
-        for heads in (False, True):
-            StepCosts.observe_verify(costs, positions, base_s + per_position_s * positions, heads=heads)
-    return costs
+        for asked in (False, True):
+            StepCosts.observe_verify(costs, positions, 0.100 + 0.001 * positions, heads=asked)
+    running.gateway.servicer.backends.costs = costs
+    return running
 
 
 @pytest.fixture(scope="module")
 def medusa_cluster(tiny, medusa_heads):
-    """A verify with Medusa heads and no draft service at all; frozen, nearly flat step costs, so the
-    adaptive rounds' shapes follow the tokens, not the machine's load (under a busy CPU a measured
-    spike could price the heads out for a whole request: head_rounds 0 in 3 of 8 runs)."""
-    running = start_cluster(tiny.target, "", medusa_heads=medusa_heads)
-    running.gateway.servicer.backends.costs = frozen_costs(0.100, 0.001)
+    """start_heads_cluster's stack, shared by this module's system tests."""
+    running = start_heads_cluster(tiny.target, medusa_heads)
     yield running
     running.stop()
 
@@ -806,8 +809,8 @@ def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny
     where a copy exists the round may verify it and the heads' candidates in one tree
     (Generation._joined_round, counted by a spy), and the output is target-only's; on the sampling path
     too (top_k 1, so its output is greedy's: each candidate judged as a fixed token with its one-hot q,
-    the rule tests/test_tree_sampling.py checks for exactness). Costs are frozen so the rounds' shapes
-    follow the tokens, not the machine's load."""
+    the rule tests/test_tree_sampling.py checks for exactness). Costs are frozen (start_heads_cluster),
+    so the rounds' shapes follow the tokens, not the machine's load."""
     from gateway.engine import Generation
 
     joined = []
@@ -819,8 +822,7 @@ def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny
         return result
 
     monkeypatch.setattr(Generation, "_joined_round", spy)
-    running = start_cluster(tiny.target, "", medusa_heads=medusa_heads, lookup_tokens=8)
-    running.gateway.servicer.backends.costs = frozen_costs(0.100, 0.001)  # as medusa_cluster's
+    running = start_heads_cluster(tiny.target, medusa_heads, lookup_tokens=8)
     try:
         stub = running.stub()
         for prompt in PROMPTS:

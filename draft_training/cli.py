@@ -53,6 +53,8 @@ def add_train_draft_parser(commands) -> None:
     parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
     parser.add_argument("--reference-rows", type=int, default=None, help="override how many public reference answers the run "
                         "extracts and trains on besides the target's own (0: the target's answers alone)")
+    parser.add_argument("--corpus-from", type=int, default=None, help="train on the corpus's records from this one on, in the order "
+                        "they were added (e.g. the count a head was last trained on: only the answers new to it)")
     parser.add_argument("--ttt-passes", type=int, default=None, help="train drafting steps 1..N on the head's own estimates "
                         "(EAGLE-3's training-time test; costs ~N times a step; default: the recipe's, 1)")
     parser.add_argument("--init-head", default=None, help="train further from this saved head (weights and vocabulary) "

@@ -49,6 +49,7 @@ class FeatureRecipe:
     token_loss_weight: float = 0.1
     ttt_passes: int = 1  # drafting steps trained (EAGLE-3 training-time test; 1 = the first step only)
     use_corpus: bool = False  # also train on the committed corpus of the target's answers (draft_training/corpus.py)
+    corpus_from: int = 0  # the corpus's records from this one on (in the order they were added): a head trained further sees only answers new to it
     init_head: str = ""  # start from this saved head (its weights and vocabulary) instead of the target's last layer
     gen_minutes: float = 0.0  # budgets; 0 = unlimited
     feature_minutes: float = 0.0
@@ -92,7 +93,8 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     distill_data.generate_stage(target.model, target.tokenizer, train_rows, data, "gen-train", budget=Budget(recipe.gen_minutes), **common)
     generated = distill_data.load_records(data, "gen-train")
     if recipe.use_corpus:
-        generated += corpus_sources(target.name, recipe.held_out_fraction)
+        held_out_prompts = [record["tokens"][: record["start"]].tolist() for record in distill_data.load_records(data, "gen-eval")]
+        generated += corpus_sources(target.name, recipe.held_out_fraction, held_out_prompts, recipe.corpus_from)
     answered = {record["id"] for record in generated}
     references = [
         row for row in select_prompts(rows, {k: 100_000 for k in KINDS}, False, recipe.held_out_fraction, recipe.seed)
@@ -103,16 +105,23 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     return sources
 
 
-def corpus_sources(target_name: str, held_out_fraction: float) -> list[dict]:
-    """The committed corpus's answers as feature sources (ids 'corpus:<mode>:<prompt id>'). The corpus
-    never answers held-out prompts; checked here too, since evaluation prompts must stay unseen."""
+def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts: Sequence[Sequence[int]] = (),
+                   first: int = 0) -> list[dict]:
+    """The committed corpus's answers from record `first` on as feature sources (ids
+    'corpus:<mode>:<prompt id>'), leaving out those whose prompt shares a passage with one of
+    `held_out_prompts` (train_prompts.leaking_prompts). The corpus never answers held-out prompts;
+    checked here too, since evaluation prompts must stay unseen."""
     from draft_training.corpus import Corpus, corpus_dir
-    from draft_training.train_prompts import is_held_out
+    from draft_training.train_prompts import is_held_out, leaking_prompts
 
     records = Corpus.open(corpus_dir(target_name)).records
     if any(is_held_out(record.id, held_out_fraction) for record in records):
         raise ValueError(f"the corpus of {target_name} holds answers to held-out prompts; it was made with another split")
-    log.info("corpus: %d answers, %d answer tokens", len(records), sum(len(r.tokens) - r.start for r in records))
+    leaks = leaking_prompts([record.tokens[: record.start] for record in records], held_out_prompts) if held_out_prompts else [False] * len(records)
+    kept = [record for record, leak in list(zip(records, leaks))[first:] if not leak]
+    log.info("corpus: %d answers from record %d on, %d left out as sharing passages with held-out prompts; %d answers, %d answer tokens",
+             len(records) - first, first, sum(leaks[first:]), len(kept), sum(len(r.tokens) - r.start for r in kept))
+    records = kept
     return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in records]
 
 
@@ -301,7 +310,7 @@ def run_feature_recipe(args) -> int:
     from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "reference_rows": args.reference_rows, "ttt_passes": args.ttt_passes,
+                 "epochs": args.epochs, "reference_rows": args.reference_rows, "corpus_from": args.corpus_from, "ttt_passes": args.ttt_passes,
                  "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)

@@ -222,7 +222,7 @@ def run_medusa_recipe(args) -> int:
     from verify_service.medusa import save_heads
 
     overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "reference_rows": args.reference_rows,
+                 "epochs": args.epochs, "reference_rows": args.reference_rows, "corpus_from": args.corpus_from,
                  "init_head": args.init_head and str(Path(args.init_head).resolve())}
     recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
     work, device, target = start_run(args, recipe)

@@ -11,11 +11,12 @@ never moves an old row across the split.
 from __future__ import annotations
 
 import hashlib
+import collections
 import itertools
 import json
 import random
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 KINDS = ("math", "code", "chat", "writing", "translation", "summarization", "qa")
 
@@ -123,6 +124,27 @@ def is_held_out(row_id: str, fraction: float) -> bool:
     """Stable split by a hash of the prompt id: the same row is always on the same side."""
     digest = int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16)
     return digest / 0xFFFFFFFF < fraction
+
+
+LEAK_NGRAM, LEAK_MAX_PROMPTS = 6, 20
+
+
+def leaking_prompts(prompts: Sequence[Sequence[int]], held_out: Sequence[Sequence[int]], n: int = LEAK_NGRAM,
+                    max_prompts: int = LEAK_MAX_PROMPTS) -> list[bool]:
+    """Which training prompts (token ids) share a rare n-gram with some held-out prompt.
+
+    The split is by prompt id, but the synthetic summarization, translation and writing prompts reuse
+    one passage, topic or task under several templates, so a training prompt can hold a held-out
+    prompt's passage under another id; answers to it would teach the passage. An n-gram is rare when
+    fewer than `max_prompts` training prompts hold it: template wording and chat markup are common and
+    say nothing about the passage."""
+    def grams(tokens: Sequence[int]) -> set[tuple[int, ...]]:
+        return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
+
+    found = [grams(list(tokens)) for tokens in prompts]
+    spread = collections.Counter(gram for prompt in found for gram in prompt)
+    held = {gram for tokens in held_out for gram in grams(list(tokens)) if spread[gram] < max_prompts}
+    return [bool(prompt & held) for prompt in found]
 
 
 def select_prompts(rows: list[dict], per_kind: dict[str, int], held_out: bool, fraction: float, seed: int = 0) -> list[dict]:

@@ -16,7 +16,7 @@ Policies: "preempt" (before: a copy alone when one exists, cut by its value; els
 The corpus table: for n = 4 down to 1, the most frequent token after each n tokens of the corpus
 answers (counts over answer positions only), valued count / (total + 2) (add-2 smoothing: a raw
 count / total made n-grams seen once 100% sure, and they hit 28%). Corpus records whose prompts
-share a rare 6-gram with a held-out prompt (in < 20 corpus prompts) are left out: the synthetic
+share a rare 6-gram with a held-out prompt (in < 20 corpus prompts; train_prompts.leaking_prompts) are left out: the synthetic
 summarization and translation prompts reuse passages across templates, and keeping them inflated
 the table's own tokens a pass (`--keep-leaks` keeps them).
 
@@ -35,7 +35,6 @@ import torch
 
 COPY_TOKENS, MIN_NGRAM, CANDIDATES = 8, 2, 4  # the CLI's --lookup-tokens and --lookup-min-ngram, draft_branches
 NGRAM_ORDERS, SMOOTHING, NGRAM_DEPTH = (4, 3, 2, 1), 2.0, 4
-LEAK_NGRAM, LEAK_MAX_PROMPTS = 6, 20
 
 
 class CorpusNgrams:
@@ -94,17 +93,16 @@ class CorpusNgrams:
 
 
 def clean_corpus(records: list[dict], keep_leaks: bool = False) -> tuple[list[tuple[list[int], int]], int]:
-    """The corpus's (tokens, answer start) without records whose prompt shares a rare LEAK_NGRAM-gram with a
-    held-out prompt (all of them with keep_leaks), and how many were left out."""
+    """The corpus's (tokens, answer start) without records whose prompt shares a rare passage with a
+    held-out prompt (train_prompts.leaking_prompts; all of them with keep_leaks), and how many were left out."""
     from draft_training.corpus import Corpus, corpus_dir
+    from draft_training.train_prompts import leaking_prompts
     from specd_common.config import DEFAULT_TARGET
 
     corpus = Corpus.open(corpus_dir(DEFAULT_TARGET))
-    grams = lambda tokens: {tuple(tokens[i : i + LEAK_NGRAM]) for i in range(len(tokens) - LEAK_NGRAM + 1)}  # noqa: E731
-    prompt_grams = [grams(record.tokens[: record.start]) for record in corpus.records]
-    spread = collections.Counter(gram for found in prompt_grams for gram in found)
-    held = {gram for record in records for gram in grams(record["tokens"][: record["start"]].tolist()) if spread[gram] < LEAK_MAX_PROMPTS}
-    kept = [(record.tokens, record.start) for record, found in zip(corpus.records, prompt_grams) if keep_leaks or not found & held]
+    leaks = leaking_prompts([record.tokens[: record.start] for record in corpus.records],
+                            [record["tokens"][: record["start"]].tolist() for record in records])
+    kept = [(record.tokens, record.start) for record, leak in zip(corpus.records, leaks) if keep_leaks or not leak]
     return kept, len(corpus.records) - len(kept)
 
 

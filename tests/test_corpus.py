@@ -78,3 +78,32 @@ def test_feature_training_reads_the_committed_corpus_without_held_out_prompts():
     assert all(s["id"].startswith(("corpus:greedy:", "corpus:sampled:")) for s in sources)
     assert not any(is_held_out(s["id"].split(":", 2)[2], recipe.held_out_fraction) for s in sources)
     assert all(0 < s["start"] < len(s["tokens"]) for s in sources)
+
+
+def test_leaking_prompts_finds_a_held_out_passage_under_another_template():
+    from draft_training.train_prompts import leaking_prompts
+
+    passage = [501, 502, 503, 504, 505, 506, 507]
+    template = [9, 8, 7, 6, 5, 4]  # shared by every prompt: common wording, not a passage
+    prompts = [template + passage, template + [601, 602, 603, 604, 605, 606, 607], template + passage[:5] + [700, 701]]
+    held_out = [[1, 2] + passage + [3]]  # the same passage under another template
+    assert leaking_prompts(prompts, held_out) == [True, False, False]  # five shared tokens are not six
+    # a gram in at least max_prompts training prompts says nothing about a passage
+    assert leaking_prompts(prompts, [template], max_prompts=3) == [False, False, False]
+    assert leaking_prompts(prompts, [template], max_prompts=4) == [True, True, True]
+
+
+def test_corpus_sources_start_at_a_record_and_leave_out_held_out_passages():
+    from draft_training.corpus import corpus_dir
+    from draft_training.feature_training import FEATURE_RECIPES, corpus_sources
+    from specd_common.config import DEFAULT_TARGET
+
+    records = Corpus.open(corpus_dir(DEFAULT_TARGET)).records
+    fraction = FEATURE_RECIPES["feature-corpus"].held_out_fraction
+    leaked = records[260]  # its prompt, as if a held-out prompt held the same passage
+    sources = corpus_sources(DEFAULT_TARGET, fraction, [leaked.tokens[: leaked.start]], first=250)
+    ids = [s["id"] for s in sources]
+    assert f"corpus:{leaked.mode}:{leaked.id}" not in ids
+    expected = [f"corpus:{r.mode}:{r.id}" for r in records[250:]]
+    assert len(ids) < len(expected) and ids == [i for i in expected if i in set(ids)]  # records from 250 on, in order
+    assert len(corpus_sources(DEFAULT_TARGET, fraction)) == len(records)  # no held-out prompts given: nothing left out

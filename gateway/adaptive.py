@@ -108,7 +108,7 @@ def pool_chain(pool: Sequence[TreeNode]) -> list[TreeNode]:
 
 
 def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int, bool], float],
-                max_nodes: int = tree.MAX_TREE_NODES) -> tuple[list[TreeNode], float]:
+                max_nodes: int = tree.MAX_TREE_NODES, trees: bool = True) -> tuple[list[TreeNode], float]:
     """The nodes of one round's tree from free drafters' candidates (EAGLE-2's dynamic tree, over every
     drafter that needs no draft call): pools[i] are drafter i's nodes, each one's parent among them.
     A round's expected tokens are 1 + the sum of its nodes' values, so the round takes the n most
@@ -117,7 +117,8 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     some nodes are siblings; a tree pass costs more than a chain of its size), and weighs each pool's
     chain (pool_chain: a drafter's best guesses) apart, since the best
     chain need not be a prefix of the nodes by value once trees cost more. At most max_nodes nodes (what a
-    Verify scores).
+    Verify scores). Without `trees` (a request beside others: its pass joins a batch) only the pools'
+    chains compete, each node at its value in any pool.
 
     Returns (the chosen nodes ordered for a tree: parents first, and among siblings those of the
     earliest pool first, so tree.main_chain is the first pool's chain as far as it was chosen; [] for
@@ -132,7 +133,7 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     ranked = sorted(merged.values(), key=lambda node: (-node.value, len(node.path)))  # stable: a parent first at equal value
     chains = [[merged[node.path] for node in pool_chain(pool)] for pool in pools]
     best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)
-    for candidates in (ranked, *chains):
+    for candidates in ([ranked] if trees else []) + chains:
         chosen: set[tuple[int, ...]] = {()}
         taken: list[TreeNode] = []
         expected, branched = 1.0, False

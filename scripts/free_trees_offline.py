@@ -10,7 +10,8 @@ AcceptanceEstimate of copies (adaptive.chain_nodes), the heads' candidates (4 a 
 their path products times the request's HeadCalibration (adaptive.head_nodes), and the round's nodes
 chosen by adaptive.valued_tree for a verify costing base + position · n (+ tree for a tree pass) ms.
 Policies: "preempt" (before: a copy alone when one exists, cut by its value; else the heads' tree),
-"joined" (now: both in one tree where a heads' node pays), "heads" (no copies), and with
+"joined" (now: both in one tree where a heads' node pays), "heads" (no copies), each also as
+":chains" (a request beside others: one candidate a head, the pools' chains compete), and with
 --corpus-ngrams "corpus" (the corpus table's chain alone) and "joined+corpus" (it as a third pool).
 
 The corpus table: for n = 4 down to 1, the most frequent token after each n tokens of the corpus
@@ -112,6 +113,8 @@ def simulate(record: dict, candidates: list, confidences: list, policy: str, cos
     from specd_common.lookup import prompt_lookup
     from specd_common.sequence import common_prefix
 
+    policy, _, shape = policy.partition(":")  # "<policy>:chains": a request beside others, whose passes take chains
+    width = 1 if shape == "chains" else CANDIDATES
     tokens, start = record["tokens"].tolist(), record["start"]
     copies, calibration = AcceptanceEstimate(), HeadCalibration()
     length, passes, nodes_in_all, ms = start + 1, 1, 0, cost(0, False)
@@ -119,15 +122,14 @@ def simulate(record: dict, candidates: list, confidences: list, policy: str, cos
         room = len(tokens) - length - 1  # the last token always comes from the target
         row = length - 2  # the heads' proposals of the row before the last committed token
         copy = prompt_lookup(tokens[:length], min(COPY_TOKENS, room), min_ngram=MIN_NGRAM) if "joined" in policy or policy == "preempt" else []
-        heads = head_nodes([c[:CANDIDATES] for c in candidates[row][:room]], [p[:CANDIDATES] for p in confidences[row][:room]],
-                           calibration.scale)
+        heads = head_nodes([c[:width] for c in candidates[row][:room]], [p[:width] for p in confidences[row][:room]], calibration.scale)
         copy_pool = chain_nodes(copy, copies.chain(len(copy)))
         pools = [copy_pool, heads] if policy != "corpus" else []
         if policy in ("corpus", "joined+corpus"):
             pools.append(chain_nodes(*ngrams.chain(tokens[:length], min(NGRAM_DEPTH, room))))
         # (the engine falls back to the copy's own rule where no heads' node pays: the same nodes here,
         # where a verify that asks for the heads' proposals costs what one that does not costs)
-        nodes, _ = valued_tree([copy_pool] if copy and policy == "preempt" else pools, cost)
+        nodes, _ = valued_tree([copy_pool] if copy and policy == "preempt" else pools, cost, trees=shape != "chains")
         truth = tuple(tokens[length : length + room])
         accepted = max((len(node.path) for node in nodes if truth[: len(node.path)] == node.path), default=0)
         copied = sum(node.path == tuple(copy[: len(node.path)]) for node in nodes)
@@ -159,7 +161,7 @@ def main() -> None:
     if args.corpus_ngrams:
         sequences, left_out = clean_corpus(records, args.keep_leaks)
         ngrams = CorpusNgrams(sequences)
-    policies = ["heads", "preempt", "joined"] + (["corpus", "joined+corpus"] if ngrams else [])
+    policies = ["heads", "preempt", "joined", "heads:chains", "preempt:chains", "joined:chains"] + (["corpus", "joined+corpus"] if ngrams else [])
     rows = []
     with torch.inference_mode():
         for record in records:

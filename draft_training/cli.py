@@ -76,7 +76,7 @@ def run_corpus(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target, device=args.device, dtype="float32")
     directory = Path(args.output_dir) if args.output_dir else corpus_dir(target.name)
     corpus = extend_corpus(target, directory, Path(args.data_dir), CorpusRecipe(), Budget(args.minutes),
-                           batch_size=args.batch_size)
+                           batch_size=args.batch_size, written_prompts=args.self_prompts)
     log.info("corpus %s: %d records, %d answer tokens", directory, len(corpus.records), corpus.answer_tokens())
     return 0
 
@@ -90,5 +90,7 @@ def add_corpus_parser(commands) -> None:
     parser.add_argument("--output-dir", default="", help="corpus folder (default: draft_training/corpus/<target>)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--batch-size", type=int, default=48, help="prompts answered together (speed only, not the answers)")
+    parser.add_argument("--self-prompts", action="store_true", help="once the prompt sets are answered, answer prompts the target "
+                        "writes itself from its chat template's user header (Magpie): the sets hold 13,679 training prompts")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:N")
     parser.set_defaults(func=run_corpus)

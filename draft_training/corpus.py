@@ -17,6 +17,7 @@ pairs already stored, so an interrupted run loses at most one batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -34,6 +35,8 @@ from draft_training.train_prompts import is_held_out, load_all_prompts, read_jso
 log = logging.getLogger(__name__)
 
 CORPUS_ROOT = Path(__file__).resolve().parent / "corpus"
+# prompts the target writes itself (self_prompts): how long a user turn may run, how short it may be, a seed offset
+SELF_PROMPT_MAX_TOKENS, SELF_PROMPT_MIN_TOKENS, SELF_PROMPT_SEED = 96, 6, 1_000_003
 EXTRA_SETS = {"gpteacher_roleplay.jsonl": "roleplay", "gpteacher_codegen.jsonl": "code"}
 
 
@@ -138,6 +141,58 @@ def wants_sampled(row_id: str, share: float) -> bool:
     return is_held_out("sampled:" + row_id, share)  # a stable hash: the same prompts every session
 
 
+def wanted(rows: Sequence[dict], recipe: CorpusRecipe, stored: set[tuple[str, str]]) -> list[tuple[dict, str]]:
+    """(row, mode) pairs still to answer: greedy for every row, sampled for the recipe's share of them."""
+    return [(row, mode) for row in rows for mode in ("greedy", "sampled")
+            if (mode == "greedy" or wants_sampled(row["id"], recipe.sampled_share)) and (row["id"], mode) not in stored]
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens before a user message's content: the system turn and the user turn's header."""
+    if not tokenizer.chat_template:
+        raise ValueError("prompts written by the target need a chat template (the user turn's header to start from)")
+    marker = "\u2063specd-user-message\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def self_prompts(target, index: int, count: int, recipe: CorpusRecipe, max_tokens: int = SELF_PROMPT_MAX_TOKENS) -> list[dict]:
+    """Prompts the target writes itself (Magpie, Xu et al. 2024): given only the chat template up to a
+    user message, an instruction-tuned model samples what users ask it, so its own answers to them
+    reach the topics the prompt sets lack. Batch `index` is seeded by it (the same prompts for the
+    same machine and count). Kept: user turns that ended within max_tokens, at least
+    SELF_PROMPT_MIN_TOKENS long, not on the held-out side of the split by id; rows
+    {id: "self-<index>-<j>", category: "self", prompt}."""
+    from specd_common.models import eos_token_ids
+
+    tokenizer, eos = target.tokenizer, eos_token_ids(target)
+    prefix = torch.tensor([user_turn_prefix(tokenizer)] * count)  # [count, P]
+    device = next(target.model.parameters()).device
+    torch.manual_seed(recipe.seed + SELF_PROMPT_SEED + index)
+    output = target.model.generate(input_ids=prefix.to(device), attention_mask=torch.ones_like(prefix).to(device),
+                                   max_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                   pad_token_id=eos[0], eos_token_id=list(eos))
+    rows = []
+    for j, turn in enumerate(output[:, prefix.shape[1] :].tolist()):
+        text = cut_at_eos(turn, eos)
+        if text and text[-1] in eos and len(text) > SELF_PROMPT_MIN_TOKENS:
+            rows.append({"id": f"self-{index}-{j}", "category": "self", "prompt": tokenizer.decode(text[:-1], skip_special_tokens=True).strip()})
+    return [row for row in rows if row["prompt"] and not is_held_out(row["id"], recipe.held_out_fraction)]
+
+
+def self_prompt_batches(target, recipe: CorpusRecipe, stored: set[tuple[str, str]], size: int, budget: Budget,
+                        max_tokens: int = SELF_PROMPT_MAX_TOKENS) -> Iterator[tuple[list[dict], str, list[list[int]]]]:
+    """batches() of prompts the target writes (self_prompts), `size` at a time, until the budget is spent;
+    batch indexes go on after the stored ones, so a resumed run never rewrites a prompt id."""
+    index = 1 + max((int(row_id.split("-")[1]) for row_id, _ in stored if row_id.startswith("self-")), default=-1)
+    while not budget.spent():
+        todo = wanted(self_prompts(target, index, size, recipe, max_tokens), recipe, stored)
+        log.info("corpus: %d self-written prompts in batch %d", len({row["id"] for row, _ in todo}), index)
+        yield from batches(todo, target.tokenizer, recipe, size)
+        index += 1
+
+
 @torch.inference_mode()
 def answer_batch(model, prompts: Sequence[list[int]], recipe: CorpusRecipe, sampled: bool, eos_ids: Sequence[int],
                  pad_id: int, seed: int) -> list[list[int]]:
@@ -153,10 +208,11 @@ def answer_batch(model, prompts: Sequence[list[int]], recipe: CorpusRecipe, samp
 
 
 def extend_corpus(target, directory: Path, data_dir: Path, recipe: CorpusRecipe, budget: Budget, limit: int = 0,
-                  batch_size: int = 48) -> Corpus:
+                  batch_size: int = 48, written_prompts: bool = False, self_prompt_tokens: int = SELF_PROMPT_MAX_TOKENS) -> Corpus:
     """Answer prompts the corpus lacks until the budget is spent (or `limit` > 0 records were added);
-    one shard per batch. The batch size only sets speed (a CPU decodes 64 rows ~9x faster per token than
-    one, measured on a 2-core EPYC), not the answers, so it is not part of the recipe."""
+    one shard per batch; with `written_prompts`, once the prompt sets are answered, prompts the target
+    writes itself (self_prompt_batches). The batch size only sets speed (a CPU decodes 64 rows ~9x
+    faster per token than one, measured on a 2-core EPYC), not the answers, so it is not part of the recipe."""
     from specd_common.models import eos_token_ids
 
     save_recipe(directory, recipe)
@@ -164,13 +220,14 @@ def extend_corpus(target, directory: Path, data_dir: Path, recipe: CorpusRecipe,
     stored = corpus.stored()
     tokenizer, eos = target.tokenizer, eos_token_ids(target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    todo = [(row, mode) for row in corpus_prompts(data_dir, recipe)
-            for mode in ("greedy", "sampled") if (mode == "greedy" or wants_sampled(row["id"], recipe.sampled_share))
-            and (row["id"], mode) not in stored]
+    todo = wanted(corpus_prompts(data_dir, recipe), recipe, stored)
     log.info("corpus %s: %d records (%d answer tokens) stored, %d to go", directory, len(corpus.records), corpus.answer_tokens(), len(todo))
+    work = batches(todo, tokenizer, recipe, batch_size)
+    if written_prompts:
+        work = itertools.chain(work, self_prompt_batches(target, recipe, stored, batch_size, budget, self_prompt_tokens))
     started, made = time.monotonic(), 0
     added = 0
-    for batch, mode, prompts in batches(todo, tokenizer, recipe, batch_size):
+    for batch, mode, prompts in work:
         if budget.spent() or (limit and added >= limit):
             break
         added += len(batch)

@@ -107,3 +107,30 @@ def test_corpus_sources_start_at_a_record_and_leave_out_held_out_passages():
     expected = [f"corpus:{r.mode}:{r.id}" for r in records[250:]]
     assert len(ids) < len(expected) and ids == [i for i in expected if i in set(ids)]  # records from 250 on, in order
     assert len(corpus_sources(DEFAULT_TARGET, fraction)) == len(records)  # no held-out prompts given: nothing left out
+
+
+def test_the_target_writes_prompts_once_the_sets_are_answered(tiny, tmp_path, monkeypatch):
+    """Magpie-style prompts (corpus.self_prompts): seeded by their batch index, user turns that ended,
+    never on the held-out side; extend_corpus answers them after the prompt sets (emptied here) and a
+    second run goes on at the next batch index instead of rewriting an id."""
+    import draft_training.corpus as corpus_module
+    from specd_common.models import load_causal_lm
+
+    target = load_causal_lm(str(tiny.target))
+    first = corpus_module.self_prompts(target, 0, 16, RECIPE, max_tokens=48)
+    assert first and first == corpus_module.self_prompts(target, 0, 16, RECIPE, max_tokens=48)  # seeded by the batch index
+    assert [row["prompt"] for row in corpus_module.self_prompts(target, 1, 16, RECIPE, max_tokens=48)] != [row["prompt"] for row in first]
+    assert all(row["id"].startswith("self-0-") and row["category"] == "self" for row in first)
+    assert not any(is_held_out(row["id"], RECIPE.held_out_fraction) for row in first)
+    monkeypatch.setattr(corpus_module, "corpus_prompts", lambda data_dir, recipe: [])  # every set answered
+    directory = tmp_path / "corpus"
+    for _ in range(2):
+        extend_corpus(target, directory, tmp_path, RECIPE, Budget(2), limit=4, batch_size=8, written_prompts=True, self_prompt_tokens=48)
+    records = Corpus.open(directory).records
+    assert len(records) >= 8 and {record.kind for record in records} == {"self"}
+    pairs = [(record.id, record.mode) for record in records]
+    assert len(pairs) == len(set(pairs))
+    batches_used = {record.id.split("-")[1] for record in records}
+    assert len(batches_used) >= 2  # the second run started a batch of its own
+    prefix = corpus_module.user_turn_prefix(target.tokenizer)
+    assert all(record.tokens[: len(prefix)] == prefix and record.start > len(prefix) for record in records)

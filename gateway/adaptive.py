@@ -117,8 +117,9 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     some nodes are siblings; a tree pass costs more than a chain of its size), and weighs each pool's
     chain (pool_chain: a drafter's best guesses) apart, since the best
     chain need not be a prefix of the nodes by value once trees cost more. At most max_nodes nodes (what a
-    Verify scores). Without `trees` (a request beside others: its pass joins a batch) only the pools'
-    chains compete, each node at its value in any pool.
+    Verify scores). Without `trees` only the pools' chains compete, each node at its value in any pool
+    (measured offline for a request beside others, whose pass joins a batch; not served:
+    docs/benchmarks/ab_joined_chains/).
 
     Returns (the chosen nodes ordered for a tree: parents first, and among siblings those of the
     earliest pool first, so tree.main_chain is the first pool's chain as far as it was chosen; [] for

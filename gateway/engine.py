@@ -448,7 +448,7 @@ class Generation:
 
     def _free_drafts(self) -> FreeRound:
         """This round's drafts if a free drafter makes them: a lookup copy, joined in one tree with the Medusa
-        heads' confident candidates (_joined_round; beside other requests the better chain), else the copy alone
+        heads' confident candidates where a tree may be drafted (_joined_round), else the copy alone
         (_lookup_drafts), else the heads' round (_head_round_drafts). Empty when none pays: the draft
         service's turn."""
         copy = self._lookup_copy()
@@ -478,9 +478,10 @@ class Generation:
         return copy[:k]
 
     def _can_join(self) -> bool:
-        """Whether a lookup copy and the heads' proposals may share this round: the adaptive policy and
-        proposals with confidences from the last Verify."""
-        return self.spec.adaptive and not self._heads_declined and bool(self._head_drafts.confidences)
+        """Whether a lookup copy and the heads' proposals may share this round's tree: the adaptive policy, a
+        request that may draft trees (_tree_branches) and proposals with confidences from the last Verify."""
+        return (self.spec.adaptive and not self._heads_declined and bool(self._head_drafts.confidences)
+                and self._tree_branches(self.branches) > 1)
 
     def _joined_round(self, copy: list[int]) -> Optional[FreeRound]:
         """A lookup copy and the Medusa heads' candidates in one tree (adaptive.valued_tree): the copy's
@@ -489,16 +490,14 @@ class Generation:
         as a Verify that asks for the heads' proposals). A copy whose first token misses then still has
         the heads' guesses beside it, and heads whose chain misses the copy's. The copy's nodes come
         first, so the tree's main chain is the copy as far as it was taken (its estimate learns from
-        that, the calibration from the heads' nodes). Beside other requests (_tree_branches: no trees)
-        the copy's chain and the heads' compete, each node at its larger value. None when no node of the heads pays: the copy
+        that, the calibration from the heads' nodes). None when no node of the heads pays: the copy
         alone decides, as before (_lookup_drafts), and the proposals stay for a head round. Held
         out, offline with these rules: 2.722 tokens a pass against 2.623 for a copy that preempts the
         heads (scripts/free_trees_offline.py); through the services, four A/B pairs: 2.399 against
         2.288 tokens a pass, +3.2% tokens/s (docs/benchmarks/ab_joined/)."""
         scale = self._head_calibration.scale
         heads = head_nodes(*self._head_candidates(self._head_drafts), scale)
-        nodes, _ = valued_tree([chain_nodes(copy, self._lookup_acceptance.chain(len(copy))), heads], self._head_round_cost,
-                               trees=self._tree_branches(self.branches) > 1)
+        nodes, _ = valued_tree([chain_nodes(copy, self._lookup_acceptance.chain(len(copy))), heads], self._head_round_cost)
         own = {node.path: node.value for node in heads}
         if not any(node.path in own for node in nodes):
             return None

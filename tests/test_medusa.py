@@ -630,7 +630,8 @@ def test_free_drafters_share_one_tree_by_value():
     assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(1 + 0.9 + 0.6)
     nodes, rate = valued_tree([copy, heads], per_position(0.0), max_nodes=2)  # no more than a Verify scores
     assert [node.path for node in nodes] == [(7,), (7, 8)]
-    nodes, rate = valued_tree([copy, heads], per_position(0.0), trees=False)  # chains only: the copy's is worth more
+    # chains only (scripts/free_trees_offline.py's ":chains" policies): the copy's is worth more, then the heads'
+    nodes, rate = valued_tree([copy, heads], per_position(0.0), trees=False)
     assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(2.4)
     sure = [TreeNode((9,), 0.95), TreeNode((9, 4), 0.9)]
     nodes, rate = valued_tree([copy, sure], per_position(0.0), trees=False)
@@ -640,8 +641,7 @@ def test_free_drafters_share_one_tree_by_value():
 def test_a_lookup_copy_and_the_heads_share_a_round_alone():
     """Unit, the engine: a request alone with a lookup copy (5 6 ... 5 6 → 7 8 5 6 ...) whose first token is
     right half the time and confident heads drafts one tree: the copy first (its estimate learns from the main
-    chain), the heads' best beside it; beside another request (no trees) the better chain: the heads'
-    (0.9, 0.72, 0.5 against a copy right half the time), or, with weaker heads, the copy alone cut by its
+    chain), the heads' best beside it; beside another request (no trees) the copy alone, cut by its
     own estimate as before; heads worth nothing leave the round to the copy and keep their proposals."""
     costs = StepCosts()
     for positions in range(1, 14):
@@ -666,10 +666,7 @@ def test_a_lookup_copy_and_the_heads_share_a_round_alone():
     assert not alone._head_drafts  # taken
     beside = with_copy(running=2)
     drafts, parents, copied, headed = beside._free_drafts()
-    assert (drafts, parents, copied, headed) == ([9, 10, 11], [], 0, True) and not beside._head_drafts
-    weak = with_copy(running=2, proposals=HeadProposals([[9], [10], [11]], [[0.3], [0.2], [0.1]]))
-    drafts, parents, copied, headed = weak._free_drafts()
-    assert parents == [] and not headed and copied >= 1 and drafts == [7, 8, 5, 6, 7, 8, 5, 6][:copied]
+    assert parents == [] and not headed and drafts == [7, 8, 5, 6, 7, 8, 5, 6][:copied]
     timid = with_copy(proposals=HeadProposals([[9], [10], [11]], [[0.001], [0.001], [0.001]]))
     drafts, parents, copied, headed = timid._free_drafts()
     assert not headed and parents == [] and timid._head_drafts  # the copy's rule; the proposals stay

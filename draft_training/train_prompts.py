@@ -10,8 +10,8 @@ never moves an old row across the split.
 
 from __future__ import annotations
 
-import hashlib
 import collections
+import hashlib
 import itertools
 import json
 import random

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -156,7 +156,6 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
-@torch.inference_mode()
 def self_prompts(target, index: int, count: int, recipe: CorpusRecipe, max_tokens: int = SELF_PROMPT_MAX_TOKENS) -> list[dict]:
     """Prompts the target writes itself (Magpie, Xu et al. 2024): given only the chat template up to a
     user message, an instruction-tuned model samples what users ask it, so its own answers to them
@@ -167,15 +166,11 @@ def self_prompts(target, index: int, count: int, recipe: CorpusRecipe, max_token
     from specd_common.models import eos_token_ids
 
     tokenizer, eos = target.tokenizer, eos_token_ids(target)
-    prefix = torch.tensor([user_turn_prefix(tokenizer)] * count)  # [count, P]
-    device = next(target.model.parameters()).device
-    torch.manual_seed(recipe.seed + SELF_PROMPT_SEED + index)
-    output = target.model.generate(input_ids=prefix.to(device), attention_mask=torch.ones_like(prefix).to(device),
-                                   max_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                   pad_token_id=eos[0], eos_token_id=list(eos))
+    writing = replace(recipe, max_new_tokens=max_tokens, temperature=1.0, top_p=1.0)  # the target's own distribution of user turns
+    turns = answer_batch(target.model, [user_turn_prefix(tokenizer)] * count, writing, True, eos, eos[0],  # equal lengths: no padding
+                         recipe.seed + SELF_PROMPT_SEED + index)
     rows = []
-    for j, turn in enumerate(output[:, prefix.shape[1] :].tolist()):
-        text = cut_at_eos(turn, eos)
+    for j, text in enumerate(turns):
         if text and text[-1] in eos and len(text) > SELF_PROMPT_MIN_TOKENS:
             rows.append({"id": f"self-{index}-{j}", "category": "self", "prompt": tokenizer.decode(text[:-1], skip_special_tokens=True).strip()})
     return [row for row in rows if row["prompt"] and not is_held_out(row["id"], recipe.held_out_fraction)]

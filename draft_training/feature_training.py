@@ -117,7 +117,7 @@ def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts:
     records = Corpus.open(corpus_dir(target_name)).records
     if any(is_held_out(record.id, held_out_fraction) for record in records):
         raise ValueError(f"the corpus of {target_name} holds answers to held-out prompts; it was made with another split")
-    leaks = leaking_prompts([record.tokens[: record.start] for record in records], held_out_prompts) if held_out_prompts else [False] * len(records)
+    leaks = leaking_prompts([record.tokens[: record.start] for record in records], held_out_prompts)
     kept = [record for record, leak in zip(records[first:], leaks[first:]) if not leak]
     log.info("corpus: %d answers from record %d on, %d left out as sharing passages with held-out prompts; %d answers, %d answer tokens",
              len(records) - first, first, sum(leaks[first:]), len(kept), sum(len(r.tokens) - r.start for r in kept))

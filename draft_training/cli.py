@@ -55,6 +55,10 @@ def add_train_draft_parser(commands) -> None:
                         "extracts and trains on besides the target's own (0: the target's answers alone)")
     parser.add_argument("--corpus-from", type=int, default=None, help="train on the corpus's records from this one on, in the order "
                         "they were added (e.g. the count a head was last trained on: only the answers new to it)")
+    parser.add_argument("--kind-answer-cap", type=int, default=None, help="at most N corpus answers of each task kind, spread "
+                        "evenly over the corpus (math and code fill most of it; 0 = all)")
+    parser.add_argument("--kind-balance", type=int, default=None, help="answers of thin kinds count up to N times more in an epoch, "
+                        "toward an equal share of answer positions a kind (0 = off)")
     parser.add_argument("--ttt-passes", type=int, default=None, help="train drafting steps 1..N on the head's own estimates "
                         "(EAGLE-3's training-time test; costs ~N times a step; default: the recipe's, 1)")
     parser.add_argument("--init-head", default=None, help="train further from this saved head (weights and vocabulary) "

@@ -50,6 +50,8 @@ class FeatureRecipe:
     ttt_passes: int = 1  # drafting steps trained (EAGLE-3 training-time test; 1 = the first step only)
     use_corpus: bool = False  # also train on the committed corpus of the target's answers (draft_training/corpus.py)
     corpus_from: int = 0  # the corpus's records from this one on (in the order they were added): a head trained further sees only answers new to it
+    kind_answer_cap: int = 0  # at most this many corpus answers of each kind, spread evenly over the corpus's order (0 = all)
+    kind_balance: int = 0  # thin kinds' answers repeat up to this many times, toward an equal share of positions a kind (0 = off)
     init_head: str = ""  # start from this saved head (its weights and vocabulary) instead of the target's last layer
     gen_minutes: float = 0.0  # budgets; 0 = unlimited
     feature_minutes: float = 0.0
@@ -94,7 +96,8 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
     generated = distill_data.load_records(data, "gen-train")
     if recipe.use_corpus:
         held_out_prompts = [record["tokens"][: record["start"]].tolist() for record in distill_data.load_records(data, "gen-eval")]
-        generated += corpus_sources(target.name, recipe.held_out_fraction, held_out_prompts, recipe.corpus_from)
+        generated += corpus_sources(target.name, recipe.held_out_fraction, held_out_prompts, recipe.corpus_from,
+                                    recipe.kind_answer_cap)
     answered = {record["id"] for record in generated}
     references = [
         row for row in select_prompts(rows, {k: 100_000 for k in KINDS}, False, recipe.held_out_fraction, recipe.seed)
@@ -106,11 +109,12 @@ def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) 
 
 
 def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts: Sequence[Sequence[int]] = (),
-                   first: int = 0) -> list[dict]:
+                   first: int = 0, kind_cap: int = 0) -> list[dict]:
     """The committed corpus's answers from record `first` on as feature sources (ids
     'corpus:<mode>:<prompt id>'), leaving out those whose prompt shares a passage with one of
-    `held_out_prompts` (train_prompts.leaking_prompts). The corpus never answers held-out prompts;
-    checked here too, since evaluation prompts must stay unseen."""
+    `held_out_prompts` (train_prompts.leaking_prompts), and with `kind_cap` at most that many of
+    each kind (capped_by_kind). The corpus never answers held-out prompts; checked here too, since
+    evaluation prompts must stay unseen."""
     from draft_training.corpus import Corpus, corpus_dir
     from draft_training.train_prompts import is_held_out, leaking_prompts
 
@@ -119,30 +123,72 @@ def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts:
         raise ValueError(f"the corpus of {target_name} holds answers to held-out prompts; it was made with another split")
     leaks = leaking_prompts([record.tokens[: record.start] for record in records], held_out_prompts)
     kept = [record for record, leak in zip(records[first:], leaks[first:]) if not leak]
+    if kind_cap:
+        kept = [kept[i] for i in capped_by_kind([record.kind for record in kept], kind_cap)]
     log.info("corpus: %d answers from record %d on, %d left out as sharing passages with held-out prompts; %d answers, %d answer tokens",
              len(records) - first, first, sum(leaks[first:]), len(kept), sum(len(r.tokens) - r.start for r in kept))
     return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in kept]
 
 
+def capped_by_kind(kinds: Sequence[str], cap: int) -> list[int]:
+    """Indices of at most `cap` items of each kind, spread evenly over each kind's items (first and
+    last included), in their original order: a kind that fills most of the corpus (the math and code
+    prompt sets are the largest) stops drowning the thin ones, and the kept answers still span every
+    generation session rather than the oldest alone."""
+    by_kind: dict[str, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(index)
+    kept = []
+    for indices in by_kind.values():
+        if len(indices) <= cap:
+            kept += indices
+        else:
+            kept += [indices[round(j * (len(indices) - 1) / max(1, cap - 1))] for j in range(cap)]
+    return sorted(kept)
+
+
+def kind_repeats(positions_by_kind: dict[str, int], max_repeat: int) -> dict[str, int]:
+    """How many times each kind's answers count in an epoch so that every kind nears an equal share
+    of the answer positions: round(mean / own), between 1 and `max_repeat`. The held-out answers
+    weigh every kind equally, while the corpus holds ~90x more math than translation; repeating the
+    thin kinds (capped, since a few hundred answers repeated many times are memorized) keeps a run on
+    the whole corpus from forgetting them (docs/draft-training.md, "A GPU run")."""
+    if not positions_by_kind:
+        return {}
+    mean = sum(positions_by_kind.values()) / len(positions_by_kind)
+    return {kind: min(max_repeat, max(1, round(mean / max(1, own)))) for kind, own in positions_by_kind.items()}
+
+
 def load_feature_records(work: Path, max_length: int, generated_repeats: int = 1, layers: Sequence[int] = (),
-                         sources: Optional[Sequence[dict]] = None) -> list[dict]:
+                         sources: Optional[Sequence[dict]] = None, kind_balance: int = 0) -> list[dict]:
     """Stored feature records with at least one answer position, cut to `max_length` tokens; the
     target's generated answers (ids without "ref:") repeated `generated_repeats` times, because they
     are few, cover every task kind and come from the distribution the draft serves. With `layers`
     only the records whose layer outputs are stored too (feature_data.target_layers), with them; with
     `sources` (run_feature_data's) only theirs, so a recipe with fewer reference answers than a work
-    dir holds trains on its own."""
+    dir holds trains on its own. With `kind_balance` the generated answers of thin kinds count more
+    (kind_repeats, up to that many times more)."""
     layered = distill_data.load_records(work / "data", feature_data.layer_prefix(layers)) if layers else []
     stored = {r["id"]: r["layer_features"] for r in layered}
     kept, records = [], distill_data.load_records(work / "data", "feat-train")
     chosen = {source["id"] for source in sources or ()}
+    usable = []
     for record in records:
         cut = min(len(record["tokens"]), max_length)
         wanted = (not layers or record["id"] in stored) and (sources is None or record["id"] in chosen)
         if cut - record["start"] >= 1 and record["start"] >= 1 and wanted:
-            repeats = 1 if record["id"].startswith("ref:") else generated_repeats
-            extra = {"layer_features": stored[record["id"]][: cut - record["start"] + 1]} if layers else {}
-            kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut], **extra)] * repeats
+            usable.append((record, cut))
+    positions: dict[str, int] = {}
+    for record, cut in usable:
+        if not record["id"].startswith("ref:"):
+            positions[record["category"]] = positions.get(record["category"], 0) + cut - record["start"]
+    by_kind = kind_repeats(positions, kind_balance) if kind_balance else {}
+    if by_kind:
+        log.info("kind balance: generated answers of each kind count %s times (x%d)", by_kind, generated_repeats)
+    for record, cut in usable:
+        repeats = 1 if record["id"].startswith("ref:") else generated_repeats * by_kind.get(record["category"], 1)
+        extra = {"layer_features": stored[record["id"]][: cut - record["start"] + 1]} if layers else {}
+        kept += [dict(record, tokens=record["tokens"][:cut], features=record["features"][:cut], **extra)] * repeats
     if layers:
         log.info("records with the outputs of layers %s: %d of %d", list(layers), len({r["id"] for r in kept}), len(records))
     return kept
@@ -300,6 +346,16 @@ def feature_evaluation(head, target, work: Path, limit: int, target_spec: str) -
     return report
 
 
+def with_overrides(recipe, args, **more):
+    """The recipe with the `specd train-draft` flags that were given (not None) in place of its own
+    values; `more` adds recipe-specific flags. One place for every recipe family's overrides."""
+    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
+                 "epochs": args.epochs, "reference_rows": args.reference_rows, "corpus_from": args.corpus_from,
+                 "kind_answer_cap": args.kind_answer_cap, "kind_balance": args.kind_balance,
+                 "init_head": args.init_head and str(Path(args.init_head).resolve()), **more}
+    return replace(recipe, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def run_feature_recipe(args) -> int:
     """`specd train-draft --recipe feature-*`: data → train → eval → save, each stage resumable."""
     from functools import partial
@@ -308,13 +364,11 @@ def run_feature_recipe(args) -> int:
     from draft_training.loop import start_run, train_draft, write_run_records
     from specd_common.models import eos_token_ids
 
-    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "reference_rows": args.reference_rows, "corpus_from": args.corpus_from, "ttt_passes": args.ttt_passes,
-                 "init_head": args.init_head and str(Path(args.init_head).resolve())}
-    recipe = replace(FEATURE_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
+    recipe = with_overrides(FEATURE_RECIPES[args.recipe], args, ttt_passes=args.ttt_passes)
     work, device, target = start_run(args, recipe)
     sources = run_feature_data(target, recipe, Path(args.data_dir), work)
-    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, sources=sources)
+    records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, sources=sources,
+                                   kind_balance=recipe.kind_balance)
     if recipe.init_head:
         head = starting_head(target, Path(recipe.init_head))
     else:

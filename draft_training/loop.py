@@ -88,10 +88,13 @@ def train_draft(draft, records: list[dict], recipe, work: Path, device: torch.de
     log.info("train: %d records, %d answer tokens, %d steps per epoch, %d planned", len(records),
              sum(answer_length(r) for r in records), epoch_batches, planned)
     budget, last_save, window = Budget(max(0.01, recipe.train_minutes - state["train_seconds"] / 60) if recipe.train_minutes else 0), time.monotonic(), []
+    batches: dict[int, list[list[int]]] = {}  # this epoch's batches, shuffled once an epoch
     while state["step"] < state["total_steps"] and not budget.spent():
+        started = time.monotonic()  # a step's time includes its batch's assembly: the budget is wall time
         epoch, index = divmod(state["step"], epoch_batches)
-        batch = [records[i] for i in make_batches(records, recipe.batch_tokens, recipe.seed + epoch)[index]]
-        started = time.monotonic()
+        if epoch not in batches:
+            batches = {epoch: make_batches(records, recipe.batch_tokens, recipe.seed + epoch)}
+        batch = [records[i] for i in batches[epoch][index]]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(state["step"], state["total_steps"], recipe)
         loss, agreement = loss_fn(draft, batch, device)

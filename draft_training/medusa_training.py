@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from draft_training.distill_data import Budget
 from draft_training.feature_data import feature_stage
-from draft_training.feature_training import FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data
+from draft_training.feature_training import (FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data,
+                                             with_overrides)
 from draft_training.train_prompts import KINDS
 
 log = logging.getLogger(__name__)
@@ -221,17 +222,14 @@ def run_medusa_recipe(args) -> int:
     from specd_common.models import eos_token_ids
     from verify_service.medusa import save_heads
 
-    overrides = {"gen_minutes": args.gen_minutes, "feature_minutes": args.tf_minutes, "train_minutes": args.train_minutes,
-                 "epochs": args.epochs, "reference_rows": args.reference_rows, "corpus_from": args.corpus_from,
-                 "init_head": args.init_head and str(Path(args.init_head).resolve())}
-    recipe = replace(MEDUSA_RECIPES[args.recipe], **{k: v for k, v in overrides.items() if v is not None})
+    recipe = with_overrides(MEDUSA_RECIPES[args.recipe], args)
     work, device, target = start_run(args, recipe)
     sources = run_feature_data(target, recipe, Path(args.data_dir), work)
     if recipe.fusion_layers:  # the fused layers' outputs, for as many records as the budget allows (resumable)
         feature_stage(target.model, sources, work / "data", batch_size=recipe.feature_batch, budget=Budget(recipe.feature_minutes),
                       layers=recipe.fusion_layers)
     records = load_feature_records(work, target.model.config.max_position_embeddings, recipe.generated_repeats, recipe.fusion_layers,
-                                   sources)
+                                   sources, recipe.kind_balance)
     if recipe.init_head:
         heads = starting_heads(target, Path(recipe.init_head), recipe)
     else:

@@ -137,3 +137,19 @@ def test_the_target_writes_prompts_once_the_sets_are_answered(tiny, tmp_path, mo
     assert len(batches_used) >= 2  # the second run started a batch of its own
     prefix = corpus_module.user_turn_prefix(target.tokenizer)
     assert all(record.tokens[: len(prefix)] == prefix and record.start > len(prefix) for record in records)
+
+
+def test_corpus_sources_cap_each_kind_and_keep_the_thin_ones_whole():
+    from collections import Counter
+
+    from draft_training.corpus import corpus_dir
+    from draft_training.feature_training import FEATURE_RECIPES, corpus_sources
+    from specd_common.config import DEFAULT_TARGET
+
+    fraction = FEATURE_RECIPES["feature-corpus"].held_out_fraction
+    every = Counter(s["category"] for s in corpus_sources(DEFAULT_TARGET, fraction))
+    cap = min(every.values()) + 1  # the thinnest kind stays whole; the corpus only grows, so this follows it
+    capped = Counter(s["category"] for s in corpus_sources(DEFAULT_TARGET, fraction, kind_cap=cap))
+    assert capped == {kind: min(count, cap) for kind, count in every.items()}
+    assert max(every.values()) > cap  # and the cap cuts the large kinds
+    assert len(Corpus.open(corpus_dir(DEFAULT_TARGET)).records) >= sum(every.values())

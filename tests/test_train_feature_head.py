@@ -167,3 +167,41 @@ def test_stored_records_are_loaded_for_the_runs_sources_and_with_their_layers(tm
     layered = load_feature_records(tmp_path, 100, 1, layers=[1, 2])
     assert [r["id"] for r in layered] == ["ref:b", "corpus:greedy:c"]
     assert all(float(r["layer_features"][0, 0, 0]) == float(r["features"][0, 0]) for r in layered)
+
+
+def test_capped_by_kind_keeps_thin_kinds_whole_and_spreads_the_cap_over_a_large_one():
+    from draft_training.feature_training import capped_by_kind
+
+    kinds = ["math"] * 9 + ["chat", "math", "chat"]  # math at 0..8 and 10, chat at 9 and 11
+    kept = capped_by_kind(kinds, 3)
+    assert kept == [0, 4, 9, 10, 11]  # math's first, middle and last; both chats; original order
+    assert capped_by_kind(kinds, 20) == list(range(12))  # a cap above every kind keeps everything
+    assert capped_by_kind(kinds, 1) == [0, 9]
+
+
+def test_kind_repeats_pull_thin_kinds_toward_an_equal_share_within_the_cap():
+    from draft_training.feature_training import kind_repeats
+
+    repeats = kind_repeats({"math": 900, "code": 300, "chat": 90, "translation": 10}, max_repeat=4)
+    # mean 325: math and code stay once, chat nears it (325/90 = 3.6 → 4), translation is capped at 4
+    assert repeats == {"math": 1, "code": 1, "chat": 4, "translation": 4}
+    assert kind_repeats({"math": 100, "chat": 100}, 8) == {"math": 1, "chat": 1}  # balanced already
+    assert kind_repeats({}, 4) == {}
+
+
+def test_kind_balance_repeats_thin_kinds_generated_answers_but_not_references(tmp_path):
+    from draft_training.distill_data import save_shard
+    from draft_training.feature_training import load_feature_records
+
+    def record(id_: str, kind: str, length: int) -> dict:
+        return {"id": id_, "category": kind, "tokens": torch.arange(length, dtype=torch.int32), "start": 1,
+                "features": torch.zeros((length, 4), dtype=torch.float16)}
+
+    save_shard(tmp_path / "data", "feat-train", [record("corpus:greedy:m", "math", 51), record("corpus:greedy:c", "chat", 11),
+                                                  record("ref:r", "chat", 11)])
+    ids = [r["id"] for r in load_feature_records(tmp_path, 100, generated_repeats=2, kind_balance=3)]
+    # answer positions: math 50, chat 10 (the reference's do not count): mean 30 → chat counts 3 times more
+    assert ids.count("corpus:greedy:m") == 2 and ids.count("ref:r") == 1
+    assert ids.count("corpus:greedy:c") == 2 * 3
+    plain = [r["id"] for r in load_feature_records(tmp_path, 100, generated_repeats=2)]
+    assert plain.count("corpus:greedy:c") == 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Carry what a lent GPU machine lacks for scripts/gpu_train_heads.sh, in pieces a device call can take.
 #
-#   scripts/gpu_stage.sh pack            here: fill .gpu/c1 .. .gpu/cN (git-ignored), print N
+#   scripts/gpu_stage.sh pack            here: fill .gpu/c1 .. .gpu/cN (.gitignore'd), print N
 #   scripts/gpu_stage.sh unpack I        there, in call I (carry [".gpu/cI"]): keep piece I in /tmp/gpu;
 #                                        the last piece assembles and installs everything into /tmp/site
 #
@@ -19,7 +19,6 @@ cd "$(dirname "$0")/.."
 MIB=1048576
 
 pack() {
-  grep -qx "/.gpu/" .git/info/exclude || echo "/.gpu/" >>.git/info/exclude
   rm -rf .gpu && mkdir -p .gpu/wheels .gpu/model
   local pinned platform
   pinned=$(grep -E '^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|gguf|opentelemetry-(api|sdk|proto))==' requirements.txt)

@@ -10,10 +10,11 @@ attention), so a batch is simply the rows of its records, concatenated.
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -123,9 +124,30 @@ def simulate_chain(proposals: list[list[int]], tokens: list[int], start: int, k:
     return passes, accepted
 
 
-def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
+def chain_report(records: list[dict], all_proposals: list[list[list[int]]], heads: int) -> dict:
+    """Simulated greedy chains of k = 1..heads drafts over the records (simulate_chain): tokens per
+    target pass, overall and per task kind."""
+    report = {}
+    for k in range(1, heads + 1):
+        by_kind: dict = {}
+        for record, proposals in zip(records, all_proposals):
+            passes, _ = simulate_chain(proposals, record["tokens"].tolist(), record["start"], k)
+            entry = by_kind.setdefault(record["category"], [0, 0])
+            entry[0], entry[1] = entry[0] + passes, entry[1] + len(record["tokens"]) - record["start"]
+        passes, produced = (sum(v[i] for v in by_kind.values()) for i in (0, 1))
+        report[f"k{k}"] = {"tokens_per_pass": round(produced / max(passes, 1), 4),
+                           "by_kind": {kind: round(v[1] / v[0], 4) for kind, v in sorted(by_kind.items())}}
+    return report
+
+
+def medusa_evaluation(heads, target, work: Path, limit: int, corpus_prompts: Sequence[Sequence[int]] = ()) -> dict:
     """Held-out answers: each head's top-1 agreement with the target's greedy token, and simulated
-    greedy chains of k = 1..K drafts (tokens per target pass), overall and per task kind."""
+    greedy chains of k = 1..K drafts (tokens per target pass), overall and per task kind. With
+    `corpus_prompts` also the chains on the held-out answers whose prompt shares no passage with
+    them ("leak_free": train_prompts.leaked_held_out), where heads trained with and without the
+    leaking records compare fairly."""
+    from draft_training.train_prompts import leaked_held_out
+
     records = eval_records(target, work, limit, heads.config.fusion_layers)
     report: dict = {"held_out_answers": len(records), "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}
     with torch.inference_mode():
@@ -143,15 +165,13 @@ def medusa_evaluation(heads, target, work: Path, limit: int) -> dict:
                 hits[k - 1] += (proposals[rows - first, k - 1] == tokens[rows + 1 + k]).sum()
                 counts[k - 1] += len(rows)
         report["top1_by_head"] = [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
-        for k in range(1, heads.config.num_heads + 1):
-            by_kind: dict = {}
-            for record, proposals in zip(records, all_proposals):
-                passes, _ = simulate_chain(proposals, record["tokens"].tolist(), record["start"], k)
-                entry = by_kind.setdefault(record["category"], [0, 0])
-                entry[0], entry[1] = entry[0] + passes, entry[1] + len(record["tokens"]) - record["start"]
-            passes, produced = (sum(v[i] for v in by_kind.values()) for i in (0, 1))
-            report[f"k{k}"] = {"tokens_per_pass": round(produced / passes, 4),
-                               "by_kind": {kind: round(v[1] / v[0], 4) for kind, v in sorted(by_kind.items())}}
+        report.update(chain_report(records, all_proposals, heads.config.num_heads))
+        if corpus_prompts:
+            leaked = leaked_held_out(corpus_prompts, [r["tokens"][: r["start"]].tolist() for r in records])
+            clean = [(r, p) for r, p, leak in zip(records, all_proposals, leaked) if not leak]
+            report["leak_free"] = {"held_out_answers": len(clean), "leaked_by_kind": dict(collections.Counter(
+                r["category"] for r, leak in zip(records, leaked) if leak)),
+                **chain_report([r for r, _ in clean], [p for _, p in clean], heads.config.num_heads)}
     log.info("eval: top-1 by head %s; tokens/pass %s", report["top1_by_head"],
              [report[f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
     return report

@@ -138,13 +138,35 @@ def leaking_prompts(prompts: Sequence[Sequence[int]], held_out: Sequence[Sequenc
     prompt's passage under another id; answers to it would teach the passage. An n-gram is rare when
     fewer than `max_prompts` training prompts hold it: template wording and chat markup are common and
     say nothing about the passage."""
-    def grams(tokens: Sequence[int]) -> set[tuple[int, ...]]:
-        return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
-
-    found = [grams(list(tokens)) for tokens in prompts]
+    found = [_grams(tokens, n) for tokens in prompts]
     spread = collections.Counter(gram for prompt in found for gram in prompt)
-    held = {gram for tokens in held_out for gram in grams(list(tokens)) if spread[gram] < max_prompts}
+    held = {gram for tokens in held_out for gram in _grams(tokens, n) if spread[gram] < max_prompts}
     return [bool(prompt & held) for prompt in found]
+
+
+LEAKED_SHARE = 0.2
+
+
+def leaked_held_out(prompts: Sequence[Sequence[int]], held_out: Sequence[Sequence[int]], n: int = LEAK_NGRAM,
+                    max_prompts: int = LEAK_MAX_PROMPTS, min_share: float = LEAKED_SHARE) -> list[bool]:
+    """Which held-out prompts hold a passage of the training prompts: at least `min_share` of their
+    n-grams are rare ones (in 1 to `max_prompts` - 1 of `prompts`). leaking_prompts, seen from the
+    held-out side: heads trained before that filter learned those passages, so their numbers on these
+    prompts are inflated, and heads are compared fairly on the others. One shared gram is no evidence
+    here (77 of the 84 held-out prompts share one with the corpus); a reused passage shares most of
+    its grams (held-out summarization prompts 0.57–0.85, translation 0.20–0.45, half of math
+    0.73–0.81, while chat, QA and writing stay at or under 0.15; 2026-11-25)."""
+    spread = collections.Counter(gram for tokens in prompts for gram in _grams(tokens, n))
+    shares = []
+    for tokens in held_out:
+        grams = _grams(tokens, n)
+        shares.append(sum(0 < spread[gram] < max_prompts for gram in grams) / max(1, len(grams)))
+    return [share >= min_share for share in shares]
+
+
+def _grams(tokens: Sequence[int], n: int) -> set[tuple[int, ...]]:
+    tokens = list(tokens)
+    return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
 
 
 def select_prompts(rows: list[dict], per_kind: dict[str, int], held_out: bool, fraction: float, seed: int = 0) -> list[dict]:

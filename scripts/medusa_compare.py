@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--output", default="")
+    parser.add_argument("--leak-free", action="store_true", help="also report the chains on the held-out answers whose "
+                        "prompt shares no passage with a corpus prompt (heads trained on leaking records score high elsewhere)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -39,11 +41,16 @@ def main(argv: list[str]) -> int:
 
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
     report = {"command": " ".join(["python", "scripts/medusa_compare.py", *argv]), "machine": machine_facts(), "heads": {}}
+    corpus_prompts = []
+    if args.leak_free:
+        from draft_training.corpus import Corpus, corpus_dir
+
+        corpus_prompts = [record.tokens[: record.start] for record in Corpus.open(corpus_dir(target.name)).records]
     for spec in args.heads:
         name, _, folder = spec.partition("=")
         heads = load_heads(Path(folder), target.model, vocab_digest(target.tokenizer))
         report["heads"][name] = {"folder": folder, "config": vars(heads.config),
-                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0)}
+                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0, corpus_prompts)}
     emit_report(report, args.output)
     return 0
 

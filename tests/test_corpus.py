@@ -153,3 +153,17 @@ def test_corpus_sources_cap_each_kind_and_keep_the_thin_ones_whole():
     assert capped == {kind: min(count, cap) for kind, count in every.items()}
     assert max(every.values()) > cap  # and the cap cuts the large kinds
     assert len(Corpus.open(corpus_dir(DEFAULT_TARGET)).records) >= sum(every.values())
+
+
+def test_leaked_held_out_flags_a_reused_passage_not_one_shared_phrase():
+    from draft_training.train_prompts import leaked_held_out
+
+    passage = list(range(500, 520))  # 20 tokens: 15 six-grams
+    template = [9, 8, 7, 6, 5, 4]
+    training = [template + passage, template + list(range(600, 620))] + [template + [1, 2, 3]] * 20  # the template is common
+    reused = [1, 2] + passage + [3]  # the whole passage under another template
+    phrase = [700, 701, 702, 703] + passage[:6] + list(range(800, 820))  # one shared gram among 25
+    fresh = list(range(900, 930))
+    assert leaked_held_out(training, [reused, phrase, fresh]) == [True, False, False]
+    assert leaked_held_out(training, [phrase], min_share=0.01) == [True]  # any shared gram, at a low enough share
+    assert leaked_held_out(training, [template + [1, 2, 3]]) == [False]  # grams in ≥ max_prompts prompts are not passages

@@ -130,6 +130,14 @@ def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts:
     return [{"id": f"corpus:{r.mode}:{r.id}", "category": r.kind, "tokens": r.tokens, "start": r.start} for r in kept]
 
 
+def corpus_prompts(target_name: str) -> list[list[int]]:
+    """Every prompt the committed corpus answers (token ids), the leaking ones too: what heads trained
+    on any version of the corpus may have seen (train_prompts.leaked_held_out)."""
+    from draft_training.corpus import Corpus, corpus_dir
+
+    return [record.tokens[: record.start] for record in Corpus.open(corpus_dir(target_name)).records]
+
+
 def capped_by_kind(kinds: Sequence[str], cap: int) -> list[int]:
     """Indices of at most `cap` items of each kind, spread evenly over each kind's items (first and
     last included), in their original order: a kind that fills most of the corpus (the math and code

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from draft_training.distill_data import Budget
 from draft_training.feature_data import feature_stage
-from draft_training.feature_training import (FeatureRecipe, choose_vocab, eval_records, load_feature_records, run_feature_data,
-                                             with_overrides)
+from draft_training.feature_training import (FeatureRecipe, choose_vocab, corpus_prompts, eval_records, load_feature_records,
+                                             run_feature_data, with_overrides)
 from draft_training.train_prompts import KINDS
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,9 @@ def medusa_evaluation(heads, target, work: Path, limit: int, corpus_prompts: Seq
                 **chain_report([r for r, _ in clean], [p for _, p in clean], heads.config.num_heads)}
     log.info("eval: top-1 by head %s; tokens/pass %s", report["top1_by_head"],
              [report[f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
+    if "leak_free" in report:
+        log.info("eval: on the %d held-out answers whose prompts hold no corpus passage, tokens/pass %s",
+                 report["leak_free"]["held_out_answers"], [report["leak_free"][f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
     return report
 
 
@@ -262,7 +265,8 @@ def run_medusa_recipe(args) -> int:
     heads = heads.cpu().eval()
     target.model.cpu()
     output = Path(args.output or work / "medusa")
-    report = {} if args.skip_eval else medusa_evaluation(heads, replace(target, device=torch.device("cpu")), work, args.eval_limit)
+    report = {} if args.skip_eval else medusa_evaluation(heads, replace(target, device=torch.device("cpu")), work, args.eval_limit,
+                                                         corpus_prompts(target.name) if recipe.use_corpus else ())
     size = save_heads(heads, output)
     write_run_records(output, {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
                                "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}, report, state)

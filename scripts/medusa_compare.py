@@ -41,16 +41,14 @@ def main(argv: list[str]) -> int:
 
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
     report = {"command": " ".join(["python", "scripts/medusa_compare.py", *argv]), "machine": machine_facts(), "heads": {}}
-    corpus_prompts = []
-    if args.leak_free:
-        from draft_training.corpus import Corpus, corpus_dir
+    from draft_training.feature_training import corpus_prompts
 
-        corpus_prompts = [record.tokens[: record.start] for record in Corpus.open(corpus_dir(target.name)).records]
+    prompts = corpus_prompts(target.name) if args.leak_free else []
     for spec in args.heads:
         name, _, folder = spec.partition("=")
         heads = load_heads(Path(folder), target.model, vocab_digest(target.tokenizer))
         report["heads"][name] = {"folder": folder, "config": vars(heads.config),
-                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0, corpus_prompts)}
+                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0, prompts)}
     emit_report(report, args.output)
     return 0
 

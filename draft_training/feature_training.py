@@ -132,7 +132,7 @@ def corpus_sources(target_name: str, held_out_fraction: float, held_out_prompts:
 
 def corpus_prompts(target_name: str) -> list[list[int]]:
     """Every prompt the committed corpus answers (token ids), the leaking ones too: what heads trained
-    on any version of the corpus may have seen (train_prompts.leaked_held_out)."""
+    on any version of the corpus may have seen (train_prompts.passage_check)."""
     from draft_training.corpus import Corpus, corpus_dir
 
     return [record.tokens[: record.start] for record in Corpus.open(corpus_dir(target_name)).records]

@@ -14,7 +14,7 @@ import collections
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from draft_training.distill_data import Budget
 from draft_training.feature_data import feature_stage
 from draft_training.feature_training import (FeatureRecipe, choose_vocab, corpus_prompts, eval_records, load_feature_records,
                                              run_feature_data, with_overrides)
-from draft_training.train_prompts import KINDS
+from draft_training.train_prompts import KINDS, passage_check
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,13 @@ def chain_report(records: list[dict], all_proposals: list[list[list[int]]], head
     return report
 
 
-def medusa_evaluation(heads, target, work: Path, limit: int, corpus_prompts: Sequence[Sequence[int]] = ()) -> dict:
+def medusa_evaluation(heads, target, work: Path, limit: int,
+                      holds_passage: Optional[Callable[[Sequence[int]], bool]] = None) -> dict:
     """Held-out answers: each head's top-1 agreement with the target's greedy token, and simulated
     greedy chains of k = 1..K drafts (tokens per target pass), overall and per task kind. With
-    `corpus_prompts` also the chains on the held-out answers whose prompt shares no passage with
-    them ("leak_free": train_prompts.leaked_held_out), where heads trained with and without the
-    leaking records compare fairly."""
-    from draft_training.train_prompts import leaked_held_out
-
+    `holds_passage` (train_prompts.passage_check of the corpus's prompts) also the chains on the
+    held-out answers whose prompt holds no corpus passage ("leak_free"), where heads trained with and
+    without the leaking records compare fairly."""
     records = eval_records(target, work, limit, heads.config.fusion_layers)
     report: dict = {"held_out_answers": len(records), "answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}
     with torch.inference_mode():
@@ -166,8 +165,8 @@ def medusa_evaluation(heads, target, work: Path, limit: int, corpus_prompts: Seq
                 counts[k - 1] += len(rows)
         report["top1_by_head"] = [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
         report.update(chain_report(records, all_proposals, heads.config.num_heads))
-        if corpus_prompts:
-            leaked = leaked_held_out(corpus_prompts, [r["tokens"][: r["start"]].tolist() for r in records])
+        if holds_passage is not None:
+            leaked = [holds_passage(r["tokens"][: r["start"]].tolist()) for r in records]
             clean = [(r, p) for r, p, leak in zip(records, all_proposals, leaked) if not leak]
             report["leak_free"] = {"held_out_answers": len(clean), "leaked_by_kind": dict(collections.Counter(
                 r["category"] for r, leak in zip(records, leaked) if leak)),
@@ -266,7 +265,7 @@ def run_medusa_recipe(args) -> int:
     target.model.cpu()
     output = Path(args.output or work / "medusa")
     report = {} if args.skip_eval else medusa_evaluation(heads, replace(target, device=torch.device("cpu")), work, args.eval_limit,
-                                                         corpus_prompts(target.name) if recipe.use_corpus else ())
+                                                         passage_check(corpus_prompts(target.name)) if recipe.use_corpus else None)
     size = save_heads(heads, output)
     write_run_records(output, {"name": args.recipe, "target": args.target, **asdict(recipe), "train_records": len(records),
                                "train_answer_tokens": sum(len(r["tokens"]) - r["start"] for r in records)}, report, state)

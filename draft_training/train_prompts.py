@@ -16,7 +16,7 @@ import itertools
 import json
 import random
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 KINDS = ("math", "code", "chat", "writing", "translation", "summarization", "qa")
 
@@ -147,21 +147,23 @@ def leaking_prompts(prompts: Sequence[Sequence[int]], held_out: Sequence[Sequenc
 LEAKED_SHARE = 0.2
 
 
-def leaked_held_out(prompts: Sequence[Sequence[int]], held_out: Sequence[Sequence[int]], n: int = LEAK_NGRAM,
-                    max_prompts: int = LEAK_MAX_PROMPTS, min_share: float = LEAKED_SHARE) -> list[bool]:
-    """Which held-out prompts hold a passage of the training prompts: at least `min_share` of their
-    n-grams are rare ones (in 1 to `max_prompts` - 1 of `prompts`). leaking_prompts, seen from the
-    held-out side: heads trained before that filter learned those passages, so their numbers on these
-    prompts are inflated, and heads are compared fairly on the others. One shared gram is no evidence
-    here (77 of the 84 held-out prompts share one with the corpus); a reused passage shares most of
-    its grams (held-out summarization prompts 0.57–0.85, translation 0.20–0.45, half of math
-    0.73–0.81, while chat, QA and writing stay at or under 0.15; 2026-11-25)."""
+def passage_check(prompts: Sequence[Sequence[int]], n: int = LEAK_NGRAM, max_prompts: int = LEAK_MAX_PROMPTS,
+                  min_share: float = LEAKED_SHARE) -> Callable[[Sequence[int]], bool]:
+    """A test of whether a held-out prompt holds a passage of the training prompts: at least
+    `min_share` of its n-grams are rare ones (in 1 to `max_prompts` - 1 of `prompts`). leaking_prompts,
+    seen from the held-out side: heads trained before that filter learned those passages, so their
+    numbers on these prompts are inflated, and heads are compared fairly on the others. One shared
+    gram is no evidence here (77 of the 84 held-out prompts share one with the corpus); a reused
+    passage shares most of its grams (held-out summarization prompts 0.57–0.85, translation
+    0.20–0.45, half of math 0.73–0.81, while chat, QA and writing stay at or under 0.15; 2026-11-25).
+    The training prompts' n-grams are counted once, here, however many prompts are tested."""
     spread = collections.Counter(gram for tokens in prompts for gram in _grams(tokens, n))
-    shares = []
-    for tokens in held_out:
+
+    def holds_passage(tokens: Sequence[int]) -> bool:
         grams = _grams(tokens, n)
-        shares.append(sum(0 < spread[gram] < max_prompts for gram in grams) / max(1, len(grams)))
-    return [share >= min_share for share in shares]
+        return sum(0 < spread[gram] < max_prompts for gram in grams) / max(1, len(grams)) >= min_share
+
+    return holds_passage
 
 
 def _grams(tokens: Sequence[int], n: int) -> set[tuple[int, ...]]:

@@ -34,21 +34,21 @@ def main(argv: list[str]) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
+    from draft_training.feature_training import corpus_prompts
     from draft_training.medusa_training import medusa_evaluation
+    from draft_training.train_prompts import passage_check
     from specd_app.bench import emit_report, machine_facts
     from specd_common.models import load_causal_lm, vocab_digest
     from verify_service.medusa import load_heads
 
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
     report = {"command": " ".join(["python", "scripts/medusa_compare.py", *argv]), "machine": machine_facts(), "heads": {}}
-    from draft_training.feature_training import corpus_prompts
-
-    prompts = corpus_prompts(target.name) if args.leak_free else []
+    holds_passage = passage_check(corpus_prompts(target.name)) if args.leak_free else None  # the corpus counted once for every head
     for spec in args.heads:
         name, _, folder = spec.partition("=")
         heads = load_heads(Path(folder), target.model, vocab_digest(target.tokenizer))
         report["heads"][name] = {"folder": folder, "config": vars(heads.config),
-                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0, prompts)}
+                                 **medusa_evaluation(heads, target, Path(args.work_dir), 0, holds_passage)}
     emit_report(report, args.output)
     return 0
 

@@ -155,8 +155,12 @@ def test_corpus_sources_cap_each_kind_and_keep_the_thin_ones_whole():
     assert len(Corpus.open(corpus_dir(DEFAULT_TARGET)).records) >= sum(every.values())
 
 
-def test_leaked_held_out_flags_a_reused_passage_not_one_shared_phrase():
-    from draft_training.train_prompts import leaked_held_out
+def test_passage_check_flags_a_reused_passage_not_one_shared_phrase():
+    from draft_training.train_prompts import passage_check
+
+    def leaked_held_out(prompts, held_out, **limits):
+        holds_passage = passage_check(prompts, **limits)
+        return [holds_passage(tokens) for tokens in held_out]
 
     passage = list(range(500, 520))  # 20 tokens: 15 six-grams
     template = [9, 8, 7, 6, 5, 4]

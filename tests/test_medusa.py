@@ -783,11 +783,12 @@ def test_training_medusa_heads_end_to_end(tmp_path, recipe):
     assert after[0] > before[0] + 0.1, (before, after)
     # the leak-free chains: every held-out answer when the corpus shares nothing, none when it holds their prompts
     from draft_training.distill_data import load_records
+    from draft_training.train_prompts import passage_check
 
     held_out = [r["tokens"][: r["start"]].tolist() for r in load_records(run["root"] / "work" / "data", "gen-eval")]
-    unrelated = medusa_evaluation(trained, target, run["root"] / "work", 0, corpus_prompts=[[1, 2, 3]])
+    unrelated = medusa_evaluation(trained, target, run["root"] / "work", 0, passage_check([[1, 2, 3]]))
     assert unrelated["leak_free"]["held_out_answers"] == len(held_out) and unrelated["leak_free"]["k2"] == unrelated["k2"]
-    leaked = medusa_evaluation(trained, target, run["root"] / "work", 0, corpus_prompts=held_out)
+    leaked = medusa_evaluation(trained, target, run["root"] / "work", 0, passage_check(held_out))
     assert leaked["leak_free"]["held_out_answers"] == 0 and sum(leaked["leak_free"]["leaked_by_kind"].values()) == len(held_out)
 
 

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
              "mkl (MKL-packed one-row GEMM), tall (W·xᵀ for the LM head and MLP gate/up), cols (W·xᵀ for every layer), "
              "rows (x·Wᵀ from a transposed copy), off (plain)",
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
+    add_flag(verify, "forward", "auto", "the target's passes: auto (specd_common/lean_forward.py where it serves the model and "
+             "agrees with transformers on a start-up probe) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
@@ -216,7 +218,7 @@ def serve_verify(args: argparse.Namespace) -> None:
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
-        medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model),
+        medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
     )
     wait_for_termination(running, args.grace)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch, kv_cache, model_thread, tree
+from specd_common import autotune, kv_batch, kv_cache, lean_forward, model_thread, tree
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -153,6 +153,23 @@ def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: 
     return replaced
 
 
+def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
+    """The lean forward for this model (specd_common/lean_forward.py), or None where transformers'
+    forward must serve: an unsupported architecture, or logits that do not agree with transformers'
+    on a probe (a warning: the model serves, only slower)."""
+    reason = lean_forward.unsupported(loaded.model)
+    if reason:
+        log.info("model passes: transformers' forward (the lean one does not serve %s)", reason)
+        return None
+    lean = lean_forward.LeanLlama(loaded.model)
+    disagreement = lean_forward.disagreement(lean, loaded.model, lambda: kv_cache.growing_cache(loaded.model.config))
+    if disagreement:
+        log.warning("model passes: transformers' forward; the lean one disagrees with it: %s", disagreement)
+        return None
+    log.info("model passes: the lean forward (specd_common/lean_forward.py), which agrees with transformers' on a probe")
+    return lean
+
+
 def on_model_thread(method: Callable) -> Callable:
     """Run a CausalLM method on the model's own thread (specd_common/model_thread.py says why)."""
 
@@ -168,21 +185,27 @@ class CausalLM:
     every one of them, and the start-up measurements, on the process's model thread
     (specd_common/model_thread.py; `run` puts a caller's own torch work there too)."""
 
-    def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN})):
+    def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN}), lean: bool = True):
         """layouts: on a float32 CPU model, the linear-weight layouts to keep (make_linears_switchable;
-        `tune` picks among them per forward size and drops the unused). Keeping the prepacked layout
-        changes loaded.model in place, so only the owner of the model (a service) should ask for it."""
+        `tune` picks among them per forward size and drops the unused). lean: run passes with
+        specd_common/lean_forward.py where the model is supported and agrees with transformers
+        (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
+        views: same values, one copy). Both change loaded.model in place, so only the owner of the
+        model (a service) should ask for them."""
         self.loaded = loaded
         self.switch = LayoutSwitch()
+        self.model_thread = model_thread.shared()
+        self.lean = self.model_thread.run(lean_forward_for, loaded) if lean else None  # None: transformers' forward serves
+        if not lean:
+            log.info("model passes: transformers' forward (asked for)")
         if loaded.device.type == "cpu":
-            make_linears_switchable(loaded.model, self.switch, set(layouts))
+            make_linears_switchable(self._serving_module(), self.switch, set(layouts))
         self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
         self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
         self.trials: Optional[autotune.ServingTrials] = None  # sizes still settled by timing serving passes (tune)
         self.vocab_size = model_vocab_size(loaded)
         self.max_length = max_sequence_length(loaded)
         self._forward_lock = threading.Lock()
-        self.model_thread = model_thread.shared()
         self._last_hidden: Optional[torch.Tensor] = None  # [B, n, H] of the last forward, when features are kept
         self._keep_hidden = False
         loaded.model.base_model.register_forward_hook(self._capture_last_hidden)
@@ -262,7 +285,7 @@ class CausalLM:
 
     def use_only(self, layouts: set[str]) -> None:
         """Drop the weights of layouts no forward will use (frees their memory)."""
-        for module in self.loaded.model.modules():
+        for module in self._serving_module().modules():
             if isinstance(module, SwitchableLinear):
                 if not layouts & autotune.DENSE_LAYOUTS:
                     module.weight = None
@@ -427,18 +450,15 @@ class CausalLM:
                 self._apply(*trial)
             else:
                 self._configure(len(token_ids))
-            self._keep_hidden = session.keep_features
             started = time.perf_counter()
-            output = self.loaded.model(
-                input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=0 if all_logits else 1, **custom,
-            )
+            logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
+                                                logits_to_keep=0 if all_logits else 1, **custom)  # [1, n, V], [1, n, H], [1, n, L, H]
             if trial is not None:
                 self._settle_trial(len(token_ids), trial, time.perf_counter() - started)
-            hidden, layers = self._take_hidden()  # [1, n, H], [1, n, L, H]
             if session.keep_features:
                 session.fed_start, session.fed_features = start, hidden[0]  # [n, H], after the final norm
                 session.fed_layers = layers[0] if layers is not None else None
-        return output.logits[0].float()  # [n, V]
+        return logits[0].float()  # [n, V]
 
     @on_model_thread
     @torch.inference_mode()
@@ -450,18 +470,31 @@ class CausalLM:
         with self._forward_lock:
             batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
             self._configure(batch.input_ids.numel())
-            self._keep_hidden = keep
-            output = self.loaded.model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids,
-                past_key_values=batch.past,
-                use_cache=True,
-            )
-            kv_batch.scatter_new(output.past_key_values, batch, caches)
-            hidden, layers = self._take_hidden()  # [B, N, H], [B, N, L, H] when kept
+            logits, hidden, layers = self._pass(batch.input_ids, batch.past, keep, position_ids=batch.position_ids,
+                                                attention_mask=batch.attention_mask)  # [B, N, V], [B, N, H], [B, N, L, H] when kept
+            kv_batch.scatter_new(batch.past, batch, caches)  # the pass appended to batch.past in place
         for row, session in enumerate(sessions):
             if session.keep_features:  # rows are left-aligned: the row's fed tokens are its first len(fed) positions
                 session.fed_start, session.fed_features = starts[row], hidden[row, : len(fed[row])]
                 session.fed_layers = layers[row, : len(fed[row])] if layers is not None else None
-        return output.logits.float()  # [B, N, V]
+        return logits.float()  # [B, N, V]
+
+    def _pass(self, input_ids: torch.Tensor, cache: DynamicCache, keep_hidden: bool, logits_to_keep: int = 0,
+              position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """One model pass over input_ids [B, n] appending to `cache`, by the lean forward or
+        transformers': logits [B, kept, V], and when keep_hidden the final hidden state [B, n, H] and
+        the captured layers' outputs [B, n, L, H] (None when no layer is captured)."""
+        if self.lean is not None:
+            output = self.lean(input_ids, cache, position_ids=position_ids, attention_mask=attention_mask,
+                               logits_to_keep=logits_to_keep, keep_hidden=keep_hidden, capture=self.captured_layers)
+            return output.logits, output.hidden, output.layers
+        self._keep_hidden = keep_hidden
+        output = self.loaded.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                                   position_ids=position_ids, attention_mask=attention_mask)
+        hidden, layers = self._take_hidden()
+        return output.logits, hidden, layers
+
+    def _serving_module(self) -> torch.nn.Module:
+        """The module whose linears run the passes: the lean forward's, or transformers' model."""
+        return self.lean if self.lean is not None else self.loaded.model

@@ -49,7 +49,8 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
     def record(what: str) -> None:
         threads.setdefault(what, set()).add(threading.get_ident())
 
-    loaded.model.register_forward_pre_hook(lambda module, args: record("pass"))
+    passes = scorer.lm.lean if scorer.lm.lean is not None else loaded.model  # the module that runs every pass
+    passes.register_forward_pre_hook(lambda module, args: record("pass"))
     heads.heads[0][0].register_forward_pre_hook(lambda module, args: record("heads"))  # head 1's block: every proposal runs it
     for name in ("encode_features", "warp_probs"):
         real = getattr(scorer_module, name)

@@ -74,18 +74,21 @@ class Scorer:
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
     for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
     off: PyTorch's plain layout; specd_common.lm.SwitchableLinear), then its KV-token budget and, when it
-    batches, what batched rounds cost (measure_batch_costs). With `medusa`
+    batches, what batched rounds cost (measure_batch_costs). `forward`: auto runs the passes with
+    specd_common/lean_forward.py where it serves the model, transformers keeps transformers'. With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
-                 max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None):
+                 max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto"):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
+        if forward not in autotune.FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(autotune.FORWARDS)}, not {forward!r}")
         self._info = describe_model(loaded)  # before tuning, which may drop the plain weights it reads
         self._info.hidden_size = loaded.model.config.hidden_size
         self.medusa = medusa.to(loaded.device) if medusa is not None else None
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
-        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack])
+        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward == "auto")
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
         runtime = self.lm.tune(threads, max_threads)

@@ -1,0 +1,105 @@
+"""The lean forward (specd_common/lean_forward.py) against transformers' own, pass for pass, on a tiny
+random Llama: a prompt's prefill, decoding and verify passes, a draft tree, a packed batch of
+sessions, and the features and captured layers feature drafters and Medusa heads read. Plus what
+keeps it out where it must not serve: an unsupported model, a forward that disagrees, the switch."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specd_common import lean_forward  # noqa: E402
+from specd_common.lm import CausalLM  # noqa: E402
+from specd_common.models import load_causal_lm  # noqa: E402
+from specd_common.tree import ROOT  # noqa: E402
+from tests.tiny_models import build_model  # noqa: E402
+
+ATOL = 1e-5  # float32 rounding; a wrong mask, position or weight moves logits by ~1
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("lean") / "m", seed=3, layers=3)
+
+
+@pytest.fixture(scope="module")
+def pair(model_path):
+    """(lean, transformers): the same weights served by each forward."""
+    lean = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"))
+    reference = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"), lean=False)
+    assert lean.lean is not None and reference.lean is None
+    for lm in (lean, reference):
+        lm.capture_layers([1, 2])
+    return lean, reference
+
+
+def test_chains_decode_and_verify_like_transformers(pair):
+    sessions = [lm.new_session([5, 9, 14, 3, 7, 11, 2], keep_features=True) for lm in pair]
+    for extra in ([], [4, 8, 15], [16], [23, 42]):  # a decoding step, then verify passes of 4, 2, 3 positions
+        lean_logits, reference_logits = (lm.forward(session, extra) for lm, session in zip(pair, sessions))
+        assert torch.allclose(lean_logits, reference_logits, atol=ATOL)
+        assert torch.allclose(sessions[0].fed_features, sessions[1].fed_features, atol=ATOL)
+        assert sessions[0].fed_layers.shape == sessions[1].fed_layers.shape == (len(sessions[0].fed_features), 2, 64)
+        assert torch.allclose(sessions[0].fed_layers, sessions[1].fed_layers, atol=ATOL)
+
+
+def test_a_long_prompt_prefills_like_transformers(pair, monkeypatch):
+    monkeypatch.setattr("specd_common.lm.PREFILL_CHUNK", 64)
+    prompt = [(i * 7) % 300 + 1 for i in range(150)]  # three prefill chunks
+    lean_logits, reference_logits = (lm.forward(lm.new_session(prompt), [1, 2]) for lm in pair)
+    assert torch.allclose(lean_logits, reference_logits, atol=ATOL)
+
+
+def test_a_draft_tree_scores_like_transformers(pair):
+    tokens, parents = [11, 12, 13, 14, 21, 22], [ROOT, 0, 1, 0, ROOT, 4]
+    sessions = [lm.new_session([3, 4, 5, 6, 7]) for lm in pair]
+    lean_logits, reference_logits = (lm.forward_tree(s, tokens, parents) for lm, s in zip(pair, sessions))
+    assert torch.allclose(lean_logits, reference_logits, atol=ATOL)
+    for lm, session in zip(pair, sessions):
+        lm.settle_tree(session, [4, 5])
+    after = [lm.forward(session, [9]) for lm, session in zip(pair, sessions)]  # the kept path's cache serves on
+    assert torch.allclose(after[0], after[1], atol=ATOL)
+
+
+def test_a_packed_batch_scores_like_transformers(pair):
+    prompts = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16])  # different cache lengths: padding
+    extras = ([20], [21, 22, 23], [])
+    outputs = []
+    for lm in pair:
+        sessions = [lm.new_session(prompt) for prompt in prompts]
+        outputs.append(lm.forward_batch(list(zip(sessions, extras))))
+    for lean_logits, reference_logits in zip(*outputs):
+        assert torch.allclose(lean_logits, reference_logits, atol=ATOL)
+
+
+def test_a_model_it_cannot_run_keeps_transformers_forward(model_path):
+    loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
+    loaded.model.config.attention_bias = True  # what a Qwen2-style model would say
+    assert lean_forward.unsupported(loaded.model) == "projections with biases"
+    assert CausalLM(loaded).lean is None
+    loaded.model.config.attention_bias, loaded.model.config.model_type = False, "gpt2"
+    assert "not llama" in lean_forward.unsupported(loaded.model)
+
+
+def test_a_lean_forward_that_disagrees_is_caught(model_path):
+    from specd_common.kv_cache import growing_cache
+
+    loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
+    lean = lean_forward.LeanLlama(loaded.model)
+    assert lean_forward.disagreement(lean, loaded.model, lambda: growing_cache(loaded.model.config)) == ""
+    wrong = torch.nn.Linear(64, lean.layers[1].qkv.out_features, bias=False)  # a second layer's q/k/v mixed up
+    with torch.no_grad():
+        wrong.weight.copy_(lean.layers[1].qkv.weight.flip(0))
+    lean.layers[1].qkv = wrong
+    assert "logits differ" in lean_forward.disagreement(lean, loaded.model, lambda: growing_cache(loaded.model.config))
+
+
+def test_the_verify_flag_keeps_transformers_forward(model_path):
+    from specd_common.batching import BatchPolicy
+    from verify_service.scorer import Scorer
+
+    loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
+    assert Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="transformers").lm.lean is None
+    with pytest.raises(ValueError, match="forward must be one of auto, transformers"):
+        Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="fast")

@@ -64,6 +64,13 @@ class LeanLayer(torch.nn.Module):
     """One decoder layer's weights for the lean pass: q/k/v and gate/up fused, o and down shared
     with transformers' layer (the same tensors, no copy)."""
 
+    def release_originals(self) -> None:
+        """Drop transformers' references to this layer's linear weights (its forward cannot run after):
+        where the lean pass keeps only a copied layout (rows, prepacked), they would hold a second,
+        unused copy of every weight."""
+        for linear in self._originals:
+            linear.weight = None
+
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         attention, mlp = layer.self_attn, layer.mlp
@@ -72,6 +79,9 @@ class LeanLayer(torch.nn.Module):
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj])  # [2 I, C]
         self.down = mlp.down_proj
         self.input_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        # transformers' own linears (plain attributes, not submodules): release_originals drops their weights
+        self._originals = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj)
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
         self.head_dim = attention.head_dim
@@ -108,6 +118,11 @@ class LeanLlama(torch.nn.Module):
         self.norm = base.norm.weight
         self.lm_head = model.lm_head
         self.eps = model.config.rms_norm_eps
+
+    def release_originals(self) -> None:
+        """LeanLayer.release_originals for every layer: transformers' forward cannot run after."""
+        for layer in self.layers:
+            layer.release_originals()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache, position_ids: Optional[torch.Tensor] = None,

@@ -201,6 +201,7 @@ class CausalLM:
         if loaded.device.type == "cpu":
             make_linears_switchable(self._serving_module(), self.switch, set(layouts))
         self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
+        self._release_unused_originals()
         self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
         self.trials: Optional[autotune.ServingTrials] = None  # sizes still settled by timing serving passes (tune)
         self.vocab_size = model_vocab_size(loaded)
@@ -298,6 +299,14 @@ class CausalLM:
                 if autotune.ROWS not in layouts:
                     module.rows_weight = None
         self.layouts &= layouts
+        self._release_unused_originals()
+
+    def _release_unused_originals(self) -> None:
+        """With the lean forward and no layout that reads the ordinary weights, transformers' decoder
+        linears would keep a second copy of each weight alive (the lean pass has its own layouts):
+        drop them. transformers' forward cannot run this model after that; nothing here calls it."""
+        if self.lean is not None and self.loaded.device.type == "cpu" and not self.layouts & autotune.DENSE_LAYOUTS:
+            self.lean.release_originals()
 
     @on_model_thread
     def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:

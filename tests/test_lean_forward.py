@@ -103,3 +103,14 @@ def test_the_verify_flag_keeps_transformers_forward(model_path):
     assert Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="transformers").lm.lean is None
     with pytest.raises(ValueError, match="forward must be one of auto, transformers"):
         Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="fast")
+
+
+def test_copied_layouts_alone_leave_no_second_copy_of_the_weights(model_path, pair):
+    from specd_common.autotune import ROWS
+
+    lm = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"), layouts={ROWS})
+    attention = lm.loaded.model.model.layers[0].self_attn
+    assert attention.q_proj.weight is None and attention.o_proj.weight is None  # only the rows copies remain
+    reference = pair[1]
+    lean_logits, reference_logits = (m.forward(m.new_session([5, 9, 14, 3]), [7, 11]) for m in (lm, reference))
+    assert torch.allclose(lean_logits, reference_logits, atol=1e-4)  # another summation order than the plain layout's

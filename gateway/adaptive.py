@@ -344,10 +344,18 @@ class StepCosts:
 
     An unmeasured Verify size costs as much as the largest measured smaller one (optimistic, so it
     gets tried and measured); an unmeasured Propose scales linearly from the nearest measured one.
-    Verifies that asked for the Medusa heads' proposals are also kept apart from those that did not
-    (the proposals cost the pass ~3 ms here, ~5% of a one-position pass): a head round is priced with
-    them, the plain round it is weighed against without (asking in every pass would otherwise make
-    plain rounds look dearer than they are, and head rounds cheaper).
+    Asking for the Medusa heads' proposals costs a pass more (~3 ms on the 2-core AMD EPYC, ~5% of a
+    one-position pass): a head round is priced with it, the plain round it is weighed against without
+    (asking in every pass would otherwise make plain rounds look dearer than they are, and head rounds
+    cheaper). One table holds every size's cost without the proposals, and `heads_extra_s` what asking
+    added: the moving average of an asking pass beyond the table's cost at its size, where passes that
+    did not ask measured that size. An asking pass enters the table less that extra. Why not a table of
+    asking passes apart: a size it had measured once kept that price for good once it priced the heads
+    out (no head round, so no asking pass, so no new measurement). On the 2-core Intel Xeon VM a first
+    asking pass of 65 ms (the verify's serving trials time some passes on one thread) stood for every
+    size where passes took ~37 ms (a diagnostic run's log), and the feature-head stack took no head
+    round in bench_s40 and bench_s40_transformers_forward (1.45 and 1.51 tokens a pass; the run before
+    them 38% of its rounds, 1.88); priced this way, 46% and 1.91 (bench_s40_extra).
 
     A tree pass costs more than a chain pass over as many positions (its own attention mask; the
     kept path's cache columns move at the next commit): on the 2-core AMD EPYC, rounds of trees of
@@ -359,8 +367,10 @@ class StepCosts:
 
     def __init__(self, smoothing: float = 0.1):
         self.smoothing = smoothing
-        self._verify: dict[int, float] = {}
-        self._verify_by_heads: dict[bool, dict[int, float]] = {False: {}, True: {}}  # asked for proposals → positions → s
+        self._verify: dict[int, float] = {}  # positions → seconds of a chain Verify, without the heads' proposals
+        self._measured_plain: set[int] = set()  # sizes measured by Verifies that did not ask for proposals
+        self.heads_extra_s = 0.0  # what asking for the heads' proposals adds to a Verify
+        self.heads_share = 0.0  # moving share of Verifies that asked (what a round of either kind pays on average)
         self._draft: dict[int, float] = {}
         self.tree_extra_s = 0.0  # what a tree Verify takes beyond a chain over as many positions
         self._lock = threading.Lock()
@@ -368,13 +378,18 @@ class StepCosts:
     def observe_verify(self, positions: int, seconds: float, heads: bool = False, tree: bool = False) -> None:
         """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals; tree: it
         verified a tree (priced apart where a chain of its size is measured: tree_extra_s)."""
-        chain = self._verify_by_heads[heads].get(positions) if tree else None
-        if chain is not None:
-            with self._lock:
-                self.tree_extra_s += self.smoothing * (seconds - chain - self.tree_extra_s)
-            return
-        self._observe(self._verify, positions, seconds)
-        self._observe(self._verify_by_heads[heads], positions, seconds)
+        with self._lock:
+            self.heads_share += self.smoothing * (float(heads) - self.heads_share)
+            chain = self._verify.get(positions)
+            if heads and chain is not None and positions in self._measured_plain and not tree:
+                self.heads_extra_s += self.smoothing * (seconds - chain - self.heads_extra_s)
+            plain_seconds = seconds - (self.heads_extra_s if heads else 0.0)
+            if tree and chain is not None:
+                self.tree_extra_s += self.smoothing * (plain_seconds - chain - self.tree_extra_s)
+                return
+            if not heads:
+                self._measured_plain.add(positions)
+        self._observe(self._verify, positions, plain_seconds)
 
     def observe_draft(self, k: int, seconds: float) -> None:
         self._observe(self._draft, k, seconds)
@@ -385,14 +400,17 @@ class StepCosts:
             table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def verify_s(self, positions: int, heads: Optional[bool] = None) -> Optional[float]:
-        """Seconds a Verify over `positions` takes (None while none is measured); heads: of those that
-        asked for proposals (True) or did not (False), while any such is measured; None: of all."""
+        """Seconds a Verify over `positions` takes (None while none is measured): the table's cost at the
+        largest measured size at or below it (the smallest measured above, where none is), plus what
+        asking for the heads' proposals adds when `heads` (True), nothing when it does not ask (False),
+        and that times the share of Verifies that ask when it is not known (None)."""
         with self._lock:
-            table = self._verify_by_heads[heads] if heads is not None and self._verify_by_heads[heads] else self._verify
-            if not table:
+            if not self._verify:
                 return None
-            smaller = [n for n in table if n <= positions]
-            return table[max(smaller) if smaller else min(table)]
+            smaller = [n for n in self._verify if n <= positions]
+            base = self._verify[max(smaller) if smaller else min(self._verify)]
+            share = self.heads_share if heads is None else float(heads)
+            return base + share * self.heads_extra_s
 
     def draft_s(self, k: int) -> float:
         if k == 0:

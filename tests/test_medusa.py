@@ -742,19 +742,23 @@ def test_a_draft_tree_keeps_the_alternatives_that_pay():
 
 def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
     """Asking for proposals makes a pass dearer, so a head round (whose Verify asks, for the round after
-    it) is weighed against a plain round that does not ask. Heads accepted 20% of the time promise
-    1.248 tokens per 125 ms (9.98/s) against 10/s for plain 100 ms rounds: not asked. Priced by
-    passes that asked (110 ms), plain rounds would promise 9.1/s and the heads would be asked for."""
+    it) is weighed against a plain round that does not ask. Plain passes of 100 ms and asking ones of
+    110 ms (one position) and 125 ms (two), alternating until the extra is learned: heads accepted 20%
+    of the time promise 1.248 tokens per 125 ms (9.98/s) against 10/s for plain rounds, so they are not
+    asked; priced by the asking passes (110 ms), plain rounds would promise 9.1/s and the heads would be."""
     from gateway.adaptive import AcceptanceEstimate
 
     costs = StepCosts()
-    costs.observe_verify(1, 0.100, heads=False)
-    costs.observe_verify(1, 0.110, heads=True)
-    costs.observe_verify(2, 0.125, heads=True)
+    for _ in range(60):
+        costs.observe_verify(1, 0.100, heads=False)
+        costs.observe_verify(1, 0.110, heads=True)
+        costs.observe_verify(2, 0.125, heads=True)
+    assert costs.heads_extra_s == pytest.approx(0.010, abs=1e-3)
     generation = head_policy_generation(costs)
     generation._head_acceptance = AcceptanceEstimate(prior=0.2)
     assert not generation._ask_head_drafts()
-    costs.observe_verify(1, 0.120, heads=False)  # plain rounds dearer (moving average: 110 ms): now the heads pay
+    for _ in range(3):
+        costs.observe_verify(1, 0.120, heads=False)  # plain rounds dearer: now the heads pay
     assert generation._ask_head_drafts()
 
 

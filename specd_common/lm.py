@@ -161,8 +161,12 @@ def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
     if reason:
         log.info("model passes: transformers' forward (the lean one does not serve %s)", reason)
         return None
-    lean = lean_forward.LeanLlama(loaded.model)
-    disagreement = lean_forward.disagreement(lean, loaded.model, lambda: kv_cache.growing_cache(loaded.model.config))
+    try:
+        lean = lean_forward.LeanLlama(loaded.model)
+        disagreement = lean_forward.disagreement(lean, loaded.model, lambda: kv_cache.growing_cache(loaded.model.config))
+    except (AttributeError, RuntimeError, TypeError, ValueError) as error:  # another transformers' modules, say
+        log.warning("model passes: transformers' forward; the lean one failed its probe: %r", error)
+        return None
     if disagreement:
         log.warning("model passes: transformers' forward; the lean one disagrees with it: %s", disagreement)
         return None

@@ -114,3 +114,13 @@ def test_copied_layouts_alone_leave_no_second_copy_of_the_weights(model_path, pa
     reference = pair[1]
     lean_logits, reference_logits = (m.forward(m.new_session([5, 9, 14, 3]), [7, 11]) for m in (lm, reference))
     assert torch.allclose(lean_logits, reference_logits, atol=1e-4)  # another summation order than the plain layout's
+
+
+def test_a_lean_forward_that_fails_its_probe_leaves_transformers_serving(model_path, monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise TypeError("rotary_emb() takes 2 positional arguments")  # e.g. another transformers' module signature
+
+    monkeypatch.setattr(lean_forward.LeanLlama, "forward", broken)
+    lm = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"))
+    assert lm.lean is None
+    assert lm.forward(lm.new_session([5, 9, 14]), [3]).shape[0] == 2  # transformers' forward serves

@@ -64,13 +64,6 @@ class LeanLayer(torch.nn.Module):
     """One decoder layer's weights for the lean pass: q/k/v and gate/up fused, o and down shared
     with transformers' layer (the same tensors, no copy)."""
 
-    def release_originals(self) -> None:
-        """Drop transformers' references to this layer's linear weights (its forward cannot run after):
-        where the lean pass keeps only a copied layout (rows, prepacked), they would hold a second,
-        unused copy of every weight."""
-        for linear in self._originals:
-            linear.weight = None
-
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         attention, mlp = layer.self_attn, layer.mlp
@@ -88,12 +81,19 @@ class LeanLayer(torch.nn.Module):
         self.scaling = attention.scaling
         self.intermediate = mlp.gate_proj.out_features
 
+    def release_originals(self) -> None:
+        """Drop transformers' references to this layer's linear weights (its forward cannot run after):
+        where the lean pass keeps only a copied layout (rows, prepacked), they would hold a second,
+        unused copy of every weight."""
+        for linear in self._originals:
+            linear.weight = None
+
 
 def _fused(linears: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
     """One bias-free Linear whose output is the given linears' outputs side by side; the originals'
     weights become views of its weight, so the model holds each weight once."""
     weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
-    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)  # no init of a weight replaced at once
     fused.weight = torch.nn.Parameter(weight, requires_grad=False)
     start = 0
     for linear in linears:

@@ -5,11 +5,11 @@ Why: the default target (SmolLM2-135M, 30 decoder layers) streams 540 MB of floa
 for one position, the rest spent between the matrix products: ~45 small operations a layer (an
 RMSNorm of five, three projections where one fused one does, mask and rotary set-up per pass,
 module and hook plumbing). This forward runs each layer as one RMSNorm op, one fused q/k/v
-product, rotary, the cache append, SDPA, the output product, one RMSNorm, one fused gate/up
-product and the down product. Measured there (`scripts/lean_forward_bench.py`,
-docs/benchmarks/lean_forward_s40.json: 200 positions cached, each forward in its own process, the
-faster weight layout of each), a pass over 1 / 2 / 4 / 8 positions took 28.2 / 29.8 / 37.3 / 50.2 ms
-against transformers' 31.3 / 34.2 / 43.6 / 54.8: 8–15% less.
+product, one rotation of q and k together (four operations), the cache append, SDPA, the output
+product, one RMSNorm, one fused gate/up product and the down product. Measured there (`scripts/lean_forward_bench.py`,
+docs/benchmarks/lean_forward_s40b.json: 200 positions cached, each forward in its own process, the
+faster weight layout of each), a pass over 1 / 2 / 4 / 8 positions took 27.8 / 29.3 / 36.9 / 49.2 ms
+against transformers' 31.9 / 34.5 / 44.6 / 55.5: 11–17% less.
 
 Same math, same order: the fused products compute every output from the same row of weights as
 the separate ones, rotary uses transformers' own embedding module, attention the same SDPA call
@@ -140,7 +140,7 @@ class LeanLlama(torch.nn.Module):
         mask = attention_mask_for(attention_mask, n, past)  # None or bool [B, 1, n, past + n]
         x = self.embed(input_ids)  # [B, n, C]
         cos, sin = self.rotary(x, position_ids)  # [B, n, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, n, D]
+        cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [B, 1, n, D]
         captured = []
         for index, layer in enumerate(self.layers):
             x = self._layer(layer, index, x, cache, cos, sin, mask)
@@ -156,9 +156,9 @@ class LeanLlama(torch.nn.Module):
         batch, n, _ = x.shape
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         h = rms_norm(x, layer.input_norm, self.eps)
-        q, k, v = layer.qkv(h).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
-        q = rotate(q.view(batch, n, heads, dim).transpose(1, 2), cos, sin)  # [B, Hq, n, D]
-        k = rotate(k.view(batch, n, kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hkv, n, D]
+        qk, v = layer.qkv(h).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
+        qk = rotate(qk.view(batch, n, heads + kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hq + Hkv, n, D]: one rotation for both
+        q, k = qk[:, :heads], qk[:, heads:]  # [B, Hq, n, D], [B, Hkv, n, D]
         keys, values = cache.update(k, v.view(batch, n, kv_heads, dim).transpose(1, 2), index)  # [B, Hkv, past + n, D]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                                   is_causal=mask is None and n > 1, enable_gqa=heads != kv_heads)  # [B, Hq, n, D]
@@ -178,10 +178,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it: x·cos + rotate_half(x)·sin; x [B, h, n, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: what `rotate` multiplies the half-swapped x by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it, x·cos + rotate_half(x)·sin, in four operations:
+    rotate_half(x) = (−x₂, x₁) and (x₂, x₁)·(−s₁, s₂) equals (−x₂·s₁, x₁·s₂) exactly (a sign flip is
+    exact in floating point), so x·cos + roll(x, D/2)·signed_sin(sin) gives the same bits. x [B, h, n, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def attention_mask_for(mask: Optional[torch.Tensor], n: int, past: int) -> Optional[torch.Tensor]:

@@ -171,11 +171,13 @@ def medusa_evaluation(heads, target, work: Path, limit: int,
             report["leak_free"] = {"held_out_answers": len(clean), "leaked_by_kind": dict(collections.Counter(
                 r["category"] for r, leak in zip(records, leaked) if leak)),
                 **chain_report([r for r, _ in clean], [p for _, p in clean], heads.config.num_heads)}
-    log.info("eval: top-1 by head %s; tokens/pass %s", report["top1_by_head"],
-             [report[f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
+    def tokens_per_pass(chains: dict) -> list[float]:
+        return [chains[f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)]
+
+    log.info("eval: top-1 by head %s; tokens/pass %s", report["top1_by_head"], tokens_per_pass(report))
     if "leak_free" in report:
         log.info("eval: on the %d held-out answers whose prompts hold no corpus passage, tokens/pass %s",
-                 report["leak_free"]["held_out_answers"], [report["leak_free"][f"k{k}"]["tokens_per_pass"] for k in range(1, heads.config.num_heads + 1)])
+                 report["leak_free"]["held_out_answers"], tokens_per_pass(report["leak_free"]))
     return report
 
 

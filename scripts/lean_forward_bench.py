@@ -28,7 +28,7 @@ sys.path[:0] = [str(REPO), str(REPO / "protos")]
 import torch  # noqa: E402
 
 from draft_training.distill_data import chat_prompt_ids  # noqa: E402
-from specd_app.bench import machine_facts  # noqa: E402
+from specd_app.bench import emit_report, machine_facts  # noqa: E402
 from specd_common import autotune  # noqa: E402
 from specd_common.lm import CausalLM  # noqa: E402
 from specd_common.models import DEFAULT_TARGET, load_causal_lm  # noqa: E402
@@ -91,7 +91,6 @@ def timing(lm: CausalLM, threads: int, context: int, repeats: int) -> dict:
 
 def child(forward: str, args) -> None:
     """One process, one model, as in a service: time it with `forward` and print the table as JSON."""
-    torch.set_num_threads(args.threads)
     lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), layouts=set(LAYOUTS), lean=forward == "lean")
     assert (lm.lean is not None) == (forward == "lean"), "the lean forward did not take the default target (see the log)"
     sys.stdout.write(json.dumps(timing(lm, args.threads, args.context, args.repeats)) + "\n")
@@ -131,14 +130,10 @@ def main() -> None:
     report = {"command": "python " + " ".join(sys.argv), "machine": machine_facts(),
               "settings": {"threads": args.threads, "context": args.context, "repeats": args.repeats, "rounds": args.rounds},
               "forward_ms": timed_in_processes(args)}
-    torch.set_num_threads(args.threads)
     lean = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"))
     reference = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), lean=False)
     report["agreement"] = agreement(lean, reference, args.tokens)
-    text = json.dumps(report, indent=1)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    emit_report(report, args.output)
 
 
 if __name__ == "__main__":

@@ -363,11 +363,21 @@ class StepCosts:
     verify, docs/benchmarks/bench_s37_confident_cache.json). Tree Verifies therefore stay out of the
     tables where a chain of their size is measured and move `tree_extra_s` instead, the moving
     average of what a tree took beyond that chain; round_cost_s adds it to a tree.
+
+    A size's price can also lock itself in: one slow pass (a verify's start-up trials, a neighbour's
+    burst of load) makes its size look dear, the policy stops choosing it, and nothing measures it
+    again. Two rules undo that. Sizes not measured in the last `stale_after` Verifies are priced as
+    if unmeasured (by the largest fresh size at or below them, so they get tried), and their next
+    measurement replaces the old average instead of moving it. And a size never costs more than a
+    fresh larger one (a pass over more positions does not take less time).
     """
 
-    def __init__(self, smoothing: float = 0.1):
+    def __init__(self, smoothing: float = 0.1, stale_after: int = 100):
         self.smoothing = smoothing
+        self.stale_after = stale_after
         self._verify: dict[int, float] = {}  # positions → seconds of a chain Verify, without the heads' proposals
+        self._verifies = 0  # Verifies observed so far (the clock of staleness)
+        self._verify_measured_at: dict[int, int] = {}  # positions → self._verifies when last entered in the table
         self._measured_plain: set[int] = set()  # sizes measured by Verifies that did not ask for proposals
         self.heads_extra_s = 0.0  # what asking for the heads' proposals adds to a Verify
         self.heads_share = 0.0  # moving share of Verifies that asked (what a round of either kind pays on average)
@@ -379,8 +389,9 @@ class StepCosts:
         """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals; tree: it
         verified a tree (priced apart where a chain of its size is measured: tree_extra_s)."""
         with self._lock:
+            self._verifies += 1
             self.heads_share += self.smoothing * (float(heads) - self.heads_share)
-            chain = self._verify.get(positions)
+            chain = self._verify.get(positions) if positions in self._fresh_sizes() else None
             if heads and chain is not None and positions in self._measured_plain and not tree:
                 self.heads_extra_s += self.smoothing * (seconds - chain - self.heads_extra_s)
             plain_seconds = seconds - (self.heads_extra_s if heads else 0.0)
@@ -389,7 +400,15 @@ class StepCosts:
                 return
             if not heads:
                 self._measured_plain.add(positions)
-        self._observe(self._verify, positions, plain_seconds)
+            # a stale size starts its average over: the old one may be the spike that made it stale
+            old = chain if chain is not None else plain_seconds
+            self._verify[positions] = old + self.smoothing * (plain_seconds - old)
+            self._verify_measured_at[positions] = self._verifies
+
+    def _fresh_sizes(self) -> set[int]:
+        """Sizes measured in the last `stale_after` Verifies (every measured size while none is); under the lock."""
+        fresh = {n for n, at in self._verify_measured_at.items() if self._verifies - at < self.stale_after}
+        return fresh or set(self._verify)
 
     def observe_draft(self, k: int, seconds: float) -> None:
         self._observe(self._draft, k, seconds)
@@ -401,14 +420,17 @@ class StepCosts:
 
     def verify_s(self, positions: int, heads: Optional[bool] = None) -> Optional[float]:
         """Seconds a Verify over `positions` takes (None while none is measured): the table's cost at the
-        largest measured size at or below it (the smallest measured above, where none is), plus what
+        largest fresh size at or below it (any measured, where none is fresh; the smallest measured above,
+        where none is at or below), at most a fresh larger size's, plus what
         asking for the heads' proposals adds when `heads` (True), nothing when it does not ask (False),
         and that times the share of Verifies that ask when it is not known (None)."""
         with self._lock:
             if not self._verify:
                 return None
-            smaller = [n for n in self._verify if n <= positions]
+            fresh = self._fresh_sizes()
+            smaller = [n for n in fresh if n <= positions] or [n for n in self._verify if n <= positions]
             base = self._verify[max(smaller) if smaller else min(self._verify)]
+            base = min([base] + [self._verify[n] for n in fresh if n >= positions])  # no dearer than a fresh larger size
             share = self.heads_share if heads is None else float(heads)
             return base + share * self.heads_extra_s
 

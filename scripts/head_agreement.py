@@ -13,6 +13,10 @@ With --speculate K it also simulates greedy speculation at fixed k = K on the sa
 draft's serving path (draft_training/draft_eval.py), in bfloat16 as served, with the head alone and
 with prompt lookup first (the served default, --lookup-min-ngram 2): tokens per target pass and the
 acceptance at each draft position (given the positions before it were accepted), overall and per kind.
+
+With --leak-free it also reports all of it on the held-out answers whose prompt holds no passage of a
+corpus prompt (train_prompts.passage_check, as scripts/medusa_compare.py): a head trained on the
+leaking corpus records scores high on the others, so heads of different runs compare fairly there.
 """
 
 from __future__ import annotations
@@ -75,15 +79,26 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--output", default="", help="write the results as JSON here")
     parser.add_argument("--speculate", type=int, default=0, help="also simulate greedy speculation at this fixed k (0 = no)")
+    parser.add_argument("--leak-free", action="store_true", help="also report on the held-out answers whose prompt "
+                        "shares no passage with a corpus prompt")
     args = parser.parse_args()
     target = load_causal_lm(args.target, device="cpu", dtype="float32")
     records = eval_records(target, Path(args.work_dir), 0)
+    subsets = {"all": records}
+    if args.leak_free:
+        from draft_training.feature_training import corpus_prompts
+        from draft_training.train_prompts import passage_check
+
+        holds_passage = passage_check(corpus_prompts(target.name))
+        subsets["leak_free"] = [r for r in records if not holds_passage(r["tokens"][: r["start"]].tolist())]
     results = {}
     for name, folder in (spec.split("=", 1) for spec in args.head):
         head = load_head(Path(folder), target.model)
-        results[name] = agreement(head, records)
-        if args.speculate:  # after the agreement: simulated() turns the head to bfloat16, as served
-            results[name]["speculation"] = simulated(head, target, records, args.speculate)
+        results[name] = {}
+        for subset, chosen in subsets.items():
+            results[name][subset] = {"held_out_answers": len(chosen), **agreement(head, chosen)}
+        for subset, chosen in subsets.items() if args.speculate else ():  # after the agreement: bfloat16 from here, as served
+            results[name][subset]["speculation"] = simulated(head, target, chosen, args.speculate)
     text = json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
     if args.output:

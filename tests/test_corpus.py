@@ -171,3 +171,30 @@ def test_passage_check_flags_a_reused_passage_not_one_shared_phrase():
     assert leaked_held_out(training, [reused, phrase, fresh]) == [True, False, False]
     assert leaked_held_out(training, [phrase], min_share=0.01) == [True]  # any shared gram, at a low enough share
     assert leaked_held_out(training, [template + [1, 2, 3]]) == [False]  # grams in ≥ max_prompts prompts are not passages
+
+
+def test_the_fresh_benchmark_prompts_hold_no_corpus_passage():
+    """docs/benchmarks/fresh_prompts.jsonl was written for the benchmark with passages of its own: the
+    held-out file's translation and summarization prompts reuse GSM8K passages the corpus answers
+    under other templates, so heads trained on the corpus score high there. The corpus grows every
+    session (with prompts the target writes itself): this keeps the fresh file fresh."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from draft_training.distill_data import chat_prompt_ids
+    from draft_training.feature_training import corpus_prompts
+    from draft_training.train_prompts import passage_check
+    from specd_common.config import DEFAULT_TARGET
+    from specd_common.models import resolve_model_path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_TARGET))
+    holds_passage = passage_check(corpus_prompts(DEFAULT_TARGET))
+
+    def leaking(name: str) -> list[str]:
+        rows = [json.loads(line) for line in (benchmarks / name).read_text().splitlines()]
+        return [row["id"] for row in rows if holds_passage(chat_prompt_ids(tokenizer, row["prompt"]))]
+
+    assert leaking("fresh_prompts.jsonl") == []
+    assert len(leaking("heldout_prompts.jsonl")) >= 4  # the check can fail: it finds the held-out file's reused passages

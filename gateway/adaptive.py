@@ -400,6 +400,8 @@ class StepCosts:
                 return
             if not heads:
                 self._measured_plain.add(positions)
+            if tree and positions in self._verify:  # stale: a chain of this size costs the tree less what trees add
+                plain_seconds -= self.tree_extra_s
             # a stale size starts its average over: the old one may be the spike that made it stale
             old = chain if chain is not None else plain_seconds
             self._verify[positions] = old + self.smoothing * (plain_seconds - old)

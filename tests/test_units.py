@@ -311,6 +311,11 @@ def test_a_size_priced_out_by_one_slow_pass_is_tried_again_once_stale():
     assert costs.verify_s(4) == pytest.approx(0.037)  # replaced, not averaged with the spike
     costs.observe_verify(4, 0.047)
     assert costs.verify_s(4) == pytest.approx(0.038)  # fresh again: a moving average
+    costs.tree_extra_s = 0.004
+    for _ in range(10):
+        costs.observe_verify(2, 0.030)
+    costs.observe_verify(4, 0.045, tree=True)  # stale again, measured by a tree: the chain's price is the tree's less its extra
+    assert costs.verify_s(4) == pytest.approx(0.041) and costs.tree_extra_s == 0.004
 
 
 def test_a_size_is_priced_no_dearer_than_a_fresh_larger_one():

@@ -366,10 +366,11 @@ class StepCosts:
 
     A size's price can also lock itself in: one slow pass (a verify's start-up trials, a neighbour's
     burst of load) makes its size look dear, the policy stops choosing it, and nothing measures it
-    again. Two rules undo that. Sizes not measured in the last `stale_after` Verifies are priced as
-    if unmeasured (by the largest fresh size at or below them, so they get tried), and their next
-    measurement replaces the old average instead of moving it. And a size never costs more than a
-    fresh larger one (a pass over more positions does not take less time).
+    again. Two rules undo that. Sizes not measured in the last `stale_after` Verifies are priced by
+    what the fresh sizes around them say (interpolated, or extrapolated above the largest: a fair
+    price, so a size that pays gets chosen and measured, and rarely used sizes are not all retried
+    at once), and their next measurement replaces the old average instead of moving it. And a size
+    never costs more than a fresh larger one (a pass over more positions does not take less time).
     """
 
     def __init__(self, smoothing: float = 0.1, stale_after: int = 100):
@@ -421,20 +422,46 @@ class StepCosts:
             table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def verify_s(self, positions: int, heads: Optional[bool] = None) -> Optional[float]:
-        """Seconds a Verify over `positions` takes (None while none is measured): the table's cost at the
-        largest fresh size at or below it (any measured, where none is fresh; the smallest measured above,
-        where none is at or below), at most a fresh larger size's, plus what
+        """Seconds a Verify over `positions` takes (None while none is measured): the table's price of it
+        (_chain_cost: fresh, stale or never measured), plus what
         asking for the heads' proposals adds when `heads` (True), nothing when it does not ask (False),
         and that times the share of Verifies that ask when it is not known (None)."""
         with self._lock:
             if not self._verify:
                 return None
-            fresh = self._fresh_sizes()
-            smaller = [n for n in fresh if n <= positions] or [n for n in self._verify if n <= positions]
-            base = self._verify[max(smaller) if smaller else min(self._verify)]
-            base = min([base] + [self._verify[n] for n in fresh if n >= positions])  # no dearer than a fresh larger size
             share = self.heads_share if heads is None else float(heads)
-            return base + share * self.heads_extra_s
+            return self._chain_cost(positions) + share * self.heads_extra_s
+
+    def _chain_cost(self, positions: int) -> float:
+        """The table's price of a chain Verify over `positions` (some size measured); under the lock.
+
+        Fresh: its own average. Stale: what the fresh sizes around it say (between two: interpolated;
+        above the largest: extrapolated from the two largest), not its old average, which may be the
+        spike that made it stale, nor the cheaper neighbour's (every rarely used size would then be
+        tried again each `stale_after` Verifies). Never measured: the largest measured size below it
+        (optimistic, so it gets tried once). No size costs more than a fresh larger one."""
+        measured, fresh = self._verify, self._fresh_sizes()
+        below = sorted(n for n in fresh if n < positions)
+        above = sorted(n for n in fresh if n > positions)
+        if positions in fresh:
+            cost = measured[positions]
+        elif positions in measured:
+            cost = self._from_fresh(positions, below, above)
+        else:
+            smaller = [n for n in measured if n < positions]
+            cost = self._chain_cost(max(smaller) if smaller else min(measured))
+        return min([cost] + [measured[n] for n in above])
+
+    def _from_fresh(self, positions: int, below: list[int], above: list[int]) -> float:
+        """A stale size's price from the fresh sizes below and above it (ascending, at least one of them)."""
+        table = self._verify
+        if below and above:
+            low, high = below[-1], above[0]
+            return table[low] + (table[high] - table[low]) * (positions - low) / (high - low)
+        if len(below) >= 2:
+            low, high = below[-2], below[-1]
+            return table[high] + max(0.0, (table[high] - table[low]) / (high - low)) * (positions - high)
+        return table[below[-1]] if below else table[above[0]]
 
     def draft_s(self, k: int) -> float:
         if k == 0:

@@ -306,7 +306,7 @@ def test_a_size_priced_out_by_one_slow_pass_is_tried_again_once_stale():
         costs.observe_verify(2, 0.030)
     assert costs.verify_s(4) == pytest.approx(0.090)  # still fresh: the spike stands
     costs.observe_verify(2, 0.030)  # the 10th Verify without it
-    assert costs.verify_s(4) == pytest.approx(0.030)  # stale: priced as the largest fresh size below it
+    assert costs.verify_s(4) == pytest.approx(0.030)  # stale: the only fresh size's price, so it is tried
     costs.observe_verify(4, 0.037)
     assert costs.verify_s(4) == pytest.approx(0.037)  # replaced, not averaged with the spike
     costs.observe_verify(4, 0.047)
@@ -316,6 +316,22 @@ def test_a_size_priced_out_by_one_slow_pass_is_tried_again_once_stale():
         costs.observe_verify(2, 0.030)
     costs.observe_verify(4, 0.045, tree=True)  # stale again, measured by a tree: the chain's price is the tree's less its extra
     assert costs.verify_s(4) == pytest.approx(0.041) and costs.tree_extra_s == 0.004
+
+
+def test_stale_sizes_are_priced_from_the_fresh_ones_around_them():
+    """Interpolated between fresh sizes, extrapolated above the largest: not the cheaper neighbour's
+    price, or every rarely used size would be retried each `stale_after` Verifies."""
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(smoothing=1.0, stale_after=5)
+    for positions, seconds in ((6, 0.070), (12, 0.200), (5, 0.090)):  # 12 and a spike at 5 go stale
+        costs.observe_verify(positions, seconds)
+    for _ in range(5):
+        costs.observe_verify(2, 0.030)
+        costs.observe_verify(8, 0.050)
+    assert costs.verify_s(5) == pytest.approx(0.030 + 0.020 * 3 / 6)  # between the fresh 2 and 8
+    assert costs.verify_s(12) == pytest.approx(0.050 + 0.020 / 6 * 4)  # beyond the fresh 8: their slope
+    assert costs.verify_s(10) == pytest.approx(0.050)  # never measured: the largest measured below it (tried once)
 
 
 def test_a_size_is_priced_no_dearer_than_a_fresh_larger_one():

@@ -441,27 +441,24 @@ class StepCosts:
         tried again each `stale_after` Verifies). Never measured: the largest measured size below it
         (optimistic, so it gets tried once). No size costs more than a fresh larger one."""
         measured, fresh = self._verify, self._fresh_sizes()
-        below = sorted(n for n in fresh if n < positions)
-        above = sorted(n for n in fresh if n > positions)
         if positions in fresh:
             cost = measured[positions]
         elif positions in measured:
-            cost = self._from_fresh(positions, below, above)
+            cost = self._from_fresh(positions, fresh)
         else:
             smaller = [n for n in measured if n < positions]
             cost = self._chain_cost(max(smaller) if smaller else min(measured))
-        return min([cost] + [measured[n] for n in above])
+        return min([cost] + [measured[n] for n in fresh if n > positions])
 
-    def _from_fresh(self, positions: int, below: list[int], above: list[int]) -> float:
-        """A stale size's price from the fresh sizes below and above it (ascending, at least one of them)."""
-        table = self._verify
-        if below and above:
-            low, high = below[-1], above[0]
-            return table[low] + (table[high] - table[low]) * (positions - low) / (high - low)
-        if len(below) >= 2:
-            low, high = below[-2], below[-1]
+    def _from_fresh(self, positions: int, fresh: set[int]) -> float:
+        """A stale size's price from the fresh sizes: autotune.interpolate's (linear between two, flat
+        below the smallest), but above the largest extrapolated along the two largest's slope."""
+        table = {n: self._verify[n] for n in fresh}
+        below = sorted(n for n in fresh if n < positions)
+        if len(below) >= 2 and below[-1] == max(fresh):
+            low, high = below[-2:]
             return table[high] + max(0.0, (table[high] - table[low]) / (high - low)) * (positions - high)
-        return table[below[-1]] if below else table[above[0]]
+        return autotune.interpolate(table, positions)
 
     def draft_s(self, k: int) -> float:
         if k == 0:

@@ -97,8 +97,9 @@ def main() -> None:
         results[name] = {}
         for subset, chosen in subsets.items():
             results[name][subset] = {"held_out_answers": len(chosen), **agreement(head, chosen)}
-        for subset, chosen in subsets.items() if args.speculate else ():  # after the agreement: bfloat16 from here, as served
-            results[name][subset]["speculation"] = simulated(head, target, chosen, args.speculate)
+        if args.speculate:  # after the agreement: simulated() turns the head to bfloat16, as served
+            for subset, chosen in subsets.items():
+                results[name][subset]["speculation"] = simulated(head, target, chosen, args.speculate)
     text = json.dumps({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "work_dir": args.work_dir, "held_out_answers": len(records), "heads": results}, indent=2)
     if args.output:

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from draft_service import feature_head
 from specd_common.config import DEFAULT_TARGET
+from verify_service import medusa
 
-KINDS_OF_HEADS = {"medusa_heads.json": "medusa_heads.safetensors", "feature_head.json": "feature_head.safetensors"}
+KINDS_OF_HEADS = {medusa.CONFIG_FILE: medusa.WEIGHTS_FILE, feature_head.CONFIG_FILE: feature_head.WEIGHTS_FILE}
 
 
 def head_files(folder: Path) -> tuple[str, str]:

@@ -9,7 +9,6 @@ replica that fails mid-request is swapped for another by replaying the sequence 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -48,12 +47,11 @@ class Backends:
     @functools.cached_property
     def _verify_batch_costs(self) -> dict[int, dict[int, float]]:
         """rows → positions → ms of a batched round, as the target's first verify replica measured them
-        at start-up (GetModelInfo.runtime_config); empty when it did not."""
-        try:
-            measured = json.loads(self.target_info.runtime_config or "{}").get("batch_costs_ms", {})
-        except (ValueError, AttributeError):
-            return {}
-        return {int(rows): {int(n): ms for n, ms in by_n.items()} for rows, by_n in measured.items()}  # JSON keys are strings
+        at start-up (GetModelInfo.runtime_profile; runtime_config's JSON is for logs only); empty when it did not."""
+        costs: dict[int, dict[int, float]] = {}
+        for cost in self.target_info.runtime_profile.batch_costs:
+            costs.setdefault(cost.rows, {})[cost.positions] = cost.milliseconds
+        return costs
 
     def speculation_cap(self) -> int:
         """Requests this gateway may run while they speculate (0 = no cap): adaptive.speculation_cap

@@ -160,9 +160,11 @@ def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch)
     running = start_verify_server(load_causal_lm(str(tiny.target)), ServerConfig(port=0), kv_token_budget=100)
     stub = verify_pb2_grpc.VerifyServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
     try:
-        runtime = json.loads(stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10).runtime_config)
-        assert runtime["kv_token_budget"] == 100
-        assert set(runtime["batch_costs_ms"]) == {"2", "4", "8"}  # measured at start-up, outside the budget (the gateway's cap reads it)
+        info = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
+        assert json.loads(info.runtime_config)["kv_token_budget"] == 100
+        # measured at start-up, outside the budget; typed, for the gateway's speculation cap
+        assert {(cost.rows, cost.positions) for cost in info.runtime_profile.batch_costs} == {(b, n) for b in (2, 4, 8) for n in (1, 4, 8)}
+        assert all(cost.milliseconds > 0 for cost in info.runtime_profile.batch_costs)
         stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
         forwards = []
         run = running.servicer.scorer.lm._run

@@ -920,8 +920,8 @@ def test_the_verify_reports_its_heads(medusa_cluster, tiny):
     with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
         info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
     assert info.medusa_heads == HEADS
-    batch_costs = json.loads(info.runtime_config)["batch_costs_ms"]  # timed at start-up with the heads' proposals
-    assert set(batch_costs) == {"2", "4", "8"} and all(ms > 0 for by_n in batch_costs.values() for ms in by_n.values())
+    batch_costs = info.runtime_profile.batch_costs  # timed at start-up with the heads' proposals; the gateway's cap reads them
+    assert {cost.rows for cost in batch_costs} == {2, 4, 8} and all(cost.milliseconds > 0 for cost in batch_costs)
     product = json.loads(info.runtime_config)["heads_product"]  # the heads' product precision, measured at start-up per row count
     assert set(product) == {"1", "2", "4", "8"} and all(choice.split()[0] in ("float32", "bfloat16") for choice in product.values())
 

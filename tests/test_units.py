@@ -535,10 +535,10 @@ def test_a_round_counts_at_the_smallest_measured_batch_size_that_holds_its_reque
 
 
 def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_costs():
-    """Backends.speculation_cap: per verify replica from the costs its runtime_config reports and the
-    rounds measured here, times the serving replicas; the smallest batch before rounds are measured; no
-    cap without costs; a change stands for CAP_HOLD_ROUNDS rounds. Backends.observe_round counts a
-    round at its requests' batch size per replica."""
+    """Backends.speculation_cap: per verify replica from the costs its typed runtime_profile reports and
+    the rounds measured here, times the serving replicas; the smallest batch before rounds are measured;
+    no cap without costs (runtime_config's JSON, for logs, is not read); a change stands for
+    CAP_HOLD_ROUNDS rounds. Backends.observe_round counts a round at its requests' batch size per replica."""
     import json
     from types import SimpleNamespace
 
@@ -546,13 +546,14 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     from gateway.backends import Backends
     from specd.v1 import common_pb2
 
-    def backends(runtime: dict, replicas: int) -> Backends:
-        info = common_pb2.GetModelInfoResponse(runtime_config=json.dumps(runtime))
+    def backends(info: common_pb2.GetModelInfoResponse, replicas: int) -> Backends:
         pool = SimpleNamespace(replicas=lambda: [SimpleNamespace(eligible=True)] * replicas + [SimpleNamespace(eligible=False)])
         return Backends(verify=pool, draft=None, target_info=info, tokenizer=None)
 
-    measured = {"batch_costs_ms": {str(b): {str(n): ms for n, ms in by_n.items()} for b, by_n in EPYC_BATCH_COSTS.items()}}
+    measured = common_pb2.GetModelInfoResponse(runtime_profile=common_pb2.RuntimeProfile(batch_costs=[
+        common_pb2.BatchCost(rows=b, positions=n, milliseconds=ms) for b, by_n in EPYC_BATCH_COSTS.items() for n, ms in by_n.items()]))
     one = backends(measured, replicas=1)
+    assert one._verify_batch_costs == EPYC_BATCH_COSTS
     assert one.speculation_cap() == 2  # no rounds measured yet: the smallest measured batch
     for _ in range(MIN_SHAPE_ROUNDS):
         one.observe_round(round(1.75 * SPECULATION_MARGIN), 4, 0.1, running=2, speculating=True)
@@ -572,7 +573,9 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
         two.observe_round(2, 4, 0.1, running=3, speculating=True)  # 2 rows a replica
     assert set(two.rounds.measured()) == {(2, True)}
     assert two.speculation_cap() == 8  # 4 rows per replica, two replicas
-    unmeasured = backends({"threads": 1}, replicas=1)
+    # a verify whose profile holds no batch costs (it does not batch) gets no cap, whatever its log JSON says
+    logged = {"threads": 1, "batch_costs_ms": {str(b): {str(n): ms for n, ms in by_n.items()} for b, by_n in EPYC_BATCH_COSTS.items()}}
+    unmeasured = backends(common_pb2.GetModelInfoResponse(runtime_config=json.dumps(logged)), replicas=1)
     for _ in range(MIN_SHAPE_ROUNDS):
         unmeasured.observe_round(2, 4, 0.1, running=3, speculating=True)
     assert unmeasured.speculation_cap() == 0

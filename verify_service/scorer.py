@@ -100,6 +100,9 @@ class Scorer:
             runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))
         log.info("verify runtime: %s", runtime.summary())
         self._info.runtime_config = runtime.summary()
+        self._info.runtime_profile.batch_costs.extend(
+            common_pb2.BatchCost(rows=rows, positions=positions, milliseconds=ms)
+            for rows, by_positions in runtime.batch_costs_ms.items() for positions, ms in by_positions.items())
 
     def measure_batch_costs(self, rows: Sequence[int], positions: Sequence[int] = autotune.BATCH_POSITIONS,
                             repeats: int = 3, context: int = autotune.BATCH_CONTEXT) -> dict[int, dict[int, float]]:
@@ -150,7 +153,8 @@ class Scorer:
         return autotune.kv_token_budget(per_token, autotune.available_memory_bytes(str(loaded.device)))
 
     def info(self) -> common_pb2.GetModelInfoResponse:
-        """What this verify serves, with its runtime as it stands (serving trials settle sizes after start-up)."""
+        """What this verify serves, with its runtime as it stands (serving trials settle sizes after start-up;
+        the batch costs in runtime_profile are measured once, at start-up)."""
         self._info.runtime_config = self.lm.runtime.summary()
         return self._info
 

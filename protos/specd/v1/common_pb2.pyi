@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -75,7 +75,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config", "medusa_heads")
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config", "medusa_heads", "runtime_profile")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class GetModelInfoResponse(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_HEADS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_PROFILE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_sequence_length: int
@@ -104,7 +105,24 @@ class GetModelInfoResponse(_message.Message):
     hidden_size: int
     runtime_config: str
     medusa_heads: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ...) -> None: ...
+    runtime_profile: RuntimeProfile
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ..., runtime_profile: _Optional[_Union[RuntimeProfile, _Mapping]] = ...) -> None: ...
+
+class RuntimeProfile(_message.Message):
+    __slots__ = ("batch_costs",)
+    BATCH_COSTS_FIELD_NUMBER: _ClassVar[int]
+    batch_costs: _containers.RepeatedCompositeFieldContainer[BatchCost]
+    def __init__(self, batch_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ...) -> None: ...
+
+class BatchCost(_message.Message):
+    __slots__ = ("rows", "positions", "milliseconds")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    MILLISECONDS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    positions: int
+    milliseconds: float
+    def __init__(self, rows: _Optional[int] = ..., positions: _Optional[int] = ..., milliseconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

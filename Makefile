@@ -6,7 +6,8 @@ PIP    := $(VENV)/bin/pip
 SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
-.PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean
+.PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
+	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -45,6 +46,22 @@ protos:  ## regenerate the Python stubs next to the .proto files
 bench: setup  ## specd up's defaults vs in-process transformers (all cores), side by side, on held-out prompts (the README's table)
 	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \
 		--fixed-k 3 --branches 1 2 --medusa --output docs/benchmarks/bench.json
+
+# Draft training and evaluation beyond `specd train-draft` (docs/draft-training.md); tests/test_scripts.py
+# runs each of these on a tiny random target.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+train-heads-gpu:  ## on a GPU machine: both shipped drafts trained further on the whole corpus (WORK=DIR, SPECD_DATA_DIR; TRAIN_ARGS=train-draft flags)
+	PYTHONPATH=.:protos PYTHON=$(GPU_PY) scripts/gpu_train_heads.sh $(WORK) $(TRAIN_ARGS)
+
+eval-feature-heads: setup  ## feature heads against the target on a train-draft work dir's held-out answers (WORK=DIR HEADS="NAME=DIR ..."; EVAL_ARGS="--speculate 3 --leak-free")
+	$(PY) scripts/head_agreement.py --work-dir $(WORK) $(foreach head,$(HEADS),--head $(head)) $(EVAL_ARGS)
+
+eval-medusa-heads: setup  ## Medusa heads side by side on a train-draft work dir's held-out answers (WORK=DIR HEADS="NAME=DIR ..."; EVAL_ARGS="--leak-free")
+	$(PY) scripts/medusa_compare.py --work-dir $(WORK) $(foreach head,$(HEADS),--heads $(head)) $(EVAL_ARGS)
+
+tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)
+	$(PY) scripts/tracing_overhead.py $(TRACING_ARGS)
 
 deploy-check:  ## render every overlay, validate strictly offline (kubernetes-validate), lint policies and Dockerfiles
 	PYTHON=$(PY) deploy/check.sh

@@ -61,9 +61,9 @@ def simulated(head, target, records: list[dict], k: int) -> dict:
     head = head.to(torch.bfloat16)
     results = {}
     with torch.inference_mode():
+        drafter = FeatureDrafter(head, describe_model(target), max_sequence_length(target))
         for name, lookup in (("head_only", 0), ("lookup2", 2)):
-            drafter = FeatureDrafter(head, describe_model(target), max_sequence_length(target), lookup_min_ngram=lookup)
-            results[name] = evaluate_drafter(drafter, records, ks=(k,))[f"k={k}"]
+            results[name] = evaluate_drafter(drafter, records, ks=(k,), lookup_min_ngram=lookup)[f"k={k}"]
     return results
 
 

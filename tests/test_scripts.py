@@ -1,0 +1,84 @@
+"""Every script under scripts/ runs through its `make` target, here in a cheap smoke mode.
+
+The GPU training recipe (`make train-heads-gpu`) runs whole with the tiny recipes on a tiny random
+target, on the CPU; the two head evaluations (`make eval-feature-heads`, `make eval-medusa-heads`)
+then read the work dirs and heads it made; `make tracing-overhead` runs its three stacks for one
+request each. A script that no target runs has no place in scripts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_feature_head import write_prompt_files
+from tests.tiny_models import build_model, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
+                "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py"}
+
+
+def make(target: str, env: dict | None = None, **variables: str) -> str:
+    """`make TARGET VAR=value ...` with this interpreter, the venv taken as set up; its output."""
+    argv = ["make", "--no-print-directory", "-o", ".venv/.installed", target, f"PY={sys.executable}",
+            *(f"{name}={value}" for name, value in variables.items())]
+    done = subprocess.run(argv, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def gpu_recipe_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`make train-heads-gpu` with the tiny recipes on a tiny random target, from no saved heads."""
+    root = tmp_path_factory.mktemp("gpu_recipe")
+    target = build_model(root / "target", seed=0, tokenizer=build_tokenizer(), head_scale=10.0)
+    write_prompt_files(root / "data")
+    env = {"SPECD_DATA_DIR": str(root / "data"), "MEDUSA_RECIPE": "medusa-tiny", "FEATURE_RECIPE": "feature-tiny",
+           "MEDUSA_INIT": "", "FEATURE_INIT": "", "MEDUSA_MINUTES": "0.2", "FEATURE_MINUTES": "0.2"}
+    make("train-heads-gpu", env, WORK=str(root / "work"), TRAIN_ARGS=f"--target {target} --device cpu --threads 1")
+    return {"work": root / "work", "target": target}
+
+
+def test_every_script_is_run_by_a_make_target_that_a_test_runs():
+    makefile = (REPO / "Makefile").read_text()
+    assert sorted(path.name for path in (REPO / "scripts").iterdir()) == sorted(MAKE_TARGETS.values())
+    for target, script in MAKE_TARGETS.items():
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+        assert f"scripts/{script}" in recipe, (target, script)
+
+
+def test_the_gpu_recipe_trains_both_drafts_and_resumes(gpu_recipe_run):
+    work = gpu_recipe_run["work"]
+    assert (work / "status").read_text().split() == ["medusa", "feature", "ALL_DONE"]
+    assert (work / "medusa-run" / "medusa" / "medusa_heads.safetensors").exists()
+    assert (work / "feature-run" / "draft" / "feature_head.safetensors").exists()
+
+
+def test_eval_feature_heads_reports_agreement_and_simulated_speculation(gpu_recipe_run, tmp_path):
+    run, output = gpu_recipe_run, tmp_path / "agreement.json"
+    make("eval-feature-heads", WORK=str(run["work"] / "feature-run"), HEADS=f"tiny={run['work'] / 'feature-run' / 'draft'}",
+         EVAL_ARGS=f"--target {run['target']} --speculate 2 --output {output}")
+    report = json.loads(output.read_text())["heads"]["tiny"]["all"]
+    assert report["held_out_answers"] > 0 and 0 <= report["top1"] <= report["top3"] <= 1
+    assert report["speculation"]["head_only"]["all"]["tokens_per_pass"] >= 1
+
+
+def test_eval_medusa_heads_reports_each_heads_chains(gpu_recipe_run, tmp_path):
+    run, output = gpu_recipe_run, tmp_path / "compare.json"
+    make("eval-medusa-heads", WORK=str(run["work"] / "medusa-run"), HEADS=f"tiny={run['work'] / 'medusa-run' / 'medusa'}",
+         EVAL_ARGS=f"--target {run['target']} --threads 1 --output {output}")
+    report = json.loads(output.read_text())
+    assert report["command"] and report["machine"]
+    assert len(report["heads"]["tiny"]["top1_by_head"]) >= 1
+
+
+def test_tracing_overhead_times_the_three_stacks():
+    printed = make("tracing-overhead", TRACING_ARGS="--requests 1 --tokens 4")
+    for mode in ("uninstrumented", "tracing off", "tracing on"):
+        assert mode in printed, printed

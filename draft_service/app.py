@@ -11,6 +11,7 @@ from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
 from specd_common import autotune
 from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
+from specd_common.lookup import SHORTEST_NGRAM
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 
@@ -19,16 +20,16 @@ log = logging.getLogger(__name__)
 
 def make_drafter(
     kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
-    lookup_min_ngram: int = 0, threads: int = 0, max_threads: int = 0,
+    lookup_min_ngram: int = SHORTEST_NGRAM, threads: int = 0, max_threads: int = 0,
 ) -> Drafter:
-    """'ngram' → prompt lookup; 'model' → a Hugging Face draft model loaded from `model`, batching
-    concurrent sessions' drafting steps per `batching`; 'feature' → a feature head folder (`model`)
-    over its target's embedding and LM head (`target`, default: the target named in the head), trying
-    prompt lookup first when the last `lookup_min_ngram` (> 0) tokens recur."""
+    """'ngram' → prompt lookup of suffix n-grams down to `lookup_min_ngram` tokens; 'model' → a
+    Hugging Face draft model loaded from `model`, batching concurrent sessions' drafting steps per
+    `batching`; 'feature' → a feature head folder (`model`) over its target's embedding and LM head
+    (`target`, default: the target named in the head)."""
     if kind == "ngram":
-        return NgramDrafter()
+        return NgramDrafter(min_ngram=lookup_min_ngram)
     if kind == "feature":
-        return load_feature_drafter(model, target, lookup_min_ngram, dtype, threads, max_threads)
+        return load_feature_drafter(model, target, dtype, threads, max_threads)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -37,7 +38,7 @@ def make_drafter(
 
 
 def load_feature_drafter(
-    folder: str, target: str = "", lookup_min_ngram: int = 0, dtype: str = "auto", threads: int = 0, max_threads: int = 0
+    folder: str, target: str = "", dtype: str = "auto", threads: int = 0, max_threads: int = 0
 ) -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 
@@ -66,7 +67,7 @@ def load_feature_drafter(
     max_length = max_sequence_length(loaded)
     del loaded
     dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch.device("cpu"))]
-    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(d), info, max_length, lookup_min_ngram) for d in dtypes}
+    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(d), info, max_length) for d in dtypes}
     drafter, runtime = tune_feature_drafter(drafters, threads, max_threads)
     drafter.info().runtime_config = runtime
     log.info("draft runtime: feature head %s, %s", folder, runtime)
@@ -93,7 +94,7 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
         return drafters[name], json.dumps({"device": "cpu", "threads": counts[0], "dtype": name, "source": "flags"})
 
     def draft_three(drafter):
-        prompt = list(range(1, 33))  # distinct ids: prompt lookup finds nothing, the head drafts
+        prompt = list(range(1, 33))
         session = drafter.open(prompt, Warp())
         drafter.add_features(session, encode_features(torch.zeros((len(prompt) - 1, drafter.head.config.hidden_size)), 0))
         rng = np.random.default_rng(0)

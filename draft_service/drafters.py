@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from specd_common.lookup import prompt_lookup
+from specd_common.lookup import LONGEST_NGRAM, SHORTEST_NGRAM, prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.autotune import kv_bytes_per_token
 from specd_common.batching import BatchPolicy, make_batcher
@@ -99,7 +99,11 @@ class ModelDrafter:
 class NgramDrafter:
     """Model-free prompt lookup: deterministic proposals (q is one-hot), no cache, no weights."""
 
-    def __init__(self, max_ngram: int = 3):
+    def __init__(self, min_ngram: int = SHORTEST_NGRAM, max_ngram: int = LONGEST_NGRAM):
+        """min_ngram / max_ngram: the suffix n-gram lengths tried (prompt_lookup), as the gateway's lookup rounds."""
+        if min_ngram < 1:
+            raise ValueError(f"lookup min n-gram must be ≥ 1, got {min_ngram}")
+        self.min_ngram = min_ngram
         self.max_ngram = max_ngram
 
     def info(self) -> common_pb2.GetModelInfoResponse:
@@ -113,7 +117,7 @@ class NgramDrafter:
 
     def propose(self, session: DraftSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
         """A chain: the copy that followed the longest earlier match (branches is not used)."""
-        tokens = prompt_lookup(session.sequence.tokens, k, max_ngram=self.max_ngram)
+        tokens = prompt_lookup(session.sequence.tokens, k, max_ngram=self.max_ngram, min_ngram=self.min_ngram)
         session.sequence.tokens.extend(tokens)
         probs = [] if session.warp.greedy else [one_hot(t) for t in tokens]
         return Proposal(token_ids=tokens, draft_probs=probs)

@@ -21,9 +21,8 @@ import torch
 
 from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
-from specd_common.lookup import prompt_lookup
 from specd.v1 import common_pb2
-from specd_common.distributions import decode_distribution, one_hot, sample_from
+from specd_common.distributions import decode_distribution, sample_from
 from specd_common.errors import FailedPrecondition, InvalidArgument
 from specd_common.features import decode_features
 from specd_common.params import Warp
@@ -59,12 +58,11 @@ class FeatureDrafter:
 
     wants_target_features = True
 
-    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int, lookup_min_ngram: int = 0):
-        """lookup_min_ngram > 0: when the sequence's last n ≥ lookup_min_ngram tokens occurred before,
-        propose what followed them (prompt lookup, exact copies are cheap wins) instead of the head's guess."""
+    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int):
+        """Prompt-lookup copies are the gateway's (lookup rounds, which weigh each copy against the
+        measured costs); this drafter drafts with the head only."""
         self.head = head
         self.max_length = max_length
-        self.lookup_min_ngram = lookup_min_ngram
         self._info = info
         self._info.drafter = "feature"
         self._info.wants_target_features = True
@@ -108,7 +106,7 @@ class FeatureDrafter:
         """k drafted tokens; with branches > 1 a tree of the chain plus, at each position, branches - 1
         more candidates as leaves (free: the head scores them anyway): the next most likely tokens
         when greedy, more draws from the same q without replacement when sampling (what the
-        gateway's multi-candidate rule expects). A prompt-lookup copy is always a chain."""
+        gateway's multi-candidate rule expects)."""
         sequence = session.sequence
         length = len(sequence.tokens)
         k = min(k, self.max_length - length)
@@ -116,10 +114,6 @@ class FeatureDrafter:
             self._read_pending(session)
             if session.last is None or k <= 0:  # a one-token sequence has nothing to read yet
                 return Proposal(token_ids=[])
-            looked_up = prompt_lookup(sequence.tokens, k, min_ngram=self.lookup_min_ngram) if self.lookup_min_ngram else []
-            if looked_up:
-                sequence.tokens.extend(looked_up)
-                return Proposal(token_ids=looked_up, draft_probs=[] if session.warp.greedy else [one_hot(t) for t in looked_up])
             return self._draft(session, k, rng, branches)
 
     def _read_pending(self, session: FeatureSession) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from specd_common.features import encode_features
 from specd_common.lm import CausalLM
+from specd_common.lookup import prompt_lookup
 from specd_common.params import Warp
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,10 @@ class SpecStats:
         }
 
 
-def simulate_answer(drafter, record: dict, k: int, stats: SpecStats) -> None:
+def simulate_answer(drafter, record: dict, k: int, stats: SpecStats, lookup_min_ngram: int = 0) -> None:
     """Greedy speculation over one held-out answer: propose k, keep the matching prefix, commit.
-    A feature drafter is sent the record's target features as the gateway would send them."""
+    A feature drafter is sent the record's target features as the gateway would send them.
+    lookup_min_ngram ≥ 1: a prompt-lookup copy first (lookup_first); 0: the drafter alone."""
     tokens = record["tokens"].tolist()
     start = record["start"]
     answer = tokens[start:]
@@ -80,7 +82,7 @@ def simulate_answer(drafter, record: dict, k: int, stats: SpecStats) -> None:
             drafter.add_features(session, encode_features(record["features"][sent : start + position - 1], sent))
             sent = start + position - 1
         budget = min(k, len(answer) - position - 1)  # the last token always comes from the target
-        proposal = drafter.propose(session, budget, rng).token_ids if budget > 0 else []
+        proposal = lookup_first(drafter, session, budget, rng, lookup_min_ngram) if budget > 0 else []
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == answer[position + accepted]:
             accepted += 1
@@ -89,6 +91,18 @@ def simulate_answer(drafter, record: dict, k: int, stats: SpecStats) -> None:
         session.sequence.apply_commit(start + position + accepted, [answer[position + accepted]])
         position += emitted
     stats.tokens += len(answer)
+
+
+def lookup_first(drafter, session, k: int, rng: np.random.Generator, min_ngram: int) -> list[int]:
+    """A prompt-lookup copy of up to k tokens where the sequence's last n-gram (min_ngram ≥ 1) recurs,
+    else the drafter's k drafts (min_ngram 0: always the drafter's). Like a gateway lookup round with
+    its copy capped at k: the copy is held as the draft's pending tokens, which the commit rolls back,
+    and the drafter reads the round's tokens on its next proposal."""
+    copy = prompt_lookup(session.sequence.tokens, k, min_ngram=min_ngram) if min_ngram else []
+    if copy:
+        session.sequence.tokens.extend(copy)
+        return copy
+    return drafter.propose(session, k, rng).token_ids
 
 
 def _report(records: list[dict], simulate, ks) -> dict:
@@ -107,9 +121,10 @@ def _report(records: list[dict], simulate, ks) -> dict:
     return report
 
 
-def evaluate_drafter(drafter, records: list[dict], ks=(2, 3, 4)) -> dict:
-    """Any Drafter through its serving interface (open / propose / commit), round by round."""
-    return _report(records, lambda _, record, k, stats: simulate_answer(drafter, record, k, stats), ks)
+def evaluate_drafter(drafter, records: list[dict], ks=(2, 3, 4), lookup_min_ngram: int = 0) -> dict:
+    """Any Drafter through its serving interface (open / propose / commit), round by round; with
+    lookup_min_ngram ≥ 1, prompt-lookup copies first (lookup_first)."""
+    return _report(records, lambda _, record, k, stats: simulate_answer(drafter, record, k, stats, lookup_min_ngram), ks)
 
 
 def forward_ms(loaded, prompt: list[int], positions: int = 1, repeats: int = 15) -> float:

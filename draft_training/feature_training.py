@@ -344,8 +344,7 @@ def feature_evaluation(head, target, work: Path, limit: int, target_spec: str) -
             "ngram": evaluate_drafter(NgramDrafter(), records, ks=(1, 2, 3, 4)),
         }
         for n in (2, 3):  # the head with prompt lookup first when the last n tokens recur
-            hybrid = FeatureDrafter(head, describe_model(target), max_sequence_length(target), lookup_min_ngram=n)
-            report[f"draft_lookup{n}"] = evaluate_drafter(hybrid, records, ks=(2, 3, 4))
+            report[f"draft_lookup{n}"] = evaluate_drafter(drafter, records, ks=(2, 3, 4), lookup_min_ngram=n)
         prompt = records[0]["tokens"][: records[0]["start"]].tolist()
         step = min(head_step_ms(head, records[0]) for _ in range(3))
         target_ms = min(forward_ms(target, prompt) for _ in range(3))

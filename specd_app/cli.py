@@ -41,10 +41,14 @@ from specd_common.config import (
     resolve_drafter,
     resolve_medusa_heads,
 )
+from specd_common.lookup import LONGEST_NGRAM, SHORTEST_NGRAM
 from specd_common.security import SecurityConfigError, bearer_metadata, load_token
 
 log = logging.getLogger("specd")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+# --lookup-min-ngram N means the same on the gateway and the draft service (specd_common/lookup.py)
+LOOKUP_MIN_NGRAM_HELP = (f"shortest n-gram a prompt-lookup copy needs: the copy continues the latest earlier occurrence "
+                         f"of the sequence's last n tokens, n tried from {LONGEST_NGRAM} (or N, if larger) down to N")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -86,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(draft, "target", "", "feature drafter: the target whose embedding and LM head it reads (default: the one named in the head)")
     add_flag(draft, "kv-token-budget", 0, "positions all draft sessions may hold before Prefill/Propose get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the drafter's bytes per position, none for ngram; -1 = no budget)")
-    add_flag(draft, "lookup-min-ngram", 0, "feature drafter: propose a prompt-lookup copy instead when the last N tokens recur "
-             "(0 = never: the gateway's lookup rounds do this, deciding per request whether copies pay)")
+    add_flag(draft, "lookup-min-ngram", SHORTEST_NGRAM, f"ngram drafter: {LOOKUP_MIN_NGRAM_HELP} (other drafters propose no "
+             "copies: the gateway's lookup rounds do, deciding per request whether they pay)")
     draft.set_defaults(func=serve_draft)
     gateway = serve.add_parser("gateway", help="the public API")
     add_server_flags(gateway, "gateway")
@@ -187,7 +191,7 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
              "1 = chains only. A sampled or fixed-policy request drafts a tree only when it asks for one (draft_branches)")
     add_flag(parser, "lookup-tokens", 8, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
              "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")
-    add_flag(parser, "lookup-min-ngram", 2, "a lookup round needs the last N tokens to have occurred before")
+    add_flag(parser, "lookup-min-ngram", 2, f"lookup rounds: {LOOKUP_MIN_NGRAM_HELP}")
     add_flag(parser, "max-speculative-requests", -1, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
              "the most at which the verify's batch costs, measured at its start-up, and the tokens a round yields here say speculating pays)")
     add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")

@@ -185,8 +185,9 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
 
     config = ServerConfig(port=0)
     verify = start_verify_server(default_target, config, threads=1, prepack="off")
-    draft = start_draft_server(load_feature_drafter(str(DEFAULT_FEATURE_HEAD), lookup_min_ngram=0, dtype="float32", threads=1), config)
-    gateway = start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}", config, GatewayOptions(connect_timeout_s=60))
+    draft = start_draft_server(load_feature_drafter(str(DEFAULT_FEATURE_HEAD), dtype="float32", threads=1), config)
+    gateway = start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}", config,
+                                   GatewayOptions(connect_timeout_s=60, lookup_tokens=0))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)

@@ -1,4 +1,7 @@
-"""The gateway's request-handling settings (the flags of `specd serve gateway` that are not about sockets)."""
+"""The gateway's request-handling settings (the flags of `specd serve gateway` that are not about sockets).
+
+The defaults here are the flags' defaults (specd_app/cli.py reads them), so a gateway built in code
+runs as `specd serve gateway` does."""
 
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ class GatewayOptions:
     max_speculative_requests: int = -1  # above this many running requests, rounds are target-only; 0: no limit; < 0: from measured costs
     overlap: bool = False  # draft the next round while the target verifies
     draft_branches: int = 4  # candidates per drafted position a greedy adaptive request may draft a tree with (gateway/engine.py)
-    lookup_tokens: int = 0  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none (the CLI default is 8)
-    lookup_min_ngram: int = 2  # a lookup round needs the sequence's last n ≥ this many tokens to have occurred before
-    connect_timeout_s: float = 300.0
+    lookup_tokens: int = 8  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none
+    lookup_min_ngram: int = 2  # shortest suffix n-gram a copy needs (specd_common.lookup.prompt_lookup's min_ngram)
+    connect_timeout_s: float = 600.0  # how long start-up waits for the model services
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gateway.options import GatewayOptions
 from specd_common import autotune
 from specd_common.config import (
     DEFAULT_HTTP_PORT,
@@ -46,6 +47,7 @@ from specd_common.security import SecurityConfigError, bearer_metadata, load_tok
 
 log = logging.getLogger("specd")
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+GATEWAY_DEFAULTS = GatewayOptions()  # the gateway flags' defaults: one source, gateway/options.py
 # --lookup-min-ngram N means the same on the gateway and the draft service (specd_common/lookup.py)
 LOOKUP_MIN_NGRAM_HELP = (f"shortest n-gram a prompt-lookup copy needs: the copy continues the latest earlier occurrence "
                          f"of the sequence's last n tokens, n tried from {LONGEST_NGRAM} (or N, if larger) down to N")
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "draft-port", DEFAULT_PORTS["draft"], "draft port")
     add_flag(up, "verify-port", DEFAULT_PORTS["verify"], "verify port")
     add_flag(up, "threads", 0, "torch threads for each model service (0 = default)")
-    add_flag(up, "num-draft-tokens", 3, "default draft tokens per round")
+    add_flag(up, "num-draft-tokens", GATEWAY_DEFAULTS.num_draft_tokens, "default draft tokens per round")
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, help="send one demo prompt once ready")
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
     up.set_defaults(func=run_up)
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="with --concurrency > 1: run the service modes this many times, "
                        "in order then in reverse (ABBA), so a drift of the machine's speed hits every mode alike; the report "
                        "gives each repeat's speedup (on a shared 2-core VM one repeat's ratio was off by up to 20%%: use 4 or more)")
-    bench.add_argument("--num-draft-tokens", type=int, default=3, help="k for hf_assisted; the cap for adaptive specd")
+    bench.add_argument("--num-draft-tokens", type=int, default=GATEWAY_DEFAULTS.num_draft_tokens, help="k for hf_assisted; the cap for adaptive specd")
     bench.add_argument("--fixed-k", type=int, nargs="*", default=[], help="also run specd with these fixed k")
     bench.add_argument("--branches", type=int, nargs="*", default=[],
                        help="also run specd (adaptive k) with these many candidates per position for its trees (1: chains only)")
@@ -181,25 +183,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of `specd serve gateway`; those that build GatewayOptions take its defaults (gateway_options)."""
+    defaults = GATEWAY_DEFAULTS
     add_flag(parser, "verify-address", f"127.0.0.1:{DEFAULT_PORTS['verify']}", "VerifyService HOST:PORT, dns:///NAME:PORT (every A/AAAA record a replica) or dns://DNS_SERVER:PORT/NAME:PORT; comma-separated for several")
     add_flag(parser, "draft-address", f"127.0.0.1:{DEFAULT_PORTS['draft']}", "DraftService addresses, as --verify-address ('' = none)")
-    add_flag(parser, "resolve-period", 5.0, "seconds between DNS lookups of dns:/// addresses (also looked up after a replica fails)")
-    add_flag(parser, "num-draft-tokens", 3, "default draft tokens per round (the cap under the adaptive policy)")
-    add_flag(parser, "draft-length-policy", "adaptive", "adaptive (k chosen per round from measured costs) or fixed")
-    add_flag(parser, "draft-branches", 4, "candidates per drafted position, 1..4, for greedy adaptive requests: above 1 a round may draft and "
+    add_flag(parser, "resolve-period", defaults.resolve_period_s, "seconds between DNS lookups of dns:/// addresses (also looked up after a replica fails)")
+    add_flag(parser, "num-draft-tokens", defaults.num_draft_tokens, "default draft tokens per round (the cap under the adaptive policy)")
+    add_flag(parser, "draft-length-policy", defaults.draft_length_policy, "adaptive (k chosen per round from measured costs) or fixed")
+    add_flag(parser, "draft-branches", defaults.draft_branches, "candidates per drafted position, 1..4, for greedy adaptive requests: above 1 a round may draft and "
              "verify a tree (the drafter's chain plus its runners-up beside it; the heads' most confident nodes) where measured costs say it pays; "
              "1 = chains only. A sampled or fixed-policy request drafts a tree only when it asks for one (draft_branches)")
-    add_flag(parser, "lookup-tokens", 8, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
+    add_flag(parser, "lookup-tokens", defaults.lookup_tokens, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
              "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")
-    add_flag(parser, "lookup-min-ngram", 2, f"lookup rounds: {LOOKUP_MIN_NGRAM_HELP}")
-    add_flag(parser, "max-speculative-requests", -1, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
+    add_flag(parser, "lookup-min-ngram", defaults.lookup_min_ngram, f"lookup rounds: {LOOKUP_MIN_NGRAM_HELP}")
+    add_flag(parser, "max-speculative-requests", defaults.max_speculative_requests, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
              "the most at which the verify's batch costs, measured at its start-up, and the tokens a round yields here say speculating pays)")
-    add_flag(parser, "overlap", False, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
-    add_flag(parser, "connect-timeout", 600.0, "seconds to wait for the model services at start")
-    add_flag(parser, "max-waiting", 64, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
-    add_flag(parser, "draft-timeout", 5.0, "a Propose slower than this drops to target-only rounds for a while")
+    add_flag(parser, "overlap", defaults.overlap, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
+    add_flag(parser, "connect-timeout", defaults.connect_timeout_s, "seconds to wait for the model services at start")
+    add_flag(parser, "max-waiting", defaults.max_waiting, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
+    add_flag(parser, "draft-timeout", defaults.draft_timeout_s, "a Propose slower than this drops to target-only rounds for a while")
     add_client_tls_flags(parser, "draft and verify")
-    add_flag(parser, "auth-token", "", "require 'authorization: Bearer <token>' on the public API ('' = open)")
+    add_flag(parser, "auth-token", defaults.auth_token, "require 'authorization: Bearer <token>' on the public API ('' = open)")
     add_flag(parser, "auth-token-file", "", "read the bearer token from this file (a mounted Secret)")
     add_flag(parser, "http-port", DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP API port on --host, TLS as the gRPC port (0 = off)")
 
@@ -244,10 +248,18 @@ def serve_draft(args: argparse.Namespace) -> None:
 
 def serve_gateway(args: argparse.Namespace) -> None:
     from gateway.app import start_gateway_server
-    from gateway.options import GatewayOptions
     from specd_common.server import wait_for_termination
 
-    options = GatewayOptions(
+    running = start_gateway_server(
+        args.verify_address, args.draft_address or None, ServerConfig.from_args(args), gateway_options(args), client_tls_from_args(args),
+        http_port=args.http_port or None,
+    )
+    wait_for_termination(running, args.grace)
+
+
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    """GatewayOptions from the parsed flags of `specd serve gateway` (add_gateway_flags)."""
+    return GatewayOptions(
         num_draft_tokens=args.num_draft_tokens,
         draft_length_policy=args.draft_length_policy,
         draft_timeout_s=args.draft_timeout,
@@ -261,11 +273,6 @@ def serve_gateway(args: argparse.Namespace) -> None:
         resolve_period_s=args.resolve_period,
         auth_token=load_token(args.auth_token, args.auth_token_file),
     )
-    running = start_gateway_server(
-        args.verify_address, args.draft_address or None, ServerConfig.from_args(args), options, client_tls_from_args(args),
-        http_port=args.http_port or None,
-    )
-    wait_for_termination(running, args.grace)
 
 
 def run_up(args: argparse.Namespace) -> int:

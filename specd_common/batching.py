@@ -27,7 +27,6 @@ reply that is an exception is raised to its caller alone.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import threading
 import time
@@ -37,30 +36,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from specd_common.config import BatchPolicy  # with the flags that set it: the CLI must not import torch
 from specd_common.lm import CausalLM, KVSession
 from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """How a model service batches: at most `max_batch_size` sessions a pass, waiting at most
-    `max_wait_ms` and at most `wait_fraction` of a recent pass for expected sessions."""
-
-    max_batch_size: int = 8
-    max_wait_ms: float = 20.0
-    wait_fraction: float = 0.25
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_batch_size > 1
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BatchPolicy":
-        if args.max_batch_size < 1 or args.batch_wait_ms < 0:
-            raise ValueError("--max-batch-size must be >= 1 and --batch-wait-ms >= 0")
-        return cls(max_batch_size=args.max_batch_size, max_wait_ms=args.batch_wait_ms)
 
 
 @dataclass

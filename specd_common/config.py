@@ -135,16 +135,17 @@ class ServerConfig:
 
 
 def add_server_flags(parser: argparse.ArgumentParser, service: str) -> None:
-    add_flag(parser, "host", "127.0.0.1", "address to bind; 0.0.0.0 in containers")
+    """The flags ServerConfig.from_args reads, with its defaults, except the ports each service has its own of."""
+    add_flag(parser, "host", ServerConfig.host, "address to bind; 0.0.0.0 in containers")
     add_flag(parser, "port", DEFAULT_PORTS[service], "port to bind (0 picks a free one)")
-    add_flag(parser, "max-sessions", 64, "concurrent sessions before RESOURCE_EXHAUSTED")
-    add_flag(parser, "session-idle-timeout", 300.0, "seconds after which an untouched session is freed")
-    add_flag(parser, "grace", 10.0, "seconds in-flight requests get to finish on SIGTERM")
+    add_flag(parser, "max-sessions", ServerConfig.max_sessions, "concurrent sessions before RESOURCE_EXHAUSTED")
+    add_flag(parser, "session-idle-timeout", ServerConfig.session_idle_timeout_s, "seconds after which an untouched session is freed")
+    add_flag(parser, "grace", ServerConfig.grace_s, "seconds in-flight requests get to finish on SIGTERM")
     add_flag(parser, "metrics-port", DEFAULT_METRICS_PORTS[service], "Prometheus /metrics port (0 = a free one, -1 = off)")
-    add_flag(parser, "tls-cert", "", "PEM certificate chain for this port; with --tls-key turns TLS on")
-    add_flag(parser, "tls-key", "", "PEM private key for --tls-cert")
-    add_flag(parser, "tls-client-ca", "", "PEM CA bundle: require client certificates it signed (mutual TLS)")
-    add_flag(parser, "health-port", -1, "extra plaintext port serving only grpc.health.v1, for probes when TLS is on (-1 = off)")
+    add_flag(parser, "tls-cert", ServerConfig.tls_cert, "PEM certificate chain for this port; with --tls-key turns TLS on")
+    add_flag(parser, "tls-key", ServerConfig.tls_key, "PEM private key for --tls-cert")
+    add_flag(parser, "tls-client-ca", ServerConfig.tls_client_ca, "PEM CA bundle: require client certificates it signed (mutual TLS)")
+    add_flag(parser, "health-port", ServerConfig.health_port, "extra plaintext port serving only grpc.health.v1, for probes when TLS is on (-1 = off)")
 
 
 def add_client_tls_flags(parser: argparse.ArgumentParser, peer: str) -> None:
@@ -159,11 +160,31 @@ def client_tls_from_args(args: argparse.Namespace, force: bool = False) -> Clien
     return ClientTLS.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name, force)
 
 
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How a model service batches: at most `max_batch_size` sessions a pass, waiting at most
+    `max_wait_ms` and at most `wait_fraction` of a recent pass for expected sessions."""
+
+    max_batch_size: int = 8  # the defaults of --max-batch-size and --batch-wait-ms (add_model_flags)
+    max_wait_ms: float = 20.0
+    wait_fraction: float = 0.25
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch_size > 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BatchPolicy":
+        if args.max_batch_size < 1 or args.batch_wait_ms < 0:
+            raise ValueError("--max-batch-size must be >= 1 and --batch-wait-ms >= 0")
+        return cls(max_batch_size=args.max_batch_size, max_wait_ms=args.batch_wait_ms)
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(parser, "model", default_model, "hub id, local folder, GGUF file, or embedded:<name>")
     add_flag(parser, "device", "auto", "auto, cpu, cuda, cuda:N")
     add_flag(parser, "dtype", "auto", "auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
     add_flag(parser, "threads", 0, "torch CPU threads for this service (0 = measured at start-up by the verify and feature drafters, torch's default for others)")
     add_flag(parser, "max-threads", 0, "with --threads 0: the most threads the start-up measurement may choose (0 = all cores; `specd up` leaves cores to the rest of the stack)")
-    add_flag(parser, "max-batch-size", 8, "sessions scored in one batched forward pass (1 = one session at a time)")
-    add_flag(parser, "batch-wait-ms", 20.0, "longest a batch waits for expected sessions (also capped at 1/4 of a pass)")
+    add_flag(parser, "max-batch-size", BatchPolicy.max_batch_size, "sessions scored in one batched forward pass (1 = one session at a time)")
+    add_flag(parser, "batch-wait-ms", BatchPolicy.max_wait_ms, f"longest a batch waits for expected sessions (also capped at {BatchPolicy.wait_fraction:g} of a pass)")

@@ -99,7 +99,8 @@ def test_a_draft_pool_found_empty_at_start_speculates_once_a_draft_joins(tiny):
         stack.callback(draft.stop, 0)
         gateway = start_gateway_server(
             f"127.0.0.1:{verify.port}", f"dns://127.0.0.1:{names.port}/draft.specd.test:{draft.port}", config,
-            GatewayOptions(connect_timeout_s=30, resolve_period_s=0.3, draft_length_policy="fixed", max_speculative_requests=0),
+            GatewayOptions(connect_timeout_s=30, resolve_period_s=0.3, draft_length_policy="fixed", max_speculative_requests=0,
+                           lookup_tokens=0),  # drafts only from the draft service
         )
         stack.callback(gateway.stop, 0)
         stub = generate_pb2_grpc.GenerateServiceStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{gateway.port}")))

@@ -44,7 +44,8 @@ def services(tmp_path_factory):
         drafter = start_draft_server(ModelDrafter(load_causal_lm(str(draft), device="cpu")), config)
         started.append(drafter)
         gateway = start_gateway_server(
-            f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, GatewayOptions(connect_timeout_s=30)
+            f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config,
+            GatewayOptions(connect_timeout_s=30, lookup_tokens=0),  # every round a Propose (test_each_service_counts_a_request)
         )
         started.append(gateway)
         channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")

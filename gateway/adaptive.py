@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
+from gateway.policy import POLICY, SpeculationPolicy
 from specd_common import autotune, tree
 
 
@@ -38,19 +39,13 @@ def expected_tokens(chain: Sequence[float], k: int, rescue: Sequence[float] = ()
     return total
 
 
-def best_draft_length(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float]) -> int:
-    """argmax over k in [0, max_k] of expected tokens / round cost (ties: the smaller k).
-
-    acceptance: one per-token rate α, or the conditional rate per draft position (the measured
-    ones fall with the position — 0.57, 0.34, 0.27 for the shipped head — so one α over-promises
-    long drafts)."""
-    return best_rate(acceptance, max_k, round_cost_s)[0]
-
-
 def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float],
               rescue: Sequence[float] = ()) -> tuple[int, float]:
-    """best_draft_length's k and the expected tokens per second it gives (to compare drafters); rescue:
-    the drafts carry alternatives (expected_tokens), which round_cost_s prices."""
+    """The k in [0, max_k] that maximizes expected tokens per second (ties: the smaller k) and that rate.
+
+    acceptance: one per-token rate α, or the conditional rate per draft position (measured rates fall
+    with the position, so one α over-promises long drafts); rescue: the drafts carry alternatives
+    (expected_tokens), which round_cost_s prices."""
     chain = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
     best_k, best = 0, -1.0
     for k in range(max_k + 1):
@@ -58,6 +53,25 @@ def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_
         if rate > best * (1 + 1e-9):
             best_k, best = k, rate
     return best_k, best
+
+
+def best_shape(chain: Sequence[float], length: int, rescue: Optional[Sequence[float]],
+               round_cost_s: Callable[[int, int], float]) -> tuple[int, int, float]:
+    """The round that maximizes expected tokens per second among chains of k ≤ `length` drafts and,
+    when `rescue` is given, trees of that chain with alternatives beside its first w drafts
+    (tree.chain_with_leaves): (k, w, tokens/s), w = 0 for a chain (ties: the fewest alternatives).
+
+    chain: the drafts' conditional acceptance per position (AcceptanceEstimate.chain(length));
+    rescue: per position, the chance an alternative holds the target's token where the draft misses
+    (None: chains only); round_cost_s(k, w): the measured seconds of such a round. Alternatives are
+    worth most early, where a chain misses first."""
+    best = (0, 0, -1.0)
+    for widened in range(length + 1) if rescue is not None else range(1):
+        rescued = list(rescue[:widened]) + [0.0] * (length - widened) if widened else ()
+        k, rate = best_rate(chain, length, lambda k: round_cost_s(k, widened), rescued)
+        if rate > best[2] * (1 + 1e-9):
+            best = (k, min(widened, k), rate)
+    return best
 
 
 def node_values(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
@@ -108,7 +122,7 @@ def pool_chain(pool: Sequence[TreeNode]) -> list[TreeNode]:
 
 
 def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int, bool], float],
-                max_nodes: int = tree.MAX_TREE_NODES, trees: bool = True) -> tuple[list[TreeNode], float]:
+                max_nodes: int = tree.MAX_TREE_NODES) -> tuple[list[TreeNode], float]:
     """The nodes of one round's tree from free drafters' candidates (EAGLE-2's dynamic tree, over every
     drafter that needs no draft call): pools[i] are drafter i's nodes, each one's parent among them.
     A round's expected tokens are 1 + the sum of its nodes' values, so the round takes the n most
@@ -117,9 +131,7 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     some nodes are siblings; a tree pass costs more than a chain of its size), and weighs each pool's
     chain (pool_chain: a drafter's best guesses) apart, since the best
     chain need not be a prefix of the nodes by value once trees cost more. At most max_nodes nodes (what a
-    Verify scores). Without `trees` only the pools' chains compete, each node at its value in any pool
-    (measured offline for a request beside others, whose pass joins a batch; not served:
-    docs/benchmarks/ab_joined_chains/).
+    Verify scores).
 
     Returns (the chosen nodes ordered for a tree: parents first, and among siblings those of the
     earliest pool first, so tree.main_chain is the first pool's chain as far as it was chosen; [] for
@@ -134,7 +146,7 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     ranked = sorted(merged.values(), key=lambda node: (-node.value, len(node.path)))  # stable: a parent first at equal value
     chains = [[merged[node.path] for node in pool_chain(pool)] for pool in pools]
     best, best_rate = [], 1.0 / max(round_cost_s(0, False), 1e-9)
-    for candidates in ([ranked] if trees else []) + chains:
+    for candidates in [ranked] + chains:
         chosen: set[tuple[int, ...]] = {()}
         taken: list[TreeNode] = []
         expected, branched = 1.0, False
@@ -146,7 +158,7 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
             branched = branched or any(len(other.path) == len(node.path) and other.path[:-1] == node.path[:-1] for other in taken)
             chosen.add(node.path)
             taken.append(node)
-            expected += min(node.value, 0.999)
+            expected += min(node.value, POLICY.max_acceptance)
             rate = expected / max(round_cost_s(len(taken), branched), 1e-9)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = list(taken), rate
@@ -159,24 +171,13 @@ def confident_tree(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequen
     """A tree of the Medusa heads' candidates chosen by their confidence this round (valued_tree over
     head_nodes): tokens[d][r] and confidences[d][r] are head d + 1's r-th candidate and its
     probability (best first); a node's value is the chance it is the target's token, its path product
-    (node_values) times the request's measured `scale` (HeadCalibration). Held out, the
-    shipped heads' path products are the acceptance rates within a few points (docs/benchmarks/heads_trees_offline.json, "calibration"),
-    and trees so chosen beat fixed shapes of equal size (6 nodes: 2.083 tokens a pass against
-    2.005 for the chain with its second candidates beside).
+    (node_values) times the request's measured `scale` (HeadCalibration): calibrated heads' path
+    products are their acceptance rates (docs/design/trees.md).
 
     Returns (the chosen nodes, ordered for tree.from_paths; [] for no drafts), the sum of their
     unscaled values (the round's prediction, for HeadCalibration) and the tokens per second expected."""
     chosen, rate = valued_tree([head_nodes(tokens, confidences, scale)], round_cost_s)
     return chosen, sum(node.value for node in chosen) / scale if scale else 0.0, rate
-
-
-# Speculating in a shared batch must promise this much more than the verify's start-up costs and the
-# rounds' measured shapes say it costs. On the 2-core AMD EPYC VM, end to end with every stream
-# speculating, 4 streams gained 1.085x where the model promised ~1.05x, and 8 streams lost (0.83x)
-# where a model without the padding term promised ~1.0x; 4-stream runs whose cap moved between 2 and
-# 4 landed at 0.98–1.08x. A 10% margin keeps speculation to batches where the model promises a clear
-# gain, and a busy gateway on that CPU to plain rounds (docs/benchmarks/HISTORY.md, "speculation cap").
-SPECULATION_MARGIN = 1.1
 
 
 def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int) -> float:
@@ -194,27 +195,8 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
     return total
 
 
-# Rounds that set the speculation cap are averaged over ~50 (one round's tokens vary by ±1, and the cap
-# must not flicker with them); the first 50 count equally, so the first round does not stand for long.
-YIELD_SMOOTHING = 0.02
-# Before this many rounds of a kind are measured there is no estimate of it: a few rounds say little
-# (the mean of 50 has ±7% on a yield of ~2 tokens), and 50 rounds among 4 requests are ~13 passes.
-MIN_SHAPE_ROUNDS = 50
-# Measured rates at one size (both ways) must differ by 5% to start speculating there, and keep it
-# while speculation does not lose: each estimate moves by ±7% with the prompts running, and without
-# the band a 2-core EPYC run flipped the cap every few rounds.
-MEASURED_MARGIN = 1.05
-# After the cap changes it stands for this many rounds (of any kind): the estimates that moved it
-# settle first (~12 s at 4 streams on the 2-core EPYC; every change is logged and reported).
-CAP_HOLD_ROUNDS = 500
-# A kind of round not seen for this many rounds (of any kind) is forgotten, so a verdict that stopped
-# its own measurement is retried now and then (the workload may have changed): ~4 minutes at 4 streams
-# on the 2-core EPYC, for ~50 rounds of trial.
-STALE_ROUNDS = 10_000
-
-
 def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tuple[int, bool], "RoundShape"],
-                    margin: float = SPECULATION_MARGIN, current: Optional[int] = None) -> int:
+                    current: Optional[int] = None, policy: SpeculationPolicy = POLICY) -> int:
     """The most requests a verify replica may run while they speculate, from its measured batch costs
     and the rounds measured at each batch size.
 
@@ -222,9 +204,9 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     longest), so speculation pays at batch size B only if rounds there emit more tokens a second
     while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
     run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B
-    the measured rates decide (speculating must be MEASURED_MARGIN faster to start, and not slower
+    the measured rates decide (speculating must be policy.measured_margin faster to start, and not slower
     to go on); elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) /
-    cost(B, 1) × margin < tokens a speculating round yields, with the yield measured at B, or, until
+    cost(B, 1) × policy.speculation_margin < tokens a speculating round yields, with the yield measured at B, or, until
     it is, at the largest smaller size (a provisional estimate that lets B be tried and measured:
     rounds among fewer requests say little about B's, and on the 2-core EPYC rounds among ≤ 2
     requests yielded 2.4 tokens a pass where 4 yielded 1.85). The smallest size is tried until its
@@ -241,18 +223,17 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     are kept at a lower bar (hysteresis: the model's at half its margin, measured rates at 1.0; an
     estimate near the threshold would otherwise flip the cap with every round)."""
     cap, provisional = 0, None
-    hold = 1 + (margin - 1) / 2
     for rows in sorted(batch_costs_ms):
         speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
         held = current is not None and (current == 0 or rows <= current)
         if speculating is not None and plain is not None:
-            pays = speculating.tokens_per_s > plain.tokens_per_s * (1.0 if held else MEASURED_MARGIN)
+            pays = speculating.tokens_per_s > plain.tokens_per_s * (1.0 if held else policy.measured_margin)
         else:
             shape = speculating or provisional
             if shape is None:  # the smallest size, unmeasured: speculate while it is shared, and measure it
                 return rows
             by_positions = batch_costs_ms[rows]
-            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (hold if held else margin)
+            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (policy.cap_hysteresis if held else policy.speculation_margin)
             pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
         if not pays:
             return max(cap, 1)
@@ -279,14 +260,15 @@ class RoundShape:
 class _MovingShape:
     """Moving averages behind one RoundShape (not thread-safe: RoundShapes locks)."""
 
-    def __init__(self):
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
         self.rounds, self.tokens, self.seconds = 0, 0.0, 0.0
         self.positions: dict[int, float] = {}  # positions → weight
         self.last = 0  # RoundShapes' round count at the last round of this kind
 
     def observe(self, tokens: int, positions: int, seconds: float, now: int) -> None:
         self.rounds, self.last = self.rounds + 1, now
-        weight = max(YIELD_SMOOTHING, 1 / self.rounds)
+        weight = max(self.smoothing, 1 / self.rounds)
         self.tokens += weight * (tokens - self.tokens)
         self.seconds += weight * (seconds - self.seconds)
         for seen in self.positions:
@@ -303,9 +285,10 @@ class RoundShapes:
     tokens emitted, seconds taken and positions verified per round, as moving averages; shared by
     requests (the speculation cap). A round counts toward the smallest measured batch size that holds
     the requests running with it (bucket): the cap's question at size B is about rounds run among
-    more requests than the next smaller size. Kinds unseen for STALE_ROUNDS rounds are forgotten."""
+    more requests than the next smaller size. Kinds unseen for policy.stale_rounds rounds are forgotten."""
 
-    def __init__(self):
+    def __init__(self, policy: SpeculationPolicy = POLICY):
+        self.policy = policy
         self._rounds = 0
         self._shapes: dict[tuple[int, bool], _MovingShape] = {}
         self._lock = threading.Lock()
@@ -323,8 +306,8 @@ class RoundShapes:
         `rows`, speculation allowed or not."""
         with self._lock:
             self._rounds += 1
-            self._shapes.setdefault((rows, speculating), _MovingShape()).observe(tokens, positions, seconds, self._rounds)
-            for key in [key for key, shape in self._shapes.items() if self._rounds - shape.last > STALE_ROUNDS]:
+            self._shapes.setdefault((rows, speculating), _MovingShape(self.policy.yield_smoothing)).observe(tokens, positions, seconds, self._rounds)
+            for key in [key for key, shape in self._shapes.items() if self._rounds - shape.last > self.policy.stale_rounds]:
                 del self._shapes[key]
 
     @property
@@ -334,48 +317,36 @@ class RoundShapes:
             return self._rounds
 
     def measured(self) -> dict[tuple[int, bool], RoundShape]:
-        """(bucket, speculating) → its shape, for those with at least MIN_SHAPE_ROUNDS rounds (a few say little)."""
+        """(bucket, speculating) → its shape, for those with at least policy.min_shape_rounds rounds (a few say little)."""
         with self._lock:
-            return {key: shape.snapshot() for key, shape in self._shapes.items() if shape.rounds >= MIN_SHAPE_ROUNDS}
+            return {key: shape.snapshot() for key, shape in self._shapes.items() if shape.rounds >= self.policy.min_shape_rounds}
 
 
 class StepCosts:
     """Moving averages of measured Verify seconds by positions and Propose seconds by k; shared by requests.
 
-    An unmeasured Verify size costs as much as the largest measured smaller one (optimistic, so it
-    gets tried and measured); an unmeasured Propose scales linearly from the nearest measured one.
-    Asking for the Medusa heads' proposals costs a pass more (~3 ms on the 2-core AMD EPYC, ~5% of a
-    one-position pass): a head round is priced with it, the plain round it is weighed against without
-    (asking in every pass would otherwise make plain rounds look dearer than they are, and head rounds
-    cheaper). One table holds every size's cost without the proposals, and `heads_extra_s` what asking
-    added: the moving average of an asking pass beyond the table's cost at its size, where passes that
-    did not ask measured that size. An asking pass enters the table less that extra. Why not a table of
-    asking passes apart: a size it had measured once kept that price for good once it priced the heads
-    out (no head round, so no asking pass, so no new measurement). On the 2-core Intel Xeon VM a first
-    asking pass of 65 ms (the verify's serving trials time some passes on one thread) stood for every
-    size where passes took ~37 ms (a diagnostic run's log), and the feature-head stack took no head
-    round in bench_s40 and bench_s40_transformers_forward (1.45 and 1.51 tokens a pass; the run before
-    them 38% of its rounds, 1.88); priced this way, 46% and 1.91 (bench_s40_extra).
+    Unmeasured sizes are priced optimistically so they get tried and measured: a Verify as the largest
+    measured smaller one, a Propose linearly from the nearest measured k.
 
-    A tree pass costs more than a chain pass over as many positions (its own attention mask; the
-    kept path's cache columns move at the next commit): on the 2-core AMD EPYC, rounds of trees of
-    2.2 nodes on average took as long as chain rounds of 2.9 drafts (69.4 against 69.6 ms of
-    verify, docs/benchmarks/bench_s37_confident_cache.json). Tree Verifies therefore stay out of the
-    tables where a chain of their size is measured and move `tree_extra_s` instead, the moving
-    average of what a tree took beyond that chain; round_cost_s adds it to a tree.
+    Asking for the Medusa heads' proposals makes a pass dearer. One table holds every size's cost
+    without the proposals and `heads_extra_s` what asking adds (asking passes enter the table less
+    it), so head rounds are priced with the extra and the plain rounds they compete with without.
+    A separate table of asking passes would lock a price in: once it priced the heads out, no pass
+    would ask again to re-measure it.
 
-    A size's price can also lock itself in: one slow pass (a verify's start-up trials, a neighbour's
-    burst of load) makes its size look dear, the policy stops choosing it, and nothing measures it
-    again. Two rules undo that. Sizes not measured in the last `stale_after` Verifies are priced by
-    what the fresh sizes around them say (interpolated, or extrapolated above the largest: a fair
-    price, so a size that pays gets chosen and measured, and rarely used sizes are not all retried
-    at once), and their next measurement replaces the old average instead of moving it. And a size
-    never costs more than a fresh larger one (a pass over more positions does not take less time).
+    A tree pass costs more than a chain over as many positions (its own mask; the kept path's cache
+    columns move at the next commit): tree Verifies move `tree_extra_s`, the moving average of what a
+    tree took beyond a measured chain of its size, instead of the chain table.
+
+    One slow pass must not price a size out for good (nothing chosen is re-measured): a size not
+    measured in the last `stale_after` Verifies is priced from the fresh sizes around it, and its
+    next measurement replaces the old average instead of moving it; no size costs more than a fresh
+    larger one. docs/design/step-costs.md has the measurements.
     """
 
-    def __init__(self, smoothing: float = 0.1, stale_after: int = 100):
-        self.smoothing = smoothing
-        self.stale_after = stale_after
+    def __init__(self, policy: SpeculationPolicy = POLICY):
+        self.smoothing = policy.cost_smoothing
+        self.stale_after = policy.stale_after_verifies
         self._verify: dict[int, float] = {}  # positions → seconds of a chain Verify, without the heads' proposals
         self._verifies = 0  # Verifies observed so far (the clock of staleness)
         self._verify_measured_at: dict[int, int] = {}  # positions → self._verifies when last entered in the table
@@ -496,8 +467,9 @@ class AcceptanceEstimate:
     text) where it was not before.
     """
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+    def __init__(self, prior: Optional[float] = None, policy: SpeculationPolicy = POLICY):
+        self.prior = policy.acceptance_prior if prior is None else prior
+        self.prior_weight, self.decay, self.ceiling = policy.prior_weight, policy.decay, policy.max_acceptance
         self._accepted: list[float] = []  # per position (0 = the first draft)
         self._examined: list[float] = []
 
@@ -507,15 +479,9 @@ class AcceptanceEstimate:
         for i in range(length):
             accepted = self._accepted[i] if i < len(self._accepted) else 0.0
             examined = self._examined[i] if i < len(self._examined) else 0.0
-            previous = min((accepted + previous * self.prior_weight) / (examined + self.prior_weight), 0.999)
+            previous = min((accepted + previous * self.prior_weight) / (examined + self.prior_weight), self.ceiling)
             rates.append(previous)
         return rates
-
-    @property
-    def value(self) -> float:
-        """Per-token acceptance over all positions (accepted / examined, with the prior)."""
-        estimate = (sum(self._accepted) + self.prior * self.prior_weight) / (sum(self._examined) + self.prior_weight)
-        return min(estimate, 0.999)
 
     def update(self, drafted: int, accepted: int) -> None:
         """A chain round: drafts 1..min(drafted, accepted + 1) were examined, the first `accepted` kept."""
@@ -545,8 +511,8 @@ class HeadCalibration:
     of text, or sampling (a fixed candidate is kept with the target's probability of it, below its
     argmax's), moves them: the scale follows the request."""
 
-    def __init__(self, prior_weight: float = 2.0, decay: float = 0.9):
-        self.prior_weight, self.decay = prior_weight, decay
+    def __init__(self, policy: SpeculationPolicy = POLICY):
+        self.prior_weight, self.decay = policy.prior_weight, policy.decay
         self._accepted = self._predicted = 0.0
 
     @property

@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import CAP_HOLD_ROUNDS, RoundShapes, StepCosts, describe_shapes, speculation_cap
+from gateway.adaptive import RoundShapes, StepCosts, describe_shapes, speculation_cap
+from gateway.policy import POLICY
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
@@ -36,7 +37,7 @@ class Backends:
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
     _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
     _replica_cap: tuple[int, int] = field(default=(-1, 0), repr=False)  # (rounds observed, one replica's cap) last computed
-    _cap_changed_at: int = field(default=-CAP_HOLD_ROUNDS, repr=False)  # rounds observed at the cap's last change (it then holds)
+    _cap_changed_at: int = field(default=-POLICY.cap_hold_rounds, repr=False)  # rounds observed at the cap's last change (it then holds)
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:
@@ -85,10 +86,10 @@ class Backends:
     def _cap_per_replica(self, costs: dict[int, dict[int, float]]) -> int:
         """adaptive.speculation_cap for one verify replica, recomputed only after a new round was
         measured (every request asks several times a round, and the answer changes only with the
-        rounds), and not within CAP_HOLD_ROUNDS rounds of its last change."""
+        rounds), and not within policy.cap_hold_rounds rounds of its last change."""
         rounds = self.rounds.count
         computed_at, current = self._replica_cap
-        if computed_at < 0 or (computed_at != rounds and rounds - self._cap_changed_at >= CAP_HOLD_ROUNDS):
+        if computed_at < 0 or (computed_at != rounds and rounds - self._cap_changed_at >= POLICY.cap_hold_rounds):
             cap = speculation_cap(costs, self.rounds.measured(), current=None if computed_at < 0 else current)
             if computed_at >= 0 and cap != current:
                 self._cap_changed_at = rounds

@@ -143,10 +143,13 @@ class TroubledPropose(grpc.ServerInterceptor):
 def test_a_draft_that_errs_or_stalls_costs_speed_only_and_is_reopened_after_the_backoff(tiny, trouble, monkeypatch):
     """A failing or too-slow (> --draft-timeout) Propose: the request goes on target-only (exact), the draft
     is re-opened after the back-off (a health probe, then a new Prefill), and its drafts are accepted again."""
+    import dataclasses
+
     import gateway.engine
+    from gateway.policy import POLICY
     from tests.conftest import start_cluster
 
-    monkeypatch.setattr(gateway.engine, "DRAFT_BACKOFF_S", 0.05)  # re-open within this short request
+    monkeypatch.setattr(gateway.engine, "POLICY", dataclasses.replace(POLICY, draft_backoff_s=0.05))  # re-open within this short request
     cluster = start_cluster(tiny.target, "model", tiny.draft_same, model_interceptors=(trouble,), draft_timeout_s=0.3)
     try:
         request = dict(text="hello world", max_new_tokens=60, draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)

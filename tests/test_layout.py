@@ -99,3 +99,32 @@ def test_the_draft_service_trains_nothing():
         text = path.read_text()
         for marker in ("torch.optim", ".backward(", "zero_grad"):
             assert marker not in text, f"{path.name} contains {marker!r}: training code belongs in draft_training/"
+
+
+def class_lines(path: Path, name: str) -> int:
+    """How many lines class `name` in `path` spans (its decorators and docstring included)."""
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node.end_lineno - node.lineno + 1
+    raise AssertionError(f"{path.name} defines no class {name}")
+
+
+def test_a_generation_runs_rounds_and_the_proposers_keep_their_own_state():
+    """gateway/engine.py's Generation keeps sessions, KV sync, faults and emission (at most 350 lines);
+    what says how good a drafter's drafts are (acceptance, calibration, back-off, probes) lives in that
+    drafter's proposer (gateway/proposers.py), and the choice among them in the planner."""
+    engine = REPO / "gateway" / "engine.py"
+    assert class_lines(engine, "Generation") <= 350
+    names = imported_modules(engine)
+    for estimate in ("AcceptanceEstimate", "HeadCalibration", "confident_tree", "valued_tree", "best_shape"):
+        assert not any(name.endswith("." + estimate) for name in names), f"engine.py uses {estimate}: a proposer's or the planner's"
+    assert "PROBE" not in engine.read_text() and "backoff" not in engine.read_text()
+
+
+def test_every_policy_threshold_has_its_principle():
+    """One SpeculationPolicy holds the policy's constants, each with a one-line comment saying why."""
+    path = REPO / "gateway" / "policy.py"
+    lines = path.read_text().splitlines()
+    fields = [line for line in lines if line.startswith("    ") and ": " in line and " = " in line and not line.strip().startswith(("#", "def", "return"))]
+    assert len(fields) >= 15
+    assert all("  # " in line for line in fields), [line for line in fields if "  # " not in line]

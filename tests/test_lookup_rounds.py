@@ -47,11 +47,11 @@ def test_the_draft_catches_up_on_lookup_rounds_it_did_not_see(lookup_cluster, mo
     draft's sequence is exactly the committed one (the commit appended what the lookup rounds emitted,
     accepted copies included), and the feature drafter, which fails a Propose whose features have a
     gap, drafts in every draft round."""
-    import gateway.engine
+    import gateway.proposers
     from draft_service.feature_drafter import FeatureDrafter
 
     seen: list[list[int]] = []
-    real_propose, real_lookup, calls = FeatureDrafter.propose, gateway.engine.prompt_lookup, []
+    real_propose, real_lookup, calls = FeatureDrafter.propose, gateway.proposers.prompt_lookup, []
 
     def recording(self, session, k, rng, branches=1):
         seen.append(list(session.sequence.tokens))
@@ -62,7 +62,7 @@ def test_the_draft_catches_up_on_lookup_rounds_it_did_not_see(lookup_cluster, mo
         return real_lookup(*args, **kwargs) if len(calls) % 2 else []
 
     monkeypatch.setattr(FeatureDrafter, "propose", recording)
-    monkeypatch.setattr(gateway.engine, "prompt_lookup", every_other_round)
+    monkeypatch.setattr(gateway.proposers, "prompt_lookup", every_other_round)
     reply = generate(lookup_cluster.stub(), text=REPEATING, max_new_tokens=40, draft_length_policy=FIXED)
     stats = reply.stats
     assert stats.lookup_rounds >= 3 and stats.target_passes - stats.lookup_rounds >= 3
@@ -158,10 +158,10 @@ def test_declined_copies_are_tried_again_later():
                                tokenizer=SimpleNamespace(decode=lambda ids: ""))
     spec = GenerationSpec(prompt_ids=[1, 2, 3, 1, 2], max_new_tokens=10, warp=Warp(), seed=0)
     generation = Generation(backends, spec, options=GatewayOptions(lookup_tokens=4))
-    drafts = lambda: generation._lookup_drafts(generation._lookup_copy())  # noqa: E731
+    drafts = lambda: generation.planner.plan(generation.context()).drafts  # noqa: E731  (no draft service, no heads)
     assert drafts() == [3, 1, 2, 3]  # the prior (0.5 a position) pays for 4
     for _ in range(10):
-        generation._lookup_acceptance.update(4, 0)  # copies keep failing
+        generation.lookup.acceptance.update(4, 0)  # copies keep failing
     assert drafts() == []
     retried = next((calls for calls in range(1, 200) if drafts()), None)
     assert retried is not None and retried > 1

@@ -490,6 +490,17 @@ def head_policy_generation(costs: StepCosts, draft_service: bool = False, max_ne
                       options=GatewayOptions())
 
 
+def head_round(generation) -> tuple[list[int], list[int]]:
+    """The heads' offer this round as (drafts, parents), ([], []) when they decline."""
+    ctx = generation.context()
+    plan = generation.heads.offer(ctx, generation.draft.rate(ctx), generation.draft.enabled)
+    return (plan.drafts, plan.parents) if plan is not None else ([], [])
+
+
+def asks_heads(generation) -> bool:
+    return generation.planner.ask_heads(generation.context())
+
+
 def test_heads_give_way_to_a_draft_that_promises_more():
     """Unit, the engine's choice without services: head proposals are taken when they pay and nothing
     better is open; declined when the draft service's estimate promises more tokens per second."""
@@ -499,15 +510,15 @@ def test_heads_give_way_to_a_draft_that_promises_more():
         costs.observe_verify(positions, 0.120)
     costs.observe_draft(3, 0.010)
     generation = head_policy_generation(costs, draft_service=True, max_new_tokens=20)
-    generation._draft_retry_at = float("inf")  # the draft is backing off
-    generation._head_drafts = HeadProposals([[7], [8], [9]])
-    assert generation._head_round_drafts() == ([7, 8, 9], [])  # no draft open: the prior (0.5) pays for 3
-    generation._draft.replica = SimpleNamespace()  # a draft session is open ...
+    generation.draft._retry_at = float("inf")  # the draft is backing off
+    generation.heads.proposals = HeadProposals([[7], [8], [9]])
+    assert head_round(generation) == ([7, 8, 9], [])  # no draft open: the prior (0.5) pays for 3
+    generation.draft.link.replica = SimpleNamespace()  # a draft session is open ...
     for _ in range(10):
-        generation._acceptance.update(3, 3)  # ... and its drafts are always accepted
-    generation._head_drafts = HeadProposals([[7], [8], [9]])
-    assert generation._head_round_drafts() == ([], [])
-    assert not generation._head_drafts  # proposals are used once
+        generation.draft.acceptance.update(3, 3)  # ... and its drafts are always accepted
+    generation.heads.proposals = HeadProposals([[7], [8], [9]])
+    assert head_round(generation) == ([], [])
+    assert not generation.heads.proposals  # proposals are used once
 
 
 def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
@@ -519,54 +530,49 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     for positions in range(2, 6):
         costs.observe_verify(positions, 0.120)
     generation = head_policy_generation(costs)
-    assert generation._ask_head_drafts()  # the prior (0.5) pays for a 20% dearer pass
+    assert asks_heads(generation)  # the prior (0.5) pays for a 20% dearer pass
     for _ in range(10):
-        generation._head_acceptance.update(3, 0)  # every proposal rejected
-    assert not generation._ask_head_drafts()
+        generation.heads.acceptance.update(3, 0)  # every proposal rejected
+    assert not asks_heads(generation)
     rounds = 0
-    while not generation._ask_head_drafts():  # each round that does not ask forgets toward the prior
-        assert generation._head_round_drafts() == ([], [])
+    while not asks_heads(generation):  # each round that does not ask forgets toward the prior
+        assert head_round(generation) == ([], [])
         rounds += 1
         assert rounds < 100, "a request that stopped asking must ask again once its estimate forgets"
     assert rounds > 3  # ... but not at once
-    generation._head_drafts = HeadProposals([[7], [8], [9]])
-    assert generation._head_round_drafts()[0][:1] == [7]  # it asked: the proposals are judged by the estimate as before
+    generation.heads.proposals = HeadProposals([[7], [8], [9]])
+    assert head_round(generation)[0][:1] == [7]  # it asked: the proposals are judged by the estimate as before
 
-    assert head_policy_generation(costs, adaptive=False)._ask_head_drafts()  # no draft service: the heads draft
-    assert not head_policy_generation(costs, draft_service=True, adaptive=False)._ask_head_drafts()  # the draft service drafts
+    assert asks_heads(head_policy_generation(costs, adaptive=False))  # no draft service: the heads draft
+    assert not asks_heads(head_policy_generation(costs, draft_service=True, adaptive=False))  # the draft service drafts
 
 
-def test_a_head_tree_is_drafted_only_where_its_positions_pay():
-    """Unit: with two candidates a head (draft_branches 2) a head round is the chain with the second
-    candidates beside it as leaves where the measured verify costs and the rescue estimate promise more
-    tokens per second than the chain, and the chain where extra positions cost too much. Prior
-    acceptance 0.5 and rescue 0.3: a 3-deep chain promises 1.875 tokens, the tree 2.14 (+14%). Nearly
-    flat costs (a GPU's) make the tree pay; +20 ms a position (a CPU's) does not; alternatives that never
-    hit do not either, and a request's misses move its rescue estimate there."""
+def test_a_rescue_estimate_learns_per_position():
+    """A tree's alternatives are judged per draft position: misses beside the first draft pull its
+    estimate down without moving the second's, which learns from its own trial."""
     from gateway.adaptive import AcceptanceEstimate
 
-    flat, steep = StepCosts(), StepCosts()
-    for positions in range(1, 8):
-        flat.observe_verify(positions, 0.100 + 0.001 * positions)
-        steep.observe_verify(positions, 0.100 + 0.020 * positions)
-    proposals = [[7, 17], [8, 18], [9, 19]]
-    generation = head_policy_generation(flat, branches=2)
-    generation._head_drafts = HeadProposals([list(c) for c in proposals])
-    assert generation._head_round_drafts() == ([7, 17, 8, 18, 9, 19], [-1, -1, 0, 0, 2, 2])
-    generation._rescue["heads"] = AcceptanceEstimate(prior=0.0)  # alternatives that never hit
-    generation._head_drafts = HeadProposals([list(c) for c in proposals])
-    assert generation._head_round_drafts() == ([7, 8, 9], [])
     learning = AcceptanceEstimate(prior=0.3)
     for _ in range(30):
         learning.observe(0, False)
     learning.observe(1, True)
     assert learning.chain(2)[0] < 0.06 and learning.chain(2)[1] > 0.3
-    on_a_cpu = head_policy_generation(steep, branches=2)
-    on_a_cpu._head_drafts = HeadProposals([list(c) for c in proposals])
-    assert on_a_cpu._head_round_drafts()[1] == []  # a chain
-    one_candidate = head_policy_generation(flat, branches=2)
-    one_candidate._head_drafts = HeadProposals([[7], [8], [9]])  # the verify sent one a head: nothing to branch with
-    assert one_candidate._head_round_drafts() == ([7, 8, 9], [])
+
+
+def test_heads_without_confidences_are_valued_by_their_measured_acceptance():
+    """A verify that sends no confidences: each head's best candidate is valued by the heads'
+    acceptance per position, a chain (nothing to branch with). At +20 ms a position the prior (0.5)
+    pays for 2 drafts (1.75 tokens / 160 ms against 1.5 / 140 and 1 / 120)."""
+    steep = StepCosts()
+    for positions in range(1, 8):
+        steep.observe_verify(positions, 0.100 + 0.020 * positions)
+    generation = head_policy_generation(steep, branches=2)
+    generation.heads.proposals = HeadProposals([[7, 17], [8, 18], [9, 19]])
+    assert head_round(generation) == ([7, 8], [])
+    for _ in range(20):
+        generation.heads.acceptance.update(3, 0)  # the heads' drafts keep failing
+    generation.heads.proposals = HeadProposals([[7, 17], [8, 18], [9, 19]])
+    assert head_round(generation) == ([], [])
 
 
 CONFIDENCES = [[0.9, 0.05], [0.5, 0.3], [0.4, 0.2]]  # each head's two candidates; path values 0.9, 0.05 | 0.45, 0.27 | 0.18, 0.09
@@ -630,12 +636,14 @@ def test_free_drafters_share_one_tree_by_value():
     assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(1 + 0.9 + 0.6)
     nodes, rate = valued_tree([copy, heads], per_position(0.0), max_nodes=2)  # no more than a Verify scores
     assert [node.path for node in nodes] == [(7,), (7, 8)]
-    # chains only (scripts/free_trees_offline.py's ":chains" policies): the copy's is worth more, then the heads'
-    nodes, rate = valued_tree([copy, heads], per_position(0.0), trees=False)
-    assert [node.path for node in nodes] == [(7,), (7, 8)] and rate == pytest.approx(2.4)
-    sure = [TreeNode((9,), 0.95), TreeNode((9, 4), 0.9)]
-    nodes, rate = valued_tree([copy, sure], per_position(0.0), trees=False)
-    assert [node.path for node in nodes] == [(9,), (9, 4)] and rate == pytest.approx(2.85)
+
+
+def free_round(generation):
+    """The planner's round as (drafts, parents, copied, headed); the plan is kept as generation.last_plan."""
+    from gateway.proposers import HEADS, JOINED
+
+    plan = generation.last_plan = generation.planner.plan(generation.context())
+    return plan.drafts, plan.parents, plan.copied, plan.source in (HEADS, JOINED)
 
 
 def test_a_lookup_copy_and_the_heads_share_a_round_alone():
@@ -650,26 +658,26 @@ def test_a_lookup_copy_and_the_heads_share_a_round_alone():
 
     def with_copy(running: int = 1, proposals: HeadProposals = heads):
         generation = head_policy_generation(costs, branches=2)
-        generation.lookup_tokens = 8  # the CLI's default
+        generation.lookup.max_tokens = 8  # the CLI's default
         generation.sequence[:] = [5, 6, 7, 8, 5, 6]
         generation._running = lambda: running
         for hit in (0, 1) * 5:
-            generation._lookup_acceptance.update(1, hit)  # the copy's first token holds half the time
-        generation._head_drafts = proposals
+            generation.lookup.acceptance.update(1, hit)  # the copy's first token holds half the time
+        generation.heads.proposals = proposals
         return generation
 
     alone = with_copy()
-    drafts, parents, copied, headed = alone._free_drafts()
+    drafts, parents, copied, headed = free_round(alone)
     assert headed and copied >= 1 and drafts[0] == 7 and 9 in drafts
     assert parents[drafts.index(9)] == -1  # the heads' best beside the copy's first token
-    assert alone._head_nodes == {i for i, token in enumerate(drafts) if token in (9, 10, 11, 17, 18, 19)}
-    assert not alone._head_drafts  # taken
+    assert alone.last_plan.head_nodes == {i for i, token in enumerate(drafts) if token in (9, 10, 11, 17, 18, 19)}
+    assert not alone.heads.proposals  # taken
     beside = with_copy(running=2)
-    drafts, parents, copied, headed = beside._free_drafts()
+    drafts, parents, copied, headed = free_round(beside)
     assert parents == [] and not headed and drafts == [7, 8, 5, 6, 7, 8, 5, 6][:copied]
     timid = with_copy(proposals=HeadProposals([[9], [10], [11]], [[0.001], [0.001], [0.001]]))
-    drafts, parents, copied, headed = timid._free_drafts()
-    assert not headed and parents == [] and timid._head_drafts  # the copy's rule; the proposals stay
+    drafts, parents, copied, headed = free_round(timid)
+    assert not headed and parents == [] and timid.heads.proposals  # the copy's rule; the proposals stay
 
 
 def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibration():
@@ -677,30 +685,36 @@ def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibra
     with leaves (alone), a chain beside another request; a request whose heads keep promising more
     than the target accepts scales their values down (HeadCalibration) and drafts less; heads never
     confident enough to draft still get a one-token probe every PROBE_EVERY_ROUNDS rounds."""
-    from gateway.engine import PROBE_EVERY_ROUNDS
+    from gateway.policy import POLICY
+
+    PROBE_EVERY_ROUNDS = POLICY.probe_every_rounds
 
     costs = StepCosts()
     for positions in range(1, 8):
         costs.observe_verify(positions, 0.100 + 0.010 * (positions - 1))  # + 0.1 a position, relative
     proposals = HeadProposals(TOKENS, CONFIDENCES)
     alone = head_policy_generation(costs, branches=2)
-    alone._head_drafts = proposals
-    assert alone._head_round_drafts() == ([7, 8, 18], [-1, 0, 0])  # tree.chain_with_leaves([[7], [8, 18]])
+    alone.heads.proposals = proposals
+    assert head_round(alone) == ([7, 8, 18], [-1, 0, 0])  # tree.chain_with_leaves([[7], [8, 18]])
     shared = head_policy_generation(costs, branches=2)
     shared._running = lambda: 2
-    shared._head_drafts = proposals
-    assert shared._head_round_drafts() == ([7, 8], [])  # a chain: the best of 2.35/1.2 and 2.53/1.3
+    shared.heads.proposals = proposals
+    assert head_round(shared) == ([7, 8], [])  # a chain: the best of 2.35/1.2 and 2.53/1.3
     for _ in range(20):
-        alone._head_calibration.observe(1.62, 0)  # nothing it drafted was accepted: scale 2 / 16.2
-    alone._head_drafts = proposals
-    assert alone._head_round_drafts() == ([7], [])  # 1 + 0.9 · 0.12 over 1.1 still pays, barely
+        alone.heads.calibration.observe(1.62, 0)  # nothing it drafted was accepted: scale 2 / 16.2
+    alone.heads.proposals = proposals
+    assert head_round(alone) == ([7], [])  # 1 + 0.9 · 0.12 over 1.1 still pays, barely
     timid = head_policy_generation(costs, branches=2)
     drafted = []
     for _ in range(2 * PROBE_EVERY_ROUNDS + 2):
-        timid._head_drafts = HeadProposals([[7], [8], [9]], [[0.01], [0.01], [0.01]])
-        drafted.append(timid._head_round_drafts()[0])
+        timid.heads.proposals = HeadProposals([[7], [8], [9]], [[0.01], [0.01], [0.01]])
+        drafted.append(head_round(timid)[0])
     assert drafted.count([7]) == 2 and drafted.count([]) == 2 * PROBE_EVERY_ROUNDS
     assert drafted[PROBE_EVERY_ROUNDS] == [7]
+
+
+def draft_shape(generation) -> tuple[int, int]:
+    return generation.draft.shape(generation.context())
 
 
 def test_a_draft_tree_keeps_the_alternatives_that_pay():
@@ -708,6 +722,7 @@ def test_a_draft_tree_keeps_the_alternatives_that_pay():
     measured costs and the rescue estimate promise more tokens/s than a chain (the same choice as the
     heads'), and verifies only the alternatives of the first w drafts; a chain round asks for none.
     Beside other requests no tree is drafted (a tree pass cannot share a batched pass)."""
+    from gateway.proposers import DRAFT, RoundPlan
     from specd.v1 import draft_pb2
 
     flat, steep = StepCosts(), StepCosts()
@@ -719,24 +734,24 @@ def test_a_draft_tree_keeps_the_alternatives_that_pay():
 
     def with_draft(costs: StepCosts, running: int = 1):
         generation = head_policy_generation(costs, draft_service=True, branches=3)
-        generation._draft.replica = SimpleNamespace(stub=SimpleNamespace(Propose=lambda request, timeout: requests.append(request) or tree_reply))
+        generation.draft.link.replica = SimpleNamespace(stub=SimpleNamespace(Propose=lambda request, timeout: requests.append(request) or tree_reply))
         generation._running = lambda: running
         return generation
 
     generation = with_draft(flat)
-    k, widened = generation._draft_shape()
+    k, widened = draft_shape(generation)
     assert (k, widened) == (3, 3)  # nearly free positions: alternatives beside every draft
-    generation._rescue["draft"].observe(0, True)
+    generation.draft.rescue.observe(0, True)
     for _ in range(20):
-        generation._rescue["draft"].observe(1, False)  # alternatives beside the second draft never hit
-    k, widened = generation._draft_shape()
+        generation.draft.rescue.observe(1, False)  # alternatives beside the second draft never hit
+    k, widened = draft_shape(generation)
     assert (k, widened) == (3, 1)
-    drafts, _, parents = generation._propose(k, widened)
+    drafts, _, parents = generation.draft.propose(RoundPlan(DRAFT, k=k, widened=widened), generation.sequence, generation.rng)
     assert requests[-1].branches == 3
     assert (drafts, parents) == ([10, 20, 30, 11, 12], [-1, -1, -1, 0, 3])
-    assert with_draft(steep)._draft_shape()[1] == 0  # dear positions: a chain
-    assert with_draft(flat, running=2)._draft_shape()[1] == 0  # beside another request: a chain
-    generation._propose(2, 0)
+    assert draft_shape(with_draft(steep))[1] == 0  # dear positions: a chain
+    assert draft_shape(with_draft(flat, running=2))[1] == 0  # beside another request: a chain
+    generation.draft.propose(RoundPlan(DRAFT, k=2), generation.sequence, generation.rng)
     assert requests[-1].branches == 1
 
 
@@ -755,11 +770,11 @@ def test_head_rounds_are_weighed_against_plain_rounds_that_do_not_ask():
         costs.observe_verify(2, 0.125, heads=True)
     assert costs.heads_extra_s == pytest.approx(0.010, abs=1e-3)
     generation = head_policy_generation(costs)
-    generation._head_acceptance = AcceptanceEstimate(prior=0.2)
-    assert not generation._ask_head_drafts()
+    generation.heads.acceptance = AcceptanceEstimate(prior=0.2)
+    assert not asks_heads(generation)
     for _ in range(3):
         costs.observe_verify(1, 0.120, heads=False)  # plain rounds dearer: now the heads pay
-    assert generation._ask_head_drafts()
+    assert asks_heads(generation)
 
 
 @pytest.mark.parametrize("recipe", ["medusa-tiny", "medusa-chain-tiny", "medusa-fusion-tiny"])
@@ -826,21 +841,21 @@ def test_greedy_with_head_trees_equals_target_only(medusa_cluster, tiny):
 def test_greedy_with_lookup_copies_and_heads_in_one_tree_equals_target_only(tiny, medusa_heads, monkeypatch):
     """The gateway's own lookup copies on (the CLI's default, 8) beside the heads, no draft service:
     where a copy exists the round may verify it and the heads' candidates in one tree
-    (Generation._joined_round, counted by a spy), and the output is target-only's; on the sampling path
+    (RoundPlanner._joined, counted by a spy), and the output is target-only's; on the sampling path
     too (top_k 1, so its output is greedy's: each candidate judged as a fixed token with its one-hot q,
     the rule tests/test_tree_sampling.py checks for exactness). Costs are frozen (start_heads_cluster),
     so the rounds' shapes follow the tokens, not the machine's load."""
-    from gateway.engine import Generation
+    from gateway.planner import RoundPlanner
 
     joined = []
-    original = Generation._joined_round
+    original = RoundPlanner._joined
 
-    def spy(self, copy):
-        result = original(self, copy)
+    def spy(self, copy, ctx, rival):
+        result = original(self, copy, ctx, rival)
         joined.append(result is not None)
         return result
 
-    monkeypatch.setattr(Generation, "_joined_round", spy)
+    monkeypatch.setattr(RoundPlanner, "_joined", spy)
     running = start_heads_cluster(tiny.target, medusa_heads, lookup_tokens=8)
     try:
         stub = running.stub()

@@ -1,0 +1,452 @@
+"""Who proposes a round's drafts, each proposer with the state that says how good its drafts are.
+
+  LookupProposer  the gateway's own prompt-lookup copies: free (no model runs, no call).
+  HeadProposer    the verify's Medusa heads' proposals, returned by the last Verify: free, but asking
+                  for them makes that Verify dearer, so it is asked only when a head round could pay.
+  DraftProposer   the draft service: a Propose round trip per round; when it fails only speed is lost.
+
+Each owns its acceptance estimate per draft position (and, for trees, how often its alternatives
+rescue a missed draft), its calibration, its back-off and its probe counter, and learns only from
+the rounds whose drafts were its own (`learn`). gateway/planner.py weighs their offers; the engine
+runs the round. Free drafts are deterministic: their q is one-hot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from gateway.adaptive import (AcceptanceEstimate, HeadCalibration, StepCosts, TreeNode, best_rate, best_shape, chain_nodes,
+                              confident_tree, head_nodes)
+from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, head_drafts_at
+from gateway.links import Link, SessionSet
+from gateway.policy import POLICY, SpeculationPolicy
+from gateway.rejection import RoundOutcome
+from specd.v1 import common_pb2, draft_pb2, verify_pb2
+from specd_common import tree
+from specd_common.lookup import prompt_lookup
+from specd_common.sequence import common_prefix
+
+log = logging.getLogger(__name__)
+
+PLAIN, LOOKUP, HEADS, JOINED, DRAFT = "plain", "lookup", "heads", "joined", "draft"  # where a round's drafts came from
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What every proposer reads to plan one round."""
+
+    sequence: Sequence[int]  # the committed tokens: prompt + generated
+    tokens_left: int  # new tokens the request may still emit (the last of a round is the bonus)
+    allowed: bool  # the server's load lets requests speculate now (the speculation cap)
+    alone: bool  # no other request shares the verify's passes: a tree pass holds nobody up
+    costs: StepCosts
+
+    def draft_cap(self, longest: int) -> int:
+        """At most `longest` drafts, and one token fewer than the request may still emit."""
+        return max(0, min(longest, self.tokens_left - 1))
+
+    def tree_branches(self, branches: int) -> int:
+        """Candidates a position may take this round: a tree pass cannot join a batched pass (its mask is
+        its own), so beside other requests it would hold them up, a cost no measured time shows."""
+        return branches if self.alone else 1
+
+    def free_cost(self, k: int, widened: int = 0, heads: bool = False, tree: bool = False, branches: int = 1) -> float:
+        """Seconds of a round of k drafts made without a call (alternatives beside the first `widened`;
+        `tree`: k nodes of another shape). heads: its Verify asks for the heads' proposals when it
+        drafts (a plain round does not); otherwise priced at the share of Verifies that ask."""
+        return self.costs.round_cost_s(k, branches, drafting=False, heads=(k > 0) if heads else None, widened=widened, tree=tree)
+
+
+@dataclass
+class RoundPlan:
+    """The drafts one round verifies and whose they are."""
+
+    source: str = PLAIN  # PLAIN, LOOKUP, HEADS, JOINED (a lookup copy and the heads in one tree) or DRAFT
+    drafts: list[int] = field(default_factory=list)  # [n]; a DRAFT round's arrive with its Propose
+    parents: list[int] = field(default_factory=list)  # [n] a tree's parent of each node (-1: the root); [] for a chain
+    k: int = 0  # DRAFT: drafts to ask the draft service for
+    widened: int = 0  # DRAFT: how many of them get alternatives beside them (a tree)
+    copied: int = 0  # nodes of a lookup copy that lead the tree's main chain
+    head_nodes: frozenset = frozenset()  # which nodes the heads offered
+    head_predicted: Optional[float] = None  # the heads' nodes' summed values (HeadCalibration learns from it)
+
+    @property
+    def free(self) -> bool:
+        return self.source in (LOOKUP, HEADS, JOINED)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the target made of a round's drafts, as the proposers learn from it."""
+
+    chain: int  # drafts in the round's main chain (a chain round: all; what k counts)
+    kept: int  # of the main chain, accepted
+    accepted: int  # accepted in all (a tree's alternative may add one beyond the kept chain)
+    kept_nodes: Sequence[int]  # the accepted nodes' indices
+    missed_beside_alternatives: bool  # a tree whose first missed chain draft had alternatives beside it
+
+    @classmethod
+    def of(cls, drafts: list[int], parents: list[int], outcome: RoundOutcome) -> "Verdict":
+        if not parents:
+            return cls(len(drafts), outcome.accepted, outcome.accepted, range(outcome.accepted), False)
+        chain = tree.main_chain(parents)
+        kept = common_prefix(chain, list(outcome.path))
+        beside = kept < len(chain) and parents.count(parents[chain[kept]]) > 1
+        return cls(len(chain), kept, outcome.accepted, outcome.path, beside)
+
+
+class LookupProposer:
+    """Prompt lookup: what followed the latest earlier occurrence of the sequence's last n-gram
+    (specd_common/lookup.py), cut to the length its own measured acceptance pays for."""
+
+    def __init__(self, max_tokens: int, min_ngram: int, adaptive: bool, num_draft_tokens: int,
+                 policy: SpeculationPolicy = POLICY):
+        self.max_tokens = (max_tokens if adaptive else num_draft_tokens) if max_tokens else 0  # 0: no lookup rounds
+        self.min_ngram, self.adaptive = min_ngram, adaptive
+        self.acceptance = AcceptanceEstimate(policy=policy)  # copies behave unlike any model's drafts
+
+    def copy(self, ctx: RoundContext) -> list[int]:
+        """The whole copy the sequence offers now ([] when nothing recurs or speculation is paused)."""
+        cap = ctx.draft_cap(self.max_tokens)
+        return prompt_lookup(ctx.sequence, cap, min_ngram=self.min_ngram) if cap and ctx.allowed else []
+
+    def nodes(self, copy: list[int]) -> list[TreeNode]:
+        """The copy as tree nodes valued by its acceptance per position (for a tree shared with the heads)."""
+        return chain_nodes(copy, self.acceptance.chain(len(copy)))
+
+    def best(self, copy: list[int], ctx: RoundContext) -> tuple[int, float]:
+        """How much of the copy to verify and the tokens per second it promises (the fixed policy: all)."""
+        if not self.adaptive:
+            return len(copy), float("inf")
+        k, _, rate = best_shape(self.acceptance.chain(len(copy)), len(copy), None, lambda k, w: ctx.free_cost(k, w))
+        return k, rate
+
+    def decline(self) -> None:
+        """Not drafted this round: the estimate forgets toward its prior, so copies are tried again later."""
+        self.acceptance.update(0, 0)
+
+    def learn(self, plan: RoundPlan, verdict: Verdict) -> None:
+        if plan.copied:
+            self.acceptance.update(plan.copied, min(verdict.kept, plan.copied))
+
+
+class HeadProposer:
+    """The verify's Medusa heads: each head's candidates after the last committed token, with their
+    confidences, arrive with a Verify that asked for them. A round takes the nodes that pay by their
+    calibrated confidence (adaptive.confident_tree); heads that never look confident enough still
+    draft one token every probe_every_rounds rounds, since the calibration learns only from drafts."""
+
+    def __init__(self, heads: int, adaptive: bool, num_draft_tokens: int, branches: int,
+                 policy: SpeculationPolicy = POLICY):
+        self.heads = heads  # 0: no head rounds
+        self.adaptive, self.num_draft_tokens, self.branches = adaptive, num_draft_tokens, branches
+        self.policy = policy
+        self.acceptance = AcceptanceEstimate(policy=policy)
+        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy)
+        self.calibration = HeadCalibration(policy)
+        self.proposals = HeadProposals()  # from the last Verify
+        self.asked = False  # the last Verify asked for proposals (its cost is priced apart)
+        self._declined = False  # the last Verify did not ask: no head round could pay
+        self._declined_rounds = 0  # rounds in a row whose proposals did not pay (a probe follows)
+
+    def ask(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> bool:
+        """Whether this round's Verify should return proposals for the next round: only when a head round
+        could pay by the heads' acceptance so far (proposals cost every pass that asks, used or not; the
+        fixed policy: when no draft service drafts). Not asking counts as declining."""
+        self._declined = False
+        if not self.heads or not ctx.allowed:
+            self.asked = False
+        elif not self.adaptive:
+            self.asked = not draft_enabled
+        else:
+            k, rate = best_rate(self.acceptance.chain(self.heads), self.heads, lambda k: ctx.free_cost(k, heads=True))
+            self._declined = not k or rate <= rival_rate
+            self.asked = not self._declined
+        return self.asked
+
+    def candidates_per_head(self) -> int:
+        """Candidates a head returns when asked (0: the verify's default, one)."""
+        return self.branches if self.asked and self.branches > 1 else 0
+
+    def receive(self, scores: verify_pb2.VerifyResponse, drafts: int, parents: list[int], outcome: RoundOutcome,
+                greedy: bool, committed: int) -> None:
+        """Keep the proposals after the last committed token (`committed` tokens) from a Verify's reply."""
+        if parents and not greedy:  # the verify sent every row: the sampled path picks its own
+            self.proposals = head_drafts_after_tree(scores.head_drafts, drafts, outcome.path)
+        else:
+            self.proposals = head_drafts_at(scores.head_drafts, committed - 2)
+
+    def can_join(self, ctx: RoundContext) -> bool:
+        """Whether the proposals may share a tree with a lookup copy this round."""
+        return self.adaptive and not self._declined and bool(self.proposals) and ctx.tree_branches(self.branches) > 1
+
+    def nodes(self, ctx: RoundContext) -> list[TreeNode]:
+        """The proposals as tree nodes valued by their calibrated confidence (without taking them)."""
+        return head_nodes(*self._candidates(self.proposals, ctx), self.calibration.scale)
+
+    def round_cost(self, ctx: RoundContext) -> Callable[[int, bool], float]:
+        """Seconds of a round of n free nodes whose Verify asks for proposals (`tree`: not a chain)."""
+        return lambda n, tree: ctx.free_cost(n, heads=True, tree=tree)
+
+    def take(self) -> HeadProposals:
+        """The last Verify's proposals, once; none when it did not ask (declined: the estimate forgets)."""
+        proposals, self.proposals = self.proposals, HeadProposals()
+        if self._declined:
+            self._declined = False
+            self.acceptance.update(0, 0)
+            return HeadProposals()
+        return proposals
+
+    def offer(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> Optional[RoundPlan]:
+        """A head round (the proposals are taken), or None when there are none, speculation is paused or
+        the rival (the draft service) promises more tokens per second. The fixed policy drafts every
+        candidate of the first num_draft_tokens heads, only where no draft service drafts."""
+        proposals = self.take()
+        if not proposals or not ctx.allowed:
+            return None
+        if not self.adaptive:
+            if draft_enabled:
+                return None
+            drafts, parents = every_candidate(proposals.tokens[: ctx.draft_cap(self.num_draft_tokens)])
+            return RoundPlan(HEADS, drafts, parents) if drafts else None
+        tokens, confidences = self._candidates(proposals, ctx)
+        nodes, predicted, rate = confident_tree(tokens, confidences, self.calibration.scale, self.round_cost(ctx))
+        if nodes and rate > rival_rate:
+            self._declined_rounds = 0
+        elif not rival_rate and self._declined_rounds >= self.policy.probe_every_rounds:
+            nodes, predicted, self._declined_rounds = [TreeNode((tokens[0][0],), confidences[0][0])], confidences[0][0], 0
+        else:
+            self._declined_rounds += 1
+            self.acceptance.update(0, 0)
+            return None
+        drafts, parents = tree_of(nodes)
+        return RoundPlan(HEADS, drafts, parents, head_nodes=frozenset(range(len(nodes))), head_predicted=predicted)
+
+    def joined(self, plan: RoundPlan, nodes: list[TreeNode], own: dict) -> RoundPlan:
+        """Record that a round took these of the heads' nodes (`own`: their paths → values)."""
+        self.take()
+        self._declined_rounds = 0
+        scale = self.calibration.scale
+        plan.head_predicted = sum(own.get(node.path, 0.0) for node in nodes) / scale
+        plan.head_nodes = frozenset(i for i, node in enumerate(nodes) if node.path in own)
+        return plan
+
+    def learn(self, plan: RoundPlan, verdict: Verdict) -> None:
+        if plan.source == HEADS or (plan.source == JOINED and not plan.copied):
+            self.acceptance.update(verdict.chain, verdict.kept)
+        if verdict.missed_beside_alternatives and plan.source in (HEADS, JOINED) and not plan.copied:
+            self.rescue.observe(verdict.kept, verdict.accepted > verdict.kept)
+        if plan.head_predicted is not None:
+            self.calibration.observe(plan.head_predicted, sum(node in plan.head_nodes for node in verdict.kept_nodes))
+
+    def _candidates(self, proposals: HeadProposals, ctx: RoundContext) -> tuple[list[list[int]], list[list[float]]]:
+        """What a round chooses among: the first heads' (one fewer than tokens left) first candidates
+        (tree_branches) and their confidences. A verify that sends no confidences gets the heads'
+        measured acceptance per position in their place, best candidates only."""
+        cap = ctx.draft_cap(len(proposals.tokens))
+        if not proposals.confidences:
+            rates = self.acceptance.chain(cap)
+            return [c[:1] for c in proposals.tokens[:cap]], [[rate] for rate in rates]
+        branches = ctx.tree_branches(min(len(proposals.tokens[0]), self.branches))
+        return [c[:branches] for c in proposals.tokens[:cap]], [p[:branches] for p in proposals.confidences[:cap]]
+
+
+def every_candidate(steps: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Each head's candidates (best first, distinct): the best ones as a chain (parents []) when there is
+    one candidate a head, else that chain with the others beside each as leaves."""
+    if all(len(candidates) == 1 for candidates in steps):
+        return [candidates[0] for candidates in steps], []
+    return tree.chain_with_leaves(steps)
+
+
+def tree_of(nodes: Sequence[TreeNode]) -> tuple[list[int], list[int]]:
+    """A round's drafts and parents from chosen nodes (parents first): parents [] for a chain."""
+    drafts, parents = tree.from_paths([node.path for node in nodes])
+    return (drafts, []) if parents == tree.chain_parents(len(drafts)) else (drafts, parents)
+
+
+class DraftProposer:
+    """The draft service's session for one request: drafts k tokens (a chain, or a tree with
+    alternatives beside the first drafts) a round. A draft that errors or is slower than its timeout
+    is dropped and re-opened after a back-off (doubling); a draft that failed before is first asked
+    for its health, so a frozen one does not stall the stream for a whole timeout."""
+
+    def __init__(self, backends: Any, sessions: SessionSet, *, speculate: bool, adaptive: bool, num_draft_tokens: int,
+                 branches: int, overlap: bool, timeout_s: float, rpc_timeout: Callable[[], float], stats: Any,
+                 policy: SpeculationPolicy = POLICY):
+        self.backends, self.sessions, self.stats, self.policy = backends, sessions, stats, policy
+        self.enabled = speculate and backends.draft.configured and backends.draft_info is not None
+        self.features = FeatureLog() if self.enabled and backends.draft_info.wants_target_features else None
+        self.overlap = overlap and self.features is None  # a look-ahead cannot wait for the target's features
+        self.branches = 1 if self.overlap else branches  # a look-ahead assumes a chain
+        self.adaptive, self.num_draft_tokens = adaptive, num_draft_tokens
+        self.timeout_s, self._rpc_timeout = timeout_s, rpc_timeout
+        self.link = Link()
+        self.acceptance = AcceptanceEstimate(policy=policy)
+        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy)
+        self._retry_at, self._backoff_s = 0.0, policy.draft_backoff_s
+        self._idle_rounds = 0  # rounds in a row without drafts (a one-token probe follows)
+        self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
+
+    # --- session --------------------------------------------------------------------------------
+    def stop_if_unfed(self, allowed: bool) -> None:
+        """A feature drafter needs the target's features of every committed position, which every Verify
+        returns (~1.2 KB a position): while speculation is paused by load they would cost every request
+        for drafts that may never come, so such a request stops collecting them and leaves the draft
+        service out (its session could not be fed any more). Lookup and head rounds go on."""
+        if self.features is not None and not allowed:
+            self.features, self.enabled = None, False
+
+    def open(self, sequence: list[int]) -> None:
+        """(Re)open a draft session; on failure speculation pauses and is retried after a back-off."""
+        pool = self.backends.draft
+        replica = pool.pick()
+        if replica is None:
+            return self._down(None, "no draft replica serves", mark=False)
+        if not pool.usable(replica, min(self.policy.draft_probe_s, self._timeout())):
+            pool.release(replica)
+            return self._down(replica, "failed before and gives no SERVING answer to a health check", mark=False)
+        try:
+            extra = {"target_features": self.features.slice(0, len(sequence) - 1)} if self.features is not None else {}
+            self.sessions.open(self.link, pool, replica, draft_pb2.DraftPrefillRequest, sequence, self._timeout(), **extra)
+            self._backoff_s = self.policy.draft_backoff_s
+        except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer
+            self._down(replica, str(error.code()))
+
+    def reopen_if_due(self, sequence: list[int]) -> None:
+        """Re-open the session when it is closed (it failed, or was not opened under load) and its back-off is over."""
+        if self.enabled and not self.link.open and time.monotonic() >= self._retry_at:
+            self.open(sequence)
+
+    def _down(self, replica: Any, reason: str, mark: bool = True) -> None:
+        log.warning("draft %s failed (%s); target-only rounds for %.1f s", replica.address if replica else "pool", reason,
+                    self._backoff_s)
+        if mark and replica is not None:
+            self.backends.draft.mark_failed(replica)
+        self.link.replica = None
+        self._lookahead = ([], [])
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, self.policy.draft_max_backoff_s)
+
+    def _timeout(self) -> float:
+        return min(self._rpc_timeout(), self.timeout_s)
+
+    # --- planning -------------------------------------------------------------------------------
+    def best(self, ctx: RoundContext) -> tuple[int, int, float]:
+        """The round the draft service would draft now (adaptive.best_shape): (k, widened, tokens/s)."""
+        cap = ctx.draft_cap(self.num_draft_tokens)
+        branches = ctx.tree_branches(self.branches)
+        rescue = self.rescue.chain(cap) if branches > 1 else None
+        return best_shape(self.acceptance.chain(cap), cap, rescue,
+                          lambda k, w: ctx.costs.round_cost_s(k, self.branches, widened=w))
+
+    def rate(self, ctx: RoundContext) -> float:
+        """Expected tokens per second of its round now (0 when no session is open)."""
+        return self.best(ctx)[2] if self.enabled and self.link.open else 0.0
+
+    def shape(self, ctx: RoundContext) -> tuple[int, int]:
+        """k for this round and how many drafts get alternatives (the fixed policy: k = the cap, all of
+        them); (0, 0) without a live session. A request that has not drafted for probe_every_rounds
+        rounds drafts one token, so its estimate stays current."""
+        k, widened = self._shape(ctx)
+        if not k:
+            self._lookahead = ([], [])  # a plain round: the look-ahead's context is gone
+        return k, widened
+
+    def _shape(self, ctx: RoundContext) -> tuple[int, int]:
+        if not (self.enabled and ctx.allowed and self.link.open):
+            return 0, 0
+        cap = ctx.draft_cap(self.num_draft_tokens)
+        if not self.adaptive:
+            return cap, cap
+        k, widened, _ = self.best(ctx)
+        self._idle_rounds = 0 if k else self._idle_rounds + 1
+        if self._idle_rounds > self.policy.probe_every_rounds:
+            self._idle_rounds = 0
+            return min(1, cap), 0
+        return k, widened
+
+    # --- drafting -------------------------------------------------------------------------------
+    def propose(self, plan: RoundPlan, sequence: list[int], rng: np.random.Generator) -> tuple[list[int], list, list[int]]:
+        """Drafts, their q (sampling) and a tree's parents ([] for a chain): the last round's look-ahead
+        when it guessed right, else a Propose; nothing when the draft fails. A tree keeps only the
+        alternatives beside its first plan.widened drafts (tree.widened_nodes)."""
+        drafts, probs = self._lookahead
+        self._lookahead = ([], [])
+        if drafts:
+            return drafts[: plan.k], probs[: plan.k], []
+        request = draft_pb2.ProposeRequest(
+            session_id=self.link.session_id,
+            commit=self.link.sync.commit(sequence),
+            num_draft_tokens=plan.k,
+            seed=int(rng.integers(2**63)),
+            branches=self.branches if plan.widened else 1,
+        )
+        if self.features is not None:
+            request.target_features.CopyFrom(self.features.slice(self.link.features_sent, len(sequence) - 1))
+        try:
+            proposal = self.link.replica.stub.Propose(request, timeout=self._timeout())
+        except grpc.RpcError as error:
+            self._down(self.link.replica, str(error.code()))
+            return [], [], []
+        self.link.sync.agreed = len(sequence)
+        self.link.features_sent = len(sequence) - 1
+        self.stats.account(request, proposal, draft=True)
+        tokens, probs, parents = list(proposal.token_ids), list(proposal.draft_probs), list(proposal.parents)
+        if parents:
+            kept = tree.widened_nodes(parents, plan.widened)
+            tokens, parents = [tokens[i] for i in kept], tree.reindexed(parents, kept)
+            probs = [probs[i] for i in kept] if probs else []
+        return tokens, probs, parents
+
+    def start_lookahead(self, drafts: list[int], committed: int, rng: np.random.Generator):
+        """Overlap (PEARL-style): while the target verifies `drafts`, ask for len(drafts) + 1 more tokens
+        after them. The first is the draft's guess of the bonus token; if every draft is accepted and
+        the guess is right, the rest are next round's drafts, drawn from q in exactly the context they
+        will be verified in. None when there is nothing to look ahead of."""
+        if not (self.overlap and drafts and self.link.open):
+            return None
+        request = draft_pb2.ProposeRequest(
+            session_id=self.link.session_id,
+            commit=common_pb2.Commit(prefix_length=committed + len(drafts)),
+            num_draft_tokens=len(drafts) + 1,
+            seed=int(rng.integers(2**63)),
+        )
+        return request, self.link.replica.stub.Propose.future(request, timeout=self._timeout())
+
+    def finish_lookahead(self, lookahead, outcome: RoundOutcome) -> None:
+        """Keep the look-ahead's drafts when it guessed this round's bonus token; drop them otherwise.
+        Waiting for it even when it is useless keeps the RNG order, hence seeded output, deterministic."""
+        if lookahead is None:
+            return
+        request, call = lookahead
+        try:
+            reply = call.result()
+        except grpc.RpcError as error:
+            self._down(self.link.replica, str(error.code()))
+            return
+        self.stats.account(request, reply, draft=True)
+        self.stats.lookahead_rounds += 1
+        if outcome.bonus and reply.token_ids and reply.token_ids[0] == outcome.next_token:
+            self.link.sync.agreed += 1  # the bonus token is the draft's own first look-ahead token
+            self._lookahead = (list(reply.token_ids[1:]), list(reply.draft_probs[1:]))
+            self.stats.lookahead_hits += 1
+
+    # --- learning -------------------------------------------------------------------------------
+    def learn(self, plan: RoundPlan, verdict: Verdict, outcome: RoundOutcome) -> None:
+        """Its estimates learn from its own rounds and from plain ones (which forget toward the prior,
+        so a request that stopped drafting tries again); its session keeps what of its chain was kept."""
+        if plan.source in (PLAIN, DRAFT):
+            self.acceptance.update(verdict.chain, verdict.kept)
+        if plan.source == DRAFT and verdict.missed_beside_alternatives:
+            self.rescue.observe(verdict.kept, verdict.accepted > verdict.kept)
+        if plan.source == DRAFT and plan.drafts:
+            drafts = plan.drafts
+            chain = [drafts[node] for node in tree.main_chain(plan.parents)] if plan.parents else drafts
+            self.link.sync.agreed += common_prefix(chain, outcome.emitted(drafts)[: outcome.accepted])

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead
+	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead long-prompts
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -46,6 +46,9 @@ protos:  ## regenerate the Python stubs next to the .proto files
 bench: setup  ## specd up's defaults vs in-process transformers (all cores), side by side, on held-out prompts (the README's table)
 	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \
 		--fixed-k 3 --branches 1 2 --medusa --output docs/benchmarks/bench.json
+
+long-prompts: setup  ## rebuild docs/benchmarks/long_prompts.jsonl (summarization/RAG prompts of 750-2,000 tokens) from ../shared/data
+	$(PY) -m specd_app.long_prompts
 
 # Draft training and evaluation beyond `specd train-draft` (docs/draft-training.md); tests/test_scripts.py
 # runs each of these on a tiny random target.

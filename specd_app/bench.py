@@ -21,6 +21,20 @@ Greedy, or with --temperature every mode samples at the same temperature and top
 acceptance overall and per draft position, tokens per target pass against (1 − α^(k+1)) / (1 − α),
 time to first token, p50/p95 inter-token latency, bytes on the wire per round and the share of a
 round spent outside the two models; overall and per task kind (the prompt file's `category`).
+
+Many users at once (issue 43), through the service modes:
+  --concurrency N --sequential-too   each mode one request at a time and N at once (`scaling`):
+                throughput, TTFT and ITL of both, their ratio, and how close N at once comes to all
+                prefills + batched decoding (`prefill_bound`); long prompts in
+                docs/benchmarks/long_prompts.jsonl (specd_app/long_prompts.py builds it)
+  --arrival     K streams decode; a ~2,000-token prompt arrives; the streams' ITL before it and
+                during its prefill (`run_arrival`, `arrival_report`)
+Issue 43's measurements (local stack of `specd up`'s defaults; add --output FILE to save a report):
+  specd bench --prompts docs/benchmarks/heldout_prompts.jsonl docs/benchmarks/fresh_prompts.jsonl --limit 8 \
+      --max-new-tokens 64 --concurrency 8 --sequential-too --repeats 2 --no-hf      (then --concurrency 16)
+  specd bench --prompts docs/benchmarks/long_prompts.jsonl --limit 8 --max-new-tokens 64 \
+      --concurrency 8 --sequential-too --repeats 2 --no-hf                         (then --max-new-tokens 256)
+  specd bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 4 --max-new-tokens 256 --arrival --repeats 2
 """
 
 from __future__ import annotations
@@ -28,11 +42,13 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import grpc
@@ -54,24 +70,35 @@ class Sample:
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)  # per token, from the gaps between streamed chunks
     stats: Optional[generate_pb2.SpeculationStats] = None
+    prompt_id: str = ""
+    started: float = 0.0  # time.perf_counter() when the request was sent
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) of each streamed chunk
+    prompt_tokens: int = 0  # the gateway's count (chat template included), from the last message's usage
 
 
 def load_prompts(path: str, limit: int) -> list[dict]:
-    """The first `limit` rows of a JSONL prompt file (id, category, prompt)."""
+    """The first `limit` rows of a JSONL prompt file (id, category, prompt); a row without an id gets
+    FILE-N (per-prompt results, such as each prompt's prefill, are keyed by it)."""
     rows = []
     with open(path) as lines:
-        for line in lines:
+        for index, line in enumerate(lines):
             if len(rows) >= limit:
                 break
-            rows.append(json.loads(line))
+            rows.append({"id": f"{Path(path).stem}-{index}", **json.loads(line)})
     return rows
 
 
-def stream_one(stub, row: dict, max_new_tokens: int, **fields) -> Sample:
-    """One streamed request; timestamps give time to first token and inter-token latency."""
+def longest_prompt(path: str) -> dict:
+    """The row of a prompt file with the longest prompt (in characters): `--arrival`'s long prompt."""
+    return max(load_prompts(path, limit=sys.maxsize), key=lambda row: len(row["prompt"]))
+
+
+def stream_one(stub, row: dict, max_new_tokens: int, on_tokens: Optional[Callable[[Sample], None]] = None, **fields) -> Sample:
+    """One streamed request; timestamps give time to first token and inter-token latency. on_tokens
+    is called with the sample after each chunk of tokens (`--arrival` waits on it)."""
     request = generate_pb2.GenerateRequest(text=row["prompt"], max_new_tokens=max_new_tokens, **fields)
-    sample = Sample(category=row.get("category", "all"), tokens=0, seconds=0.0)
-    started = last = time.perf_counter()
+    sample = Sample(category=row.get("category", "all"), tokens=0, seconds=0.0, prompt_id=row.get("id", ""))
+    started = last = sample.started = time.perf_counter()
     for message in stub.GenerateStream(request, timeout=900):
         now = time.perf_counter()
         if message.token_ids:
@@ -80,9 +107,13 @@ def stream_one(stub, row: dict, max_new_tokens: int, **fields) -> Sample:
             else:
                 sample.itl_s += [(now - last) / len(message.token_ids)] * len(message.token_ids)
             sample.tokens += len(message.token_ids)
+            sample.chunks.append((now, len(message.token_ids)))
             last = now
+            if on_tokens is not None:
+                on_tokens(sample)
         if message.finish_reason:
             sample.stats = message.stats
+            sample.prompt_tokens = message.usage.prompt_tokens
     sample.seconds = time.perf_counter() - started
     return sample
 
@@ -210,11 +241,18 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
         summary["lookahead_hit_rate"] = round(sum(s.lookahead_hits for s in stats) / lookaheads, 4)
     if any(s.ttft_s for s in samples):
         summary["ttft_ms_p50"] = round(1000 * statistics.median(s.ttft_s for s in samples), 1)
-    gaps = sorted(g for s in samples for g in s.itl_s)
+        summary["ttft_ms_p95"] = round(1000 * percentile([s.ttft_s for s in samples], 0.95), 1)
+    gaps = [g for s in samples for g in s.itl_s]
     if gaps:
-        summary["itl_ms_p50"] = round(1000 * gaps[len(gaps) // 2], 1)
-        summary["itl_ms_p95"] = round(1000 * gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))], 1)
+        summary["itl_ms_p50"] = round(1000 * percentile(gaps, 0.5), 1)
+        summary["itl_ms_p95"] = round(1000 * percentile(gaps, 0.95), 1)
     return summary
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The nearest-rank q-quantile (the value at index ⌊q·n⌋ of the sorted values, the last at most)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _per_position(stats: list) -> list[float]:
@@ -287,6 +325,173 @@ def overlap_on_separate_devices(sequential: dict, hit_rate: float) -> dict:
     }
 
 
+SCALING_KEYS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95")
+
+
+def scaling(sequential: dict, concurrent: dict, sequential_samples: dict[str, list[Sample]], concurrency: int) -> dict:
+    """`--sequential-too`: each mode one request at a time and `concurrency` at a time (two `report`s
+    of the same prompts), side by side: throughput, TTFT and ITL of both, their ratio (within each
+    repeat too), the speedup over target-only at each, and the prefill bound of `prefill_bound`."""
+    out = {}
+    for mode, entry in concurrent["modes"].items():
+        if mode not in sequential["modes"] or mode not in sequential_samples:
+            continue
+        one, many = sequential["modes"][mode]["overall"], entry["overall"]
+        row = {
+            "sequential": {key: one[key] for key in SCALING_KEYS if key in one},
+            "concurrent": {key: many[key] for key in SCALING_KEYS if key in many},
+            "concurrent_over_sequential": round(many["tokens_per_s"] / one["tokens_per_s"], 3),
+            "vs_target_only": {"sequential": one.get("speedup"), "concurrent": many.get("speedup")},
+            "prefill": prefill_bound(sequential_samples[mode], many, concurrency),
+        }
+        if "tokens_per_s_by_repeat" in one and "tokens_per_s_by_repeat" in many:
+            row["concurrent_over_sequential_by_repeat"] = [
+                round(m / o, 3) for m, o in zip(many["tokens_per_s_by_repeat"], one["tokens_per_s_by_repeat"])]
+        out[mode] = row
+    return {"concurrency": concurrency, "modes": out}
+
+
+def prefill_bound(alone: list[Sample], concurrent: dict, concurrency: int) -> dict:
+    """Issue 43: a long prompt's prefill is compute-bound and cannot be batched away. Each prompt's
+    prefill is its TTFT when it ran alone; the best a batching server can do with `concurrency` streams
+    is every prefill one after another plus the decoding of each wave of `concurrency` requests at the
+    cost of one request's (the weights stream once a pass for all rows):
+        bound_s = Σ prefill + ⌈prompts / concurrency⌉ × median decoding time alone.
+    `reached` = concurrent tokens/s over the bound's tokens/s (1.0: the concurrent run is that good)."""
+    by_prompt = defaultdict(list)
+    for sample in alone:
+        by_prompt[sample.prompt_id].append(sample)
+    prefill_s = {pid: statistics.median(s.ttft_s for s in samples) for pid, samples in by_prompt.items()}
+    decode_s = statistics.median(s.seconds - s.ttft_s for s in alone)
+    waves = -(-len(by_prompt) // concurrency)
+    bound_s = sum(prefill_s.values()) + waves * decode_s
+    runs = concurrent["prompts"] / len(by_prompt)  # repeats of the prompt set in the concurrent report
+    bound_tokens_per_s = concurrent["tokens"] / runs / bound_s
+    prompt_tokens = {pid: samples[0].prompt_tokens for pid, samples in by_prompt.items()}
+    return {
+        "ms_by_prompt": {pid: round(1000 * seconds, 1) for pid, seconds in prefill_s.items()},
+        "prompt_tokens_by_prompt": prompt_tokens,
+        "mean_ms": round(1000 * statistics.mean(prefill_s.values()), 1),
+        "total_s": round(sum(prefill_s.values()), 3),
+        "decode_alone_s_median": round(decode_s, 3),
+        "bound_s": round(bound_s, 3),
+        "bound_tokens_per_s": round(bound_tokens_per_s, 2),
+        "reached": round(concurrent["tokens_per_s"] / bound_tokens_per_s, 3),
+    }
+
+
+ARRIVAL_ITL_RATIO_TARGET = 2.0  # issue 43: running streams' p95 ITL during a long prefill at most 2x before it
+ARRIVAL_LONG_NEW_TOKENS = 8  # the long prompt is there for its prefill; a few tokens show its first one
+
+
+@dataclass
+class ArrivalRun:
+    """`--arrival`: streams that were decoding when a long prompt arrived, and that prompt."""
+
+    streams: list[Sample]
+    long: Sample
+    long_alone: Sample  # the same long prompt alone just before: its prefill without load
+    arrived: float  # time.perf_counter() when the long prompt was sent
+
+    @property
+    def first_token(self) -> float:
+        return self.long.started + self.long.ttft_s
+
+    def gaps(self) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
+        """The running streams' gaps between chunks, (start, end, tokens), before the long prompt
+        arrived (once every stream had its first token: their own prefills are not "before") and
+        during its prefill: every gap that overlaps [arrival, its first token], so a stream stalled
+        through the whole prefill counts with that one long gap."""
+        steady = max(s.started + s.ttft_s for s in self.streams)
+        before, during = [], []
+        for sample in self.streams:
+            for (start, _), (end, tokens) in zip(sample.chunks, sample.chunks[1:]):
+                if start >= steady and end <= self.arrived:
+                    before.append((start, end, tokens))
+                elif start < self.first_token and end > self.arrived:
+                    during.append((start, end, tokens))
+        return before, during
+
+    def running_through_prefill(self) -> int:
+        """Streams that were still emitting after the long prompt's first token."""
+        return sum(1 for s in self.streams if s.chunks and s.chunks[-1][0] >= self.first_token)
+
+
+def run_arrival(stub, short_rows: list[dict], long_row: dict, streams: int, max_new_tokens: int, after_tokens: int,
+                progress, **fields) -> ArrivalRun:
+    """Issue 43's arrival: `streams` requests (short prompts, `max_new_tokens` each) decode; once each
+    has `after_tokens` tokens, `long_row` is sent. Before that, a short warm-up and the long prompt
+    alone (its unloaded TTFT)."""
+    stream_one(stub, short_rows[0], 8, **fields)  # warm-up, not counted
+    long_alone = stream_one(stub, long_row, ARRIVAL_LONG_NEW_TOKENS, **fields)
+    emitted = [0] * streams
+    changed = threading.Condition()
+
+    def counter(index: int) -> Callable[[Sample], None]:
+        def on_tokens(sample: Sample) -> None:
+            with changed:
+                emitted[index] = sample.tokens
+                changed.notify_all()
+        return on_tokens
+
+    with futures.ThreadPoolExecutor(streams + 1) as pool:
+        running = [pool.submit(stream_one, stub, short_rows[i % len(short_rows)], max_new_tokens, on_tokens=counter(i), **fields)
+                   for i in range(streams)]
+        for call in running:  # a stream that ends (or fails) early wakes the wait below too
+            call.add_done_callback(lambda _: notify(changed))
+        with changed:
+            changed.wait_for(lambda: min(emitted) >= after_tokens or any(call.done() for call in running), timeout=900)
+        arrived = time.perf_counter()
+        long = pool.submit(stream_one, stub, long_row, ARRIVAL_LONG_NEW_TOKENS, **fields)
+        samples = [call.result() for call in running]
+        for _ in samples:
+            progress()
+        run = ArrivalRun(samples, long.result(), long_alone, arrived)
+    progress()
+    if run.running_through_prefill() < streams:
+        log.warning("only %d of %d streams still ran at the long prompt's first token: raise --max-new-tokens",
+                    run.running_through_prefill(), streams)
+    return run
+
+
+def notify(condition: threading.Condition) -> None:
+    with condition:
+        condition.notify_all()
+
+
+def gap_summary(gaps: list[tuple[float, float, int]]) -> dict:
+    """Per-token inter-token latency of chunk gaps (a gap of n tokens counts n times, as in stream_one)
+    and the longest wait between two chunks a client saw."""
+    if not gaps:
+        return {"gaps": 0}
+    per_token = [(end - start) / tokens for start, end, tokens in gaps for _ in range(tokens)]
+    return {"gaps": len(gaps), "itl_ms_p50": round(1000 * percentile(per_token, 0.5), 1),
+            "itl_ms_p95": round(1000 * percentile(per_token, 0.95), 1),
+            "longest_gap_ms": round(1000 * max(end - start for start, end, _ in gaps), 1)}
+
+
+def arrival_report(runs: list[ArrivalRun]) -> dict:
+    """One mode's arrival runs: the running streams' ITL before the long prompt arrived and during its
+    prefill (gaps pooled over the runs), the p95 ratio (issue 43: at most ARRIVAL_ITL_RATIO_TARGET)
+    pooled and for each run, and the long prompt's TTFT alone and under load."""
+    split = [run.gaps() for run in runs]
+    before = gap_summary([gap for b, _ in split for gap in b])
+    during = gap_summary([gap for _, d in split for gap in d])
+    out = {"runs": len(runs), "streams": len(runs[0].streams), "before": before, "during": during,
+           "long_prompt_tokens": runs[0].long.prompt_tokens,
+           "long_ttft_ms_alone": round(1000 * statistics.median(run.long_alone.ttft_s for run in runs), 1),
+           "long_ttft_ms_under_load": round(1000 * statistics.median(run.long.ttft_s for run in runs), 1),
+           "streams_running_through_prefill": min(run.running_through_prefill() for run in runs),
+           "target_ratio": ARRIVAL_ITL_RATIO_TARGET}
+    if before.get("itl_ms_p95") and "itl_ms_p95" in during:
+        out["p95_during_over_before"] = round(during["itl_ms_p95"] / before["itl_ms_p95"], 3)
+        out["within_target"] = out["p95_during_over_before"] <= ARRIVAL_ITL_RATIO_TARGET
+        by_run = [(gap_summary(b), gap_summary(d)) for b, d in split]
+        out["p95_during_over_before_by_run"] = [round(d["itl_ms_p95"] / b["itl_ms_p95"], 3) for b, d in by_run
+                                                if b.get("itl_ms_p95") and "itl_ms_p95" in d]
+    return out
+
+
 def machine_facts() -> dict:
     """Where a report was measured: CPU model, cores, memory, GPU, library versions, date."""
     import os
@@ -310,9 +515,6 @@ def machine_facts() -> dict:
 
 def emit_report(report: dict, output: str = "") -> None:
     """A measuring script's result: JSON on stdout and, when `output` names a file, in it."""
-    import sys
-    from pathlib import Path
-
     text = json.dumps(report, indent=1)
     if output:
         Path(output).write_text(text + "\n")
@@ -353,6 +555,59 @@ def markdown_table(result: dict) -> str:
         lines.append(
             f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
             f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
+        )
+    return "\n".join(lines)
+
+
+def pair(one: dict, many: dict, key: str) -> str:
+    return f"{one.get(key, '-')} → {many.get(key, '-')}"
+
+
+def scaling_table(result: dict) -> str:
+    """`--sequential-too`: each mode one at a time → N at once, and the prefill bound."""
+    scale = result["scaling"]
+    n = scale["concurrency"]
+    lines = [
+        f"| mode | 1 at a time tok/s | {n} at once tok/s | ratio | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms "
+        "| vs target-only (1 / N) | prefill mean ms | prefills + batched decode tok/s (reached) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, row in scale["modes"].items():
+        one, many, bound = row["sequential"], row["concurrent"], row["prefill"]
+        ratio = str(row["concurrent_over_sequential"])
+        spread = row.get("concurrent_over_sequential_by_repeat")
+        if spread:
+            ratio += f" ({min(spread)}–{max(spread)})"
+        versus = f"{row['vs_target_only']['sequential'] or '-'} / {row['vs_target_only']['concurrent'] or '-'}"
+        lines.append(
+            f"| {mode} | {one['tokens_per_s']} | {many['tokens_per_s']} | {ratio} | {pair(one, many, 'ttft_ms_p50')} "
+            f"| {pair(one, many, 'ttft_ms_p95')} | {pair(one, many, 'itl_ms_p50')} | {pair(one, many, 'itl_ms_p95')} "
+            f"| {versus} | {bound['mean_ms']} | {bound['bound_tokens_per_s']} ({bound['reached']}) |"
+        )
+    for mode, row in scale["modes"].items():  # each prompt's prefill: its TTFT alone (prompt tokens as the gateway counts)
+        bound = row["prefill"]
+        each = ", ".join(f"{pid} {ms} ms ({bound['prompt_tokens_by_prompt'][pid]} tokens)" for pid, ms in bound["ms_by_prompt"].items())
+        lines.append(f"\n{mode} prefill (TTFT alone): {each}; all {bound['total_s']} s")
+    return "\n".join(lines)
+
+
+def arrival_table(result: dict) -> str:
+    """`--arrival`: the running streams' ITL before a long prompt arrived and during its prefill."""
+    lines = [
+        "| mode | streams | ITL p50 / p95 ms before | ITL p50 / p95 ms during prefill | p95 ratio (by run) "
+        f"| ≤ {ARRIVAL_ITL_RATIO_TARGET}x | longest gap ms before / during | long TTFT ms alone / under load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, row in result["arrival"].items():
+        before, during = row["before"], row["during"]
+        by_run = row.get("p95_during_over_before_by_run", [])
+        ratio = f"{row.get('p95_during_over_before', '-')}" + (f" ({', '.join(map(str, by_run))})" if len(by_run) > 1 else "")
+        lines.append(
+            f"| {mode} | {row['streams_running_through_prefill']}/{row['streams']} "
+            f"| {before.get('itl_ms_p50', '-')} / {before.get('itl_ms_p95', '-')} "
+            f"| {during.get('itl_ms_p50', '-')} / {during.get('itl_ms_p95', '-')} | {ratio} "
+            f"| {'yes' if row.get('within_target') else 'no'} | {before.get('longest_gap_ms', '-')} / {during.get('longest_gap_ms', '-')} "
+            f"| {row['long_ttft_ms_alone']} / {row['long_ttft_ms_under_load']} |"
         )
     return "\n".join(lines)
 

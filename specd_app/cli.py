@@ -5,7 +5,8 @@
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
-  specd bench --prompts FILE.jsonl... [--concurrency C] [--fixed-k K...] [--branches B...] [--overlap]   measure
+  specd bench --prompts FILE.jsonl... [--concurrency C [--sequential-too]] [--fixed-k K...] [--branches B...] [--overlap]   measure
+  specd bench --prompts SHORT.jsonl --arrival [--arrival-streams K]   running streams' latency while a long prompt prefills
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
 --tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on the gateway.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gateway.options import GatewayOptions
+from specd_app.long_prompts import LONG_PROMPTS
 from specd_common import autotune
 from specd_common.config import (
     DEFAULT_HTTP_PORT,
@@ -56,6 +58,7 @@ LOOKUP_MIN_NGRAM_HELP = (f"shortest n-gram a prompt-lookup copy needs: the copy 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given, for reports that name their command
     logging.basicConfig(
         level=os.environ.get("SPECD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -150,9 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (1: off)")
     bench.add_argument("--seed", type=int, default=None, help="seed every sampled prompt (reproducible samples; a seeded request "
                        "drafts a fixed k by default, so the default is no seed, as most users send)")
+    bench.add_argument("--sequential-too", action="store_true", help="with --concurrency N > 1: also run every service mode one "
+                       "request at a time, and report both side by side (N at once over one at a time, TTFT and ITL of each, "
+                       "each prompt's prefill, and how close N at once comes to all prefills + batched decoding)")
+    bench.add_argument("--arrival", action="store_true", help="instead of throughput: --arrival-streams requests from --prompts "
+                       "decode --max-new-tokens each; once each has --arrival-after tokens, the longest prompt of --arrival-prompts "
+                       "is sent; reports the running streams' inter-token latency before it arrived and during its prefill")
+    bench.add_argument("--arrival-streams", type=int, default=4, help="--arrival: streams decoding when the long prompt arrives")
+    bench.add_argument("--arrival-after", type=int, default=20, help="--arrival: tokens each stream has emitted before it arrives")
+    bench.add_argument("--arrival-prompts", default=str(LONG_PROMPTS), help="--arrival: the JSONL file whose longest prompt arrives")
     bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
-    bench.add_argument("--output", default="", help="write the JSON report here (and the PNG plot next to it)")
+    bench.add_argument("--output", default="", help="write the JSON report here (and, for the speedup report, the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
 
     from draft_training.cli import add_corpus_parser, add_train_draft_parser
@@ -450,11 +462,19 @@ def run_bench(args: argparse.Namespace) -> int:
         args.drafter if heads_default else "", args.cap, list(heads),
     )
     service_modes = [(mode, {**fields, **sampling.request_fields()}) for mode, fields in service_modes]
-    hf_modes = [] if args.no_hf else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
-    if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1):
-        raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 (one stream already interleaves every prompt)")
-    repeats = args.repeats if args.concurrency > 1 else 1
-    progress = bench.Progress(len(rows) * (len(service_modes) * repeats + len(hf_modes)))
+    hf_modes = [] if args.no_hf or args.arrival else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
+    if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1 and not args.arrival):
+        raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 or --arrival (one stream already interleaves every prompt)")
+    if args.sequential_too and (args.concurrency < 2 or args.arrival):
+        raise SystemExit("--sequential-too compares one at a time with --concurrency N > 1 (and is not an --arrival measurement)")
+    if args.arrival and (args.arrival_streams < 1 or args.arrival_after < 1 or args.arrival_after >= args.max_new_tokens):
+        raise SystemExit("--arrival needs --arrival-streams >= 1 and 1 <= --arrival-after < --max-new-tokens (the streams "
+                         "must still be decoding when the long prompt arrives)")
+    long_row = bench.longest_prompt(args.arrival_prompts) if args.arrival else None
+    repeats = args.repeats if args.concurrency > 1 or args.arrival else 1
+    levels = [1, args.concurrency] if args.sequential_too else [args.concurrency]  # streams at a time, each service mode
+    per_mode = args.arrival_streams + 1 if args.arrival else len(rows) * len(levels)
+    progress = bench.Progress(len(service_modes) * repeats * per_mode + len(rows) * len(hf_modes))
     children: dict = {}
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
@@ -463,12 +483,22 @@ def run_bench(args: argparse.Namespace) -> int:
             caps=args.cap, caps_without_draft=heads_default, heads=heads,
         )
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
-    results, by_repeat = {}, {}  # by_repeat: mode → tokens/s of each repeat (concurrency > 1)
+    results_at = {level: {} for level in levels}  # streams at a time → mode → (samples, wall seconds)
+    by_repeat = {level: {} for level in levels}  # streams at a time → mode → tokens/s of each repeat (concurrency > 1)
+    results, arrivals = results_at[args.concurrency], {}
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
         # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
-        hf = None if args.no_hf else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"], sampling)
-        if args.concurrency == 1:  # side by side: every prompt through every mode in turn
+        hf = None if not hf_modes else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"], sampling)
+        if args.arrival:  # each mode in turn, in order then reversed (ABBA) over the repeats
+            for repeat in range(repeats):
+                for mode, fields in service_modes[:: -1 if repeat % 2 else 1]:
+                    progress.stage(mode)
+                    with grpc.insecure_channel(mode_address.get(mode) or address) as channel:
+                        run = bench.run_arrival(generate_pb2_grpc.GenerateServiceStub(channel), rows, long_row, args.arrival_streams,
+                                                args.max_new_tokens, args.arrival_after, progress, **fields)
+                    arrivals.setdefault(mode, []).append(run)
+        elif args.concurrency == 1:  # side by side: every prompt through every mode in turn
             with contextlib.ExitStack() as stack:
                 modes = {}
                 for mode, fields in service_modes:
@@ -479,15 +509,16 @@ def run_bench(args: argparse.Namespace) -> int:
                 for mode, k in hf_modes:
                     modes[mode] = functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)
                 results = bench.run_interleaved(modes, rows, progress)
-        else:
+        else:  # every (mode, streams at a time) in order, then reversed (ABBA) over the repeats
+            plan = [(mode, fields, level) for mode, fields in service_modes for level in levels]
             for repeat in range(args.repeats):
-                for mode, fields in service_modes[:: -1 if repeat % 2 else 1]:
-                    progress.stage(mode)
+                for mode, fields, level in plan[:: -1 if repeat % 2 else 1]:
+                    progress.stage(mode if len(levels) == 1 else f"{mode} x{level}")
                     target_address = mode_address.get(mode) or address
-                    samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, args.concurrency, progress, **fields)
-                    earlier, earlier_wall = results.get(mode, ([], 0.0))
-                    results[mode] = (earlier + samples, earlier_wall + wall)
-                    by_repeat.setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
+                    samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, level, progress, **fields)
+                    earlier, earlier_wall = results_at[level].get(mode, ([], 0.0))
+                    results_at[level][mode] = (earlier + samples, earlier_wall + wall)
+                    by_repeat[level].setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
             for mode, k in hf_modes:  # one stream: what one user of transformers gets
                 progress.stage(mode)
                 results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
@@ -496,23 +527,39 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         stop_children(children)
     progress.close()
-    report = bench.report(results, args.num_draft_tokens)
-    bench.add_repeat_spread(report, by_repeat)
+    if args.arrival:
+        report = {"arrival": {mode: bench.arrival_report(runs) for mode, runs in arrivals.items()}}
+    else:
+        report = bench.report(results, args.num_draft_tokens)
+        bench.add_repeat_spread(report, by_repeat[args.concurrency])
+    if args.sequential_too:
+        sequential = bench.report(results_at[1], args.num_draft_tokens)
+        bench.add_repeat_spread(sequential, by_repeat[1])
+        report["sequential"] = sequential["modes"]
+        report["scaling"] = bench.scaling(sequential, report, {mode: samples for mode, (samples, _) in results_at[1].items()},
+                                          args.concurrency)
     report["machine"] = bench.machine_facts()
-    report["command"] = " ".join(["specd", *sys.argv[1:]])
+    report["command"] = " ".join(["specd", *args.argv])
     report["stack_runtime"] = runtime
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
         "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
-        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "sequential_too": args.sequential_too,
     }
+    if args.arrival:
+        report["settings"].update(arrival_streams=args.arrival_streams, arrival_after=args.arrival_after,
+                                  arrival_prompt=f"{args.arrival_prompts}#{long_row['id']}")
     if args.output:
         with open(args.output, "w") as out:
             json.dump(report, out, indent=2)
-        bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
-    print(json.dumps(report, indent=2) if args.json else bench.markdown_table(report))
+        if not (args.arrival or args.sequential_too):  # the plot is of speedup per kind and acceptance
+            bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
+    tables = [bench.arrival_table(report)] if args.arrival else [bench.markdown_table(report)]
+    if args.sequential_too:
+        tables.append(bench.scaling_table(report))
+    print(json.dumps(report, indent=2) if args.json else "\n\n".join(tables))
     return 0
 
 

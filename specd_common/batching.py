@@ -1,10 +1,19 @@
-"""Batch scheduling: concurrent sessions' forward passes gathered into one batched pass.
+"""Batch scheduling: concurrent sessions' work gathered into one pass (continuous batching).
 
 The model services are sync gRPC servers with a thread pool, so the rounds of concurrent sessions
 arrive on different threads at nearly the same time. Running them one after another leaves the
-device doing small matrix products; one padded pass over all of them costs little more than one.
-Callers keep calling `forward(session, extra)` and block; a single worker thread takes what is
-queued and runs `CausalLM.forward_batch`.
+device doing small matrix products; one pass over all of them streams the weights once. Callers
+block in `forward(session, extra)` (a chain), `forward(..., parents=...)` (a draft tree) or
+`prefill(session)` (a prompt); a single worker thread takes what is queued and runs
+`CausalLM.run_feeds`: with the lean forward one ragged pass, attention in place in each cache.
+
+Prompts are prefilled in chunks that share passes with the running rounds (chunked prefill): each
+pass carries every queued round and as many prompt positions as the prefill's fair share of the
+pass's time allows: with D sessions decoding and Q prompts waiting for their first token, prefill
+gets Q / (D + Q) of a pass (each request an equal share), measured in seconds from the passes'
+own times (`PrefillBudget`). A long prompt beside four decoding streams then slows them by a
+quarter instead of stopping them, and eight prompts arriving together are prefilled at nearly full
+speed; with nobody decoding a chunk is PREFILL_CHUNK positions.
 
 How long to wait (the scheduler): a batch opens when the worker is free and a request is queued,
 and closes at the first of
@@ -37,10 +46,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from specd_common.config import BatchPolicy  # with the flags that set it: the CLI must not import torch
-from specd_common.lm import CausalLM, KVSession
+from specd_common.lm import PREFILL_CHUNK, CausalLM, Feed, KVSession
 from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
+MIN_PREFILL_CHUNK = 8  # a waiting prompt advances at least this many positions a pass, however busy the rest
 
 
 @dataclass
@@ -56,12 +66,50 @@ class BatchStats:
         return self.requests / self.batches if self.batches else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a queue removes the very item
 class _Request:
     session: KVSession
-    extra: list[int]
+    extra: list[int]  # a chain's drafts, or a tree's nodes
     tag: Any = None  # the caller's, handed to `finish` with its logits
+    parents: Optional[list[int]] = None  # a tree's (specd_common/tree.py); None for a chain
     future: Future = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class _Prefill:
+    session: KVSession
+    future: Future = field(default_factory=Future)
+
+
+class PrefillBudget:
+    """How many prompt positions the next pass may carry beside `decoding` sessions' rounds: the
+    prompts' fair share of the pass's time, from moving averages of a pass without prompt positions
+    (decode_s) and of a prompt position's cost (position_s), both measured on the passes run."""
+
+    def __init__(self) -> None:
+        self.decode_s: Optional[float] = None
+        self.position_s: Optional[float] = None
+
+    def positions(self, decoding: int, waiting: int) -> int:
+        if not decoding:
+            return PREFILL_CHUNK
+        if self.decode_s is None or self.position_s is None:
+            return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures a position's cost
+        share = waiting / (decoding + waiting)  # of the pass's time, for the prompts
+        budget = share / (1 - share) * self.decode_s / self.position_s
+        return int(min(max(budget, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
+
+    def observe(self, seconds: float, decoding: int, positions: int) -> None:
+        """A pass of `decoding` sessions' rounds and `positions` prompt positions took `seconds`."""
+        if not positions:
+            self.decode_s = _moving(self.decode_s, seconds)
+        elif not decoding or self.decode_s is not None:
+            beside = self.decode_s if decoding else 0.0
+            self.position_s = _moving(self.position_s, max(seconds - beside, 0.0) / positions)
+
+
+def _moving(average: Optional[float], value: float) -> float:
+    return value if average is None else PASS_TIME_SMOOTHING * value + (1 - PASS_TIME_SMOOTHING) * average
 
 
 # finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V];
@@ -81,6 +129,8 @@ class ForwardBatcher:
         self.stats = BatchStats()
         self._clock = clock
         self._queue: collections.deque[_Request] = collections.deque()
+        self._prefills: collections.deque[_Prefill] = collections.deque()  # prompts being prefilled, in arrival order
+        self.prefill_budget = PrefillBudget()
         self._recent: collections.deque[frozenset[int]] = collections.deque(maxlen=2)  # session ids of the last batches
         self._pass_seconds: float | None = None  # moving average; None before the first pass
         self._condition = threading.Condition()
@@ -88,20 +138,30 @@ class ForwardBatcher:
         self._worker = threading.Thread(target=self._serve, name="specd-forward-batcher", daemon=True)
         self._worker.start()
 
-    def forward(self, session: KVSession, extra: Sequence[int] = (), tag: Any = None) -> Any:
-        """Queue one session's pass and wait for its logits [len(extra) + 1, V] (with `finish`, its reply
-        for `tag`)."""
-        self.lm.check_room(session, extra)  # fail the caller alone, before it can spoil a batch
-        request = _Request(session, list(extra), tag)
-        with self._condition:
-            if self._closed:
-                raise RuntimeError("the forward batcher is closed")
-            self._queue.append(request)
-            self._condition.notify()
+    def forward(self, session: KVSession, extra: Sequence[int] = (), tag: Any = None,
+                parents: Optional[Sequence[int]] = None) -> Any:
+        """Queue one session's round and wait for its logits [len(extra) + 1, V] (with `finish`, its reply
+        for `tag`): a chain of drafts `extra`, or with `parents` a tree of nodes `extra` (CausalLM.tree_feed)."""
+        self.lm.check_room(session, extra if parents is None else ())  # fail the caller alone, before it can spoil a batch
+        request = _Request(session, list(extra), tag, None if parents is None else list(parents))
         # The pass runs on the worker thread, outside this RPC's trace context: the span (and the
         # forward-time histogram) are recorded here, from the caller's side, queueing included.
         with model_forward(len(extra) + 1):  # positions scored for this caller
-            return request.future.result()
+            return self._wait(self._queue, request)
+
+    def prefill(self, session: KVSession) -> None:
+        """Prefill a session made with CausalLM.new_session(prefill=False), in chunks that share the passes
+        of the other sessions' rounds; returns when all but its last prompt token is cached."""
+        if self.lm.unprefilled(session):
+            self._wait(self._prefills, _Prefill(session))
+
+    def _wait(self, queue: collections.deque, item: Any) -> Any:
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the forward batcher is closed")
+            queue.append(item)
+            self._condition.notify()
+        return item.future.result()
 
     def close(self) -> None:
         """Stop the worker; requests still queued fail."""
@@ -120,7 +180,7 @@ class ForwardBatcher:
     def _collect(self) -> list[_Request] | None:
         """Block for the next batch (see the module docstring for when it closes); None once closed."""
         with self._condition:
-            while not self._queue and not self._closed:
+            while not self._queue and not self._prefills and not self._closed:
                 self._condition.wait()
             if self._closed:
                 self._fail_queued()
@@ -164,33 +224,72 @@ class ForwardBatcher:
         return batch
 
     def _run(self, batch: list[_Request]) -> None:
-        """One batched forward; each caller gets its logits or the error."""
+        """One pass: every taken round and the prompts' chunks; each caller gets its logits (or reply) or
+        its error, and each prompt whose prefill completes returns."""
         started = self._clock()
-        try:
-            results = self.lm.forward_batch([(request.session, request.extra) for request in batch])
-            if self.finish is not None:
-                results = self.finish([request.tag for request in batch], results)
-        except Exception as error:  # the callers' threads re-raise it (grpc_errors maps it to a status)
-            for request in batch:
+        feeds, requests = [], []
+        for request in batch:
+            try:
+                feeds.append(self.lm.chain_feed(request.session, request.extra) if request.parents is None
+                             else self.lm.tree_feed(request.session, request.extra, request.parents))
+                requests.append(request)
+            except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
+        prefilling = self._prefill_feeds(len(requests))
+        try:
+            results = self.lm.run_feeds(feeds + [feed for feed, _ in prefilling])[: len(requests)]
+            if self.finish is not None and requests:
+                results = self.finish([request.tag for request in requests], results)
+        except Exception as error:  # the callers' threads re-raise it (grpc_errors maps it to a status)
+            for request in requests:
+                request.future.set_exception(error)
+            for _, prefill in prefilling:
+                self._finish_prefill(prefill, error)
             return
         elapsed = self._clock() - started
-        self._pass_seconds = elapsed if self._pass_seconds is None else (
-            PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds
-        )
-        self._recent.append(frozenset(id(request.session) for request in batch))
-        self.stats.batches += 1
-        self.stats.requests += len(batch)
-        self.stats.sizes[len(batch)] += 1
-        for request, result in zip(batch, results):
+        self.prefill_budget.observe(elapsed, len(requests), sum(len(feed.tokens) for feed, _ in prefilling))
+        if requests:
+            self._pass_seconds = elapsed if self._pass_seconds is None else (
+                PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds
+            )
+            self._recent.append(frozenset(id(request.session) for request in requests))
+            self.stats.batches += 1
+            self.stats.requests += len(requests)
+            self.stats.sizes[len(requests)] += 1
+        for request, result in zip(requests, results):
             if isinstance(result, Exception):  # finish failed this caller alone
                 request.future.set_exception(result)
             else:
                 request.future.set_result(result)
+        for _, prefill in prefilling:
+            if not self.lm.unprefilled(prefill.session):
+                self._finish_prefill(prefill)
+
+    def _finish_prefill(self, prefill: _Prefill, error: Optional[Exception] = None) -> None:
+        with self._condition:
+            self._prefills.remove(prefill)
+        if error is None:
+            prefill.future.set_result(None)
+        else:
+            prefill.future.set_exception(error)
+
+    def _prefill_feeds(self, decoding: int) -> list[tuple[Feed, _Prefill]]:
+        """The prompts' chunks for this pass, first come first served, within PrefillBudget's positions."""
+        with self._condition:
+            waiting = list(self._prefills)
+        budget, feeds = self.prefill_budget.positions(decoding, len(waiting)), []
+        for prefill in waiting:
+            if budget <= 0:
+                break
+            feed = self.lm.prefill_feed(prefill.session, budget)
+            feeds.append((feed, prefill))
+            budget -= len(feed.tokens)
+        return feeds
 
     def _fail_queued(self) -> None:
-        while self._queue:
-            self._queue.popleft().future.set_exception(RuntimeError("the forward batcher is closed"))
+        for queue in (self._queue, self._prefills):
+            while queue:
+                queue.popleft().future.set_exception(RuntimeError("the forward batcher is closed"))
 
 
 def make_batcher(lm: CausalLM, policy: BatchPolicy, finish: Optional[Finish] = None) -> ForwardBatcher | None:

@@ -23,6 +23,7 @@ full attention in every layer). `unsupported(model)` says why another is not.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -137,35 +138,91 @@ class LeanLlama(torch.nn.Module):
         past = cache.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device).expand(batch, n)  # [B, n]
-        mask = attention_mask_for(attention_mask, n, past)  # None or bool [B, 1, n, past + n]
+        mask = attention_mask_for(attention_mask, n, past, input_ids.device)  # None or bool [B, 1, n, past + n]
         x = self.embed(input_ids)  # [B, n, C]
         cos, sin = self.rotary(x, position_ids)  # [B, n, D] each
         cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [B, 1, n, D]
         captured = []
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, index, x, cache, cos, sin, mask)
+            x = self._layer(layer, index, x, cos, sin, functools.partial(_attend_cache, layer, index, cache, mask))
             if index + 1 in capture and keep_hidden:
                 captured.append(x)
         hidden = rms_norm(x, self.norm, self.eps)  # [B, n, C]
         logits = self.lm_head(hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:])  # [B, kept, V]
         return LeanOutput(logits, hidden if keep_hidden else None, torch.stack(captured, dim=2) if captured else None)
 
-    def _layer(self, layer: LeanLayer, index: int, x: torch.Tensor, cache: DynamicCache, cos: torch.Tensor,
-               sin: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [B, n, C] through one decoder layer (attention appends its keys and values to the cache)."""
+    @torch.inference_mode()
+    def forward_ragged(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: Sequence[Segment],
+                       keep_hidden: bool = False, capture: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One pass over several sessions' new tokens concatenated (input_ids, position_ids [T]): every
+        linear layer streams its weights once for all T rows; attention runs per session over its own
+        cache, in place (no gather into a padded batch, no scatter back). Returns the final hidden state
+        [T, C] (after the final norm; the caller takes the LM head of the rows it needs) and, when
+        keep_hidden and layers are captured, their outputs [T, L, C]."""
+        x = self.embed(input_ids[None])  # [1, T, C]
+        cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
+        cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
+        masks = [attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
+                 for s in segments]  # None (causal) or bool [1, 1, n, cached + n], made once for every layer
+        captured = []
+        for index, layer in enumerate(self.layers):
+            x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks))
+            if index + 1 in capture and keep_hidden:
+                captured.append(x[0])
+        hidden = rms_norm(x, self.norm, self.eps)[0]  # [T, C]
+        return hidden, torch.stack(captured, dim=1) if captured else None
+
+    def _layer(self, layer: LeanLayer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x [B, n, C] through one decoder layer; attend(q, k, v) appends k and v to the cache(s) and
+        returns the attention output [B, Hq, n, D]."""
         batch, n, _ = x.shape
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         h = rms_norm(x, layer.input_norm, self.eps)
         qk, v = layer.qkv(h).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
         qk = rotate(qk.view(batch, n, heads + kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hq + Hkv, n, D]: one rotation for both
-        q, k = qk[:, :heads], qk[:, heads:]  # [B, Hq, n, D], [B, Hkv, n, D]
-        keys, values = cache.update(k, v.view(batch, n, kv_heads, dim).transpose(1, 2), index)  # [B, Hkv, past + n, D]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
-                                                  is_causal=mask is None and n > 1, enable_gqa=heads != kv_heads)  # [B, Hq, n, D]
+        attended = attend(qk[:, :heads], qk[:, heads:], v.view(batch, n, kv_heads, dim).transpose(1, 2))  # [B, Hq, n, D]
         x = x + layer.o(attended.transpose(1, 2).reshape(batch, n, heads * dim))
         h = rms_norm(x, layer.post_norm, self.eps)
         gate, up = layer.gate_up(h).split(layer.intermediate, dim=-1)  # [B, n, I] each
         return x + layer.down(F.silu(gate) * up)
+
+
+def _attend_cache(layer: LeanLayer, index: int, cache: DynamicCache, mask: Optional[torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of a pass over one cache (a session, or a padded batch): k and v [B, Hkv, n, D] appended."""
+    keys, values = cache.update(k, v, index)  # [B, Hkv, past + n, D]
+    return _sdpa(layer, q, keys, values, mask)
+
+
+@dataclass
+class Segment:
+    """One session's part of a ragged pass: `n` new positions at [start, start + n) of the pass's
+    concatenated tokens, attending to its own cache (appended to in place) and to each other by
+    `mask` (bool [n, cached + n], True = may attend: a tree) or causally (None)."""
+
+    cache: DynamicCache
+    start: int
+    n: int
+    mask: Optional[torch.Tensor] = None
+
+
+def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 segments: Sequence[Segment], masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Attention of a ragged pass: q [1, Hq, T, D], k and v [1, Hkv, T, D]; each segment's keys and
+    values go to its own cache and its queries attend to that cache alone. Returns [1, Hq, T, D]."""
+    out = []
+    for segment, mask in zip(segments, masks):
+        rows = slice(segment.start, segment.start + segment.n)
+        keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
+        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask))
+    return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+
+
+def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D]."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                          is_causal=mask is None and q.shape[2] > 1, enable_gqa=layer.heads != layer.kv_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,7 +248,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def attention_mask_for(mask: Optional[torch.Tensor], n: int, past: int) -> Optional[torch.Tensor]:
+def attention_mask_for(mask: Optional[torch.Tensor], n: int, past: int, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
     """The bool mask [B, 1, n, past + n] SDPA gets (True = may attend), or None for plain causal
     attention (SDPA's is_causal when past = 0, nothing to mask for one position).
 
@@ -201,7 +258,7 @@ def attention_mask_for(mask: Optional[torch.Tensor], n: int, past: int) -> Optio
         return mask.bool()
     causal = None
     if (n > 1 and past > 0) or mask is not None:
-        causal = torch.ones((n, past + n), dtype=torch.bool).tril(past)  # [n, past + n]
+        causal = torch.ones((n, past + n), dtype=torch.bool, device=device).tril(past)  # [n, past + n], on the pass's device
     if mask is None:
         return None if causal is None else causal[None, None]
     return causal.to(mask.device)[None, None] & mask.bool()[:, None, None, :]  # [B, 1, n, past + n]

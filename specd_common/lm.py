@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -25,7 +25,7 @@ from specd_common.telemetry import model_forward
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512  # prompt positions per prefill pass (CausalLM._prefill)
+PREFILL_CHUNK = 512  # prompt positions per prefill pass when no other session shares it (CausalLM.prefill_feed)
 
 
 @dataclass
@@ -36,6 +36,22 @@ class PendingTree:
     base: int  # committed tokens (and cache rows) before the nodes
     tokens: list[int]
     parents: list[int]
+
+
+@dataclass
+class Feed:
+    """One session's part of a pass: the tokens it feeds and what it wants back. A chain feeds its
+    pending tokens and drafts (`extra`, which join the sequence); a tree its pending tokens and the
+    tree's nodes (`tree`, at `positions`, seeing each other by `mask`); a prefill chunk part of a
+    prompt, wanting no logits."""
+
+    session: "KVSession"
+    tokens: list[int]
+    logits: int  # logits of the last `logits` positions come back; 0: none (a prefill chunk)
+    extra: list[int] = field(default_factory=list)  # a chain's drafts
+    tree: Optional[PendingTree] = None  # a tree's nodes
+    positions: Optional[list[int]] = None  # a tree's positions; None: consecutive after the cache
+    mask: Optional[torch.Tensor] = None  # a tree's bool [n, cached + n], True = may attend
 
 
 class KVSession(TokenSequence):
@@ -275,8 +291,9 @@ class CausalLM:
 
             def run() -> None:
                 self.runtime = fixed
-                self._run(session, prompt[:positions])
+                self.run_feeds([Feed(session, prompt[:positions], logits=positions)])  # every position's logits, like a verify
                 session.cache.crop(-positions)  # back to the prompt
+                session.cached = len(prompt) - 1
 
             return run
 
@@ -312,49 +329,44 @@ class CausalLM:
         if self.lean is not None and self.loaded.device.type == "cpu" and not self.layouts & autotune.DENSE_LAYOUTS:
             self.lean.release_originals()
 
-    @on_model_thread
-    def new_session(self, prompt: Sequence[int], keep_features: bool = False) -> KVSession:
-        """A session holding `prompt`, with everything but the last token already in its cache."""
+    def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True) -> KVSession:
+        """A session holding `prompt`, with everything but the last token in its cache (prefill=False:
+        nothing cached yet; the caller prefills it with prefill_feed, e.g. in chunks that share passes
+        with other sessions: specd_common/batching.py)."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
         cache = kv_cache.growing_cache(self.loaded.model.config)
         session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
         session.cache = cache
         session.keep_features = keep_features
-        if len(prompt) > 1:
-            self._prefill(session, session.tokens[:-1])
-            session.cached = len(prompt) - 1
+        while prefill and self.unprefilled(session):
+            self.run_feeds([self.prefill_feed(session, PREFILL_CHUNK)])
         return session
 
-    def _prefill(self, session: KVSession, token_ids: Sequence[int]) -> None:
-        """Feed a prompt into the cache in chunks of PREFILL_CHUNK positions (only the cache is wanted).
-        Chunks bound a long prompt's activations (attention over n positions is heads × n² floats:
-        137 MiB a matrix for this default target at 2,000 tokens) and let other sessions' passes run
-        between them; the cache and features are those of one pass."""
-        features, layers = [], []
-        for start in range(0, len(token_ids), PREFILL_CHUNK):
-            self._run(session, token_ids[start : start + PREFILL_CHUNK], all_logits=False)
-            if session.keep_features:
-                features.append(session.fed_features)  # [chunk, H]
-                layers.append(session.fed_layers)  # [chunk, L, H] or None
-        if session.keep_features:
-            session.fed_start, session.fed_features = 0, torch.cat(features)  # [n, H]
-            session.fed_layers = torch.cat(layers) if self.captured_layers else None  # [n, L, H]
+    @staticmethod
+    def unprefilled(session: KVSession) -> int:
+        """Prompt positions still to prefill (all but the last token is cached after a prefill)."""
+        return max(0, len(session.tokens) - 1 - session.cached)
 
-    def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
-        """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
-        the last committed token and after each extra token. `extra` joins the sequence (speculatively)."""
+    def prefill_feed(self, session: KVSession, budget: int) -> Feed:
+        """The next chunk of at most `budget` prompt positions. Chunks bound a long prompt's activations
+        (attention over n positions is heads × n² floats: 137 MiB a matrix for the default target at
+        2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
+        those of one pass."""
+        start = session.cached
+        return Feed(session, session.tokens[start : start + min(budget, self.unprefilled(session))], logits=0)
+
+    def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
+        """A pass over the pending tokens and drafts `extra` (which join the sequence): logits
+        [len(extra) + 1, V] after the last committed token and after each draft."""
         self.check_room(session, extra)
         self.settle_tree(session, [])
         fed = session.pending() + list(extra)
-        logits = self._run(session, fed)  # [len(fed), V]
-        session.tokens.extend(extra)
-        session.cached = len(session.tokens)
-        return logits[-(len(extra) + 1) :]
+        return Feed(session, fed, logits=min(len(extra) + 1, len(fed)), extra=list(extra))
 
-    def forward_tree(self, session: KVSession, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        """Feed pending tokens + a draft tree (specd_common/tree.py) in one pass; return logits
-        [len(tokens) + 1, V]: after the last committed token (row 0), then after each node (row 1 + i).
+    def tree_feed(self, session: KVSession, tokens: Sequence[int], parents: Sequence[int]) -> Feed:
+        """A pass over the pending tokens and a draft tree (specd_common/tree.py): logits
+        [len(tokens) + 1, V] after the last committed token (row 0), then after each node (row 1 + i).
 
         Each node sees the committed context, its ancestors and itself, at position root + depth, so
         its logits equal those of a chain forward over its path. The nodes' keys/values stay in the
@@ -371,10 +383,17 @@ class CausalLM:
         mask[:fed, past : past + fed] = torch.ones((fed, fed), dtype=torch.bool).tril()
         mask[fed:, past : past + fed] = True
         mask[fed:, past + fed :] = torch.tensor(tree.ancestry(parents), dtype=torch.bool).reshape(nodes, nodes)
-        logits = self._run(session, pending + list(tokens), positions=positions, mask=mask)  # [fed + nodes, V]
-        session.cached = len(session.tokens)
-        session.tree = PendingTree(len(session.tokens), list(tokens), list(parents)) if nodes else None
-        return logits[fed - 1 :]
+        pending_tree = PendingTree(len(session.tokens), list(tokens), list(parents)) if nodes else None
+        return Feed(session, pending + list(tokens), logits=nodes + 1, tree=pending_tree, positions=positions, mask=mask)
+
+    def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
+        """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
+        the last committed token and after each extra token. `extra` joins the sequence (speculatively)."""
+        return self.run_feeds([self.chain_feed(session, extra)])[0]
+
+    def forward_tree(self, session: KVSession, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """tree_feed's pass alone: logits [len(tokens) + 1, V]."""
+        return self.run_feeds([self.tree_feed(session, tokens, parents)])[0]
 
     @on_model_thread
     def settle_tree(self, session: KVSession, path: Sequence[int]) -> None:
@@ -396,26 +415,47 @@ class CausalLM:
             )
 
     def forward_batch(self, requests: Sequence[tuple[KVSession, Sequence[int]]]) -> list[torch.Tensor]:
-        """`forward` for several distinct sessions in one padded pass; the i-th result is what
-        forward(*requests[i]) returns ([len(extra_i) + 1, V]), up to float rounding.
+        """`forward` for several distinct sessions in one pass; the i-th result is what
+        forward(*requests[i]) returns ([len(extra_i) + 1, V]), up to float rounding."""
+        return self.run_feeds([self.chain_feed(session, extra) for session, extra in requests])
 
-        Falls back to one pass per session when there is one request or a cache cannot be packed."""
-        sessions = [session for session, _ in requests]
-        if len({id(session) for session in sessions}) != len(sessions):
-            raise ValueError("a batch must not hold the same session twice")
-        for session, extra in requests:
-            self.check_room(session, extra)
-            self.settle_tree(session, [])
-        if len(requests) == 1 or not all(kv_batch.is_packable(session.cache) for session in sessions):
-            return [self.forward(session, extra) for session, extra in requests]
-        fed = [session.pending() + list(extra) for session, extra in requests]
-        logits = self._run_batch(sessions, fed)  # [B, N, V]
-        results = []
-        for row, (session, extra) in enumerate(requests):
-            session.tokens.extend(extra)
-            session.cached = len(session.tokens)
-            results.append(logits[row, len(fed[row]) - len(extra) - 1 : len(fed[row])])  # [len(extra) + 1, V]
-        return results
+    def run_feeds(self, feeds: Sequence[Feed]) -> list[Optional[torch.Tensor]]:
+        """One pass over distinct sessions' feeds: each feed's logits [feed.logits, V] (None for a
+        prefill chunk), and the sessions moved on (a chain's drafts join its tokens, a tree waits for
+        settle_tree, a chunk is cached).
+
+        With the lean forward every feed shares one ragged pass (_run_ragged: weights streamed once,
+        attention in place in each cache). transformers' forward (other architectures) runs chains
+        in one padded pass (specd_common/kv_batch.py) where every cache can be packed, and trees and
+        prefill chunks one pass each."""
+        if len({id(feed.session) for feed in feeds}) != len(feeds):
+            raise ValueError("a pass must not hold the same session twice")
+        if self.lean is not None:
+            return self._run_ragged(feeds)
+        chains = [feed for feed in feeds if feed.logits and feed.tree is None]
+        if len(chains) > 1 and all(kv_batch.is_packable(feed.session.cache) for feed in chains):
+            padded = dict(zip(map(id, chains), self._run_batch(chains)))
+            return [padded[id(feed)] if id(feed) in padded else self._run(feed) for feed in feeds]
+        return [self._run(feed) for feed in feeds]
+
+    @staticmethod
+    def _advance(feed: Feed) -> None:
+        """The session after its feed's pass: what the pass put in its cache is accounted for."""
+        session = feed.session
+        session.tokens.extend(feed.extra)
+        session.cached = session.cached + len(feed.tokens) if not feed.logits else len(session.tokens)
+        session.tree = feed.tree
+
+    @staticmethod
+    def _keep_features(feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor]) -> None:
+        """The feed's rows of the final hidden state [n, H] (and captured layers [n, L, H]) as the session's
+        features; a prefill chunk extends the earlier chunks' (the prompt's features are one pass's)."""
+        session = feed.session
+        if not feed.logits and start > 0 and session.fed_features is not None:
+            session.fed_features = torch.cat((session.fed_features, hidden))
+            session.fed_layers = torch.cat((session.fed_layers, layers)) if layers is not None else None
+            return
+        session.fed_start, session.fed_features, session.fed_layers = start, hidden, layers
 
     def _configure(self, rows: int) -> None:
         """The measured runtime for a forward over `rows` positions: its weight layout, and its thread
@@ -443,54 +483,94 @@ class CausalLM:
 
     @on_model_thread
     @torch.inference_mode()
-    def _run(self, session: KVSession, token_ids: Sequence[int], all_logits: bool = True,
-             positions: Optional[Sequence[int]] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One forward; logits [n, V] (all_logits) or [1, V] for the last position only: a prompt's
-        prefill needs none of them, and scoring its n × V logits would cost the LM head's weights n
-        times over (a fifth of this target's compute) and n × V × 4 bytes (0.8 GB at 4,000 tokens).
-        positions [n] and mask [n, cached + n] (bool, True = may attend) replace the causal defaults
-        (a tree pass)."""
+    def _run_ragged(self, feeds: Sequence[Feed]) -> list[Optional[torch.Tensor]]:
+        """run_feeds by the lean forward: every feed's tokens in one pass (lean_forward.forward_ragged),
+        the LM head only over the rows whose logits are wanted (a prefill chunk wants none: scoring its
+        n × V logits would cost the LM head's weights n times over and n × V × 4 bytes)."""
         device = self.loaded.device
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
-        start = session.cache.get_seq_length()
-        custom = {} if positions is None else {
-            "position_ids": torch.tensor([list(positions)], dtype=torch.long, device=device),  # [1, n]
-            "attention_mask": mask[None, None].to(device),  # [1, 1, n, cached + n]
-        }
-        with self._forward_lock, model_forward(len(token_ids)):
-            trial = self.trials.next(len(token_ids)) if self.trials is not None else None  # a serving trial's candidate, timed
+        segments, ids, positions, starts, at = [], [], [], [], 0
+        for feed in feeds:
+            cached = feed.session.cache.get_seq_length()
+            starts.append(cached)
+            ids += feed.tokens
+            positions += feed.positions if feed.positions is not None else range(cached, cached + len(feed.tokens))
+            mask = None if feed.mask is None else feed.mask.to(device)
+            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask))
+            at += len(feed.tokens)
+        keep = any(feed.session.keep_features for feed in feeds)
+        wanted = [segment.start + segment.n - feed.logits + i for feed, segment in zip(feeds, segments) for i in range(feed.logits)]
+        with self._forward_lock, model_forward(at):
+            trial = self.trials.next(at) if self.trials is not None and len(feeds) == 1 else None  # serving trials time lone passes
             if trial is not None:
                 self._apply(*trial)
             else:
-                self._configure(len(token_ids))
+                self._configure(at)
             started = time.perf_counter()
-            logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
-                                                logits_to_keep=0 if all_logits else 1, **custom)  # [1, n, V], [1, n, H], [1, n, L, H]
+            hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=device),
+                                                      torch.tensor(positions, dtype=torch.long, device=device), segments,
+                                                      keep, self.captured_layers)  # [T, H], [T, L, H] or None
+            logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [R, V]
             if trial is not None:
-                self._settle_trial(len(token_ids), trial, time.perf_counter() - started)
-            if session.keep_features:
-                session.fed_start, session.fed_features = start, hidden[0]  # [n, H], after the final norm
-                session.fed_layers = layers[0] if layers is not None else None
-        return logits[0].float()  # [n, V]
+                self._settle_trial(at, trial, time.perf_counter() - started)
+        results, row = [], 0
+        for feed, segment, start in zip(feeds, segments, starts):
+            results.append(logits[row : row + feed.logits] if feed.logits else None)  # [feed.logits, V]
+            row += feed.logits
+            if feed.session.keep_features:
+                mine = slice(segment.start, segment.start + segment.n)
+                self._keep_features(feed, start, hidden[mine], layers[mine] if layers is not None else None)
+            self._advance(feed)
+        return results
 
     @on_model_thread
     @torch.inference_mode()
-    def _run_batch(self, sessions: Sequence[KVSession], fed: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One forward over every session's fed tokens; appends each session's new keys/values to its cache."""
-        caches = [session.cache for session in sessions]
+    def _run(self, feed: Feed) -> Optional[torch.Tensor]:
+        """run_feeds for one feed by transformers' forward: its logits [feed.logits, V] or None."""
+        session, device = feed.session, self.loaded.device
+        input_ids = torch.tensor([feed.tokens], dtype=torch.long, device=device)  # [1, n]
+        start = session.cache.get_seq_length()
+        custom = {} if feed.positions is None else {
+            "position_ids": torch.tensor([feed.positions], dtype=torch.long, device=device),  # [1, n]
+            "attention_mask": feed.mask[None, None].to(device),  # [1, 1, n, cached + n]
+        }
+        with self._forward_lock, model_forward(len(feed.tokens)):
+            trial = self.trials.next(len(feed.tokens)) if self.trials is not None else None  # a serving trial's candidate, timed
+            if trial is not None:
+                self._apply(*trial)
+            else:
+                self._configure(len(feed.tokens))
+            started = time.perf_counter()
+            logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
+                                                logits_to_keep=max(feed.logits, 1), **custom)  # [1, kept, V], [1, n, H], [1, n, L, H]
+            if trial is not None:
+                self._settle_trial(len(feed.tokens), trial, time.perf_counter() - started)
+        if session.keep_features:
+            self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None)
+        self._advance(feed)
+        return logits[0].float() if feed.logits else None  # [feed.logits, V]
+
+    @on_model_thread
+    @torch.inference_mode()
+    def _run_batch(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        """Chains of several sessions in one padded pass by transformers' forward (kv_batch packs their
+        caches and hands each its new keys/values back); each feed's logits [feed.logits, V]."""
+        caches = [feed.session.cache for feed in feeds]
         starts = [cache.get_seq_length() for cache in caches]
-        keep = any(session.keep_features for session in sessions)
+        keep = any(feed.session.keep_features for feed in feeds)
         with self._forward_lock:
-            batch = kv_batch.pack(caches, fed, pad_id=0, device=self.loaded.device)
+            batch = kv_batch.pack(caches, [feed.tokens for feed in feeds], pad_id=0, device=self.loaded.device)
             self._configure(batch.input_ids.numel())
             logits, hidden, layers = self._pass(batch.input_ids, batch.past, keep, position_ids=batch.position_ids,
                                                 attention_mask=batch.attention_mask)  # [B, N, V], [B, N, H], [B, N, L, H] when kept
             kv_batch.scatter_new(batch.past, batch, caches)  # the pass appended to batch.past in place
-        for row, session in enumerate(sessions):
-            if session.keep_features:  # rows are left-aligned: the row's fed tokens are its first len(fed) positions
-                session.fed_start, session.fed_features = starts[row], hidden[row, : len(fed[row])]
-                session.fed_layers = layers[row, : len(fed[row])] if layers is not None else None
-        return logits.float()  # [B, N, V]
+        results = []
+        for row, (feed, start) in enumerate(zip(feeds, starts)):
+            n = len(feed.tokens)  # rows are left-aligned: the feed's tokens are its row's first n positions
+            if feed.session.keep_features:
+                self._keep_features(feed, start, hidden[row, :n], layers[row, :n] if layers is not None else None)
+            self._advance(feed)
+            results.append(logits[row, n - feed.logits : n].float())  # [feed.logits, V]
+        return results
 
     def _pass(self, input_ids: torch.Tensor, cache: DynamicCache, keep_hidden: bool, logits_to_keep: int = 0,
               position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None

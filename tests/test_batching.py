@@ -1,7 +1,8 @@
 """Batch scheduling: a batched forward equals one-session-at-a-time, and the batcher groups concurrent calls.
 
-Correctness first: the padded pass must give every session the logits (and the cache) it would get
-alone, for ragged pasts, ragged draft lengths, empty caches and after rollbacks.
+Correctness first: the ragged pass (and transformers' padded one) must give every session the logits
+(and the cache) it would get alone, for ragged pasts, ragged draft lengths, trees, prompt chunks,
+empty caches and after rollbacks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from specd_common.batching import BatchPolicy, ForwardBatcher, make_batcher
 from specd_common.errors import InvalidArgument
-from specd_common.lm import CausalLM
+from specd_common.lm import CausalLM, Feed
 from specd_common.models import load_causal_lm
 
 ATOL = 1e-4
@@ -27,6 +28,12 @@ PROMPTS = [list(range(5, 17)), [20], [30, 31, 32], list(range(40, 63)), [7, 8]]
 @pytest.fixture(scope="module")
 def lm(tiny) -> CausalLM:
     return CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def reference_lm(tiny) -> CausalLM:
+    """transformers' forward (what serves architectures the lean forward does not)."""
+    return CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"), lean=False)
 
 
 def assert_caches_match(reference, batched) -> None:
@@ -59,28 +66,78 @@ def run_rounds(lm: CausalLM, rounds: Sequence[Sequence[tuple[int, list[int], lis
             assert_caches_match(one, other)
 
 
-def test_a_batch_of_sessions_is_one_model_pass(lm, monkeypatch):
-    """forward_batch falls back to one pass per session when a cache cannot be packed, with the same
-    results, so only a count shows it: sessions as new_session makes them (their cache's layers
-    included, kv_cache.GrowingLayer), after a tree, share one pass."""
+def count_passes(monkeypatch, method: str) -> list[int]:
+    """Feeds per call of CausalLM.<method> (a pass), recorded while the test runs."""
+    passes: list[int] = []
+    real = getattr(CausalLM, method)
+    monkeypatch.setattr(CausalLM, method, lambda self, feeds: passes.append(len(feeds)) or real(self, feeds))
+    return passes
+
+
+def test_a_batch_of_sessions_is_one_model_pass(lm, reference_lm, monkeypatch):
+    """Sessions as new_session makes them, one after a tree, share one pass: the lean forward's ragged
+    pass, and transformers' padded one (its caches packable)."""
     from specd_common import kv_batch
 
-    passes = []
-    real = CausalLM._run_batch
-    monkeypatch.setattr(CausalLM, "_run_batch", lambda self, sessions, fed: passes.append(len(sessions)) or real(self, sessions, fed))
-    sessions = [lm.new_session(prompt) for prompt in PROMPTS[:3]]
-    lm.forward_tree(sessions[0], [1, 2, 3], [-1, -1, 0])
-    lm.settle_tree(sessions[0], [0, 2])
-    assert all(kv_batch.is_packable(session.cache) for session in sessions)
-    lm.forward_batch([(session, [4]) for session in sessions])
-    assert passes == [3]
+    ragged, padded = count_passes(monkeypatch, "_run_ragged"), count_passes(monkeypatch, "_run_batch")
+    for model in (lm, reference_lm):
+        sessions = [model.new_session(prompt) for prompt in PROMPTS[:3]]
+        model.forward_tree(sessions[0], [1, 2, 3], [-1, -1, 0])
+        model.settle_tree(sessions[0], [0, 2])
+        assert all(kv_batch.is_packable(session.cache) for session in sessions)
+        model.forward_batch([(session, [4]) for session in sessions])
+    assert ragged[-1] == 3 and padded == [3]
 
 
-def test_batched_forward_matches_one_at_a_time_over_rounds_with_rollbacks(lm):
+def test_a_ragged_pass_attends_in_place_and_its_cost_does_not_grow_with_the_others_context(lm, monkeypatch):
+    """No session's cache is copied into a batch: kv_batch never packs, every cache buffer keeps its
+    storage, and the bytes a pass allocates beside three sessions holding 480 positions each exceed
+    those beside three holding 20 by far less than one session's cache (a padded batch would copy
+    all three caches, every layer)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specd_common import kv_batch
+
+    monkeypatch.setattr(kv_batch, "pack", lambda *args, **kwargs: pytest.fail("a ragged pass must not pack caches"))
+
+    def allocated(context: int) -> tuple[int, int]:
+        sessions = [lm.new_session([(7 * i + row) % 300 + 1 for i in range(context)]) for row in range(3)]
+        buffers = [layer._key_buffer.data_ptr() for session in sessions for layer in session.cache.layers]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            lm.forward_batch([(session, [4, 5]) for session in sessions])
+        assert [layer._key_buffer.data_ptr() for session in sessions for layer in session.cache.layers] == buffers
+        one_cache = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in sessions[0].cache.layers)
+        return sum(event.cpu_memory_usage for event in prof.key_averages() if event.cpu_memory_usage > 0), one_cache
+
+    short, _ = allocated(20)
+    long, one_cache = allocated(480)
+    assert long - short < 0.5 * one_cache, (short, long, one_cache)
+
+
+def test_trees_and_prompt_chunks_share_a_ragged_pass_with_chains(lm):
+    """One run_feeds pass over a chain, a draft tree and a prompt's chunk gives each what it gets
+    alone: the chain's and the tree's logits, and the prompt's cache."""
+    tokens, parents = [11, 12, 13, 21], [-1, 0, 1, -1]
+    alone = [lm.new_session(PROMPTS[0]), lm.new_session(PROMPTS[3]), lm.new_session(list(range(60, 90)), prefill=False)]
+    together = [lm.new_session(PROMPTS[0]), lm.new_session(PROMPTS[3]), lm.new_session(list(range(60, 90)), prefill=False)]
+    want = [lm.forward(alone[0], [4, 5]), lm.forward_tree(alone[1], tokens, parents)]
+    lm.run_feeds([lm.prefill_feed(alone[2], 16)])
+    got = lm.run_feeds([lm.chain_feed(together[0], [4, 5]), lm.tree_feed(together[1], tokens, parents),
+                        lm.prefill_feed(together[2], 16)])
+    assert got[2] is None and together[2].cached == 16
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, atol=ATOL, rtol=0)
+        assert torch.equal(have.argmax(-1), expected.argmax(-1))
+    for one, other in zip(alone, together):
+        assert_caches_match(one, other)
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_batched_forward_matches_one_at_a_time_over_rounds_with_rollbacks(lm, reference_lm, forward):
     """Ragged pasts (1 to 23 tokens, one empty cache), ragged drafts (0 to 5), then partial rollbacks
     (keep some drafts, append a correction) and full ones (back into the prompt)."""
     run_rounds(
-        lm,
+        lm if forward == "lean" else reference_lm,
         [
             [(0, [], [1, 2, 3]), (0, [], []), (0, [], [4]), (0, [], [7, 8, 9, 10, 11]), (0, [], [3, 3])],
             [(13, [50], [9, 9]), (1, [60], [5, 6, 7]), (3, [61, 62], []), (25, [], [1]), (2, [70], [71, 72, 73])],
@@ -121,12 +178,19 @@ class FakeLM:
         if len(extra) > 10:
             raise InvalidArgument("too many drafts")
 
-    def forward_batch(self, requests):
-        self.batches.append([session for session, _ in requests])
+    def chain_feed(self, session, extra):
+        return Feed(session, list(extra), logits=len(extra) + 1, extra=list(extra))
+
+    @staticmethod
+    def unprefilled(session) -> int:
+        return 0
+
+    def run_feeds(self, feeds):
+        self.batches.append([feed.session for feed in feeds])
         time.sleep(self.seconds_per_pass)
         if self.fail:
             raise RuntimeError("device lost")
-        return [torch.zeros(len(extra) + 1, 1) for _, extra in requests]
+        return [torch.zeros(feed.logits, 1) for feed in feeds]
 
 
 def concurrent_rounds(batcher: ForwardBatcher, sessions: list[object], rounds: int) -> None:

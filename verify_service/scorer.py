@@ -115,7 +115,7 @@ class Scorer:
         if not rows:
             return {}
         prompt = [i % self.lm.vocab_size for i in range(1, min(context, self.lm.max_length // 2) + 1)]  # any ids
-        sessions = [self.open(prompt, Warp()) for _ in range(max(rows))]
+        sessions = [VerifySession(self.lm.new_session(prompt), Warp()) for _ in range(max(rows))]  # not via the batcher: this runs on the model thread
         draft, next_token = 2 % self.lm.vocab_size, 1 % self.lm.vocab_size  # distinct: a commit drops the drafts
 
         def batched_round(b: int, n: int) -> Callable[[], None]:
@@ -159,7 +159,11 @@ class Scorer:
         return self._info
 
     def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False) -> VerifySession:
-        return VerifySession(self.lm.new_session(prompt, keep_features), warp)
+        """A session holding `prompt`; with batching its prefill shares passes with other sessions' rounds."""
+        session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None)
+        if self.batcher is not None:
+            self.batcher.prefill(session)
+        return VerifySession(session, warp)
 
     def last_features(self, session: VerifySession) -> Optional[common_pb2.TargetFeatures]:
         """The features of the positions the session's last forward read (None unless it keeps them),
@@ -242,15 +246,14 @@ class Scorer:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
-        rows). Concurrent sessions' chain calls share one
-        batched pass when batching is on, and the batch's replies are made together (_finish); a
-        tree runs alone (its mask is its own)."""
+        rows). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
+        the batch's replies are made together (_finish)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents)
+        if self.batcher is not None:
+            return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
-        elif self.batcher is not None:
-            return self.batcher.forward(session.sequence, draft_token_ids, part)
         else:
             logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
         reply = self._finish([part], [logits])[0]

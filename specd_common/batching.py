@@ -10,10 +10,12 @@ block in `forward(session, extra)` (a chain), `forward(..., parents=...)` (a dra
 Prompts are prefilled in chunks that share passes with the running rounds (chunked prefill): each
 pass carries every queued round and as many prompt positions as the prefill's fair share of the
 pass's time allows: with D sessions decoding and Q prompts waiting for their first token, prefill
-gets Q / (D + Q) of a pass (each request an equal share), measured in seconds from the passes'
-own times (`PrefillBudget`). A long prompt beside four decoding streams then slows them by a
-quarter instead of stopping them, and eight prompts arriving together are prefilled at nearly full
-speed; with nobody decoding a chunk is PREFILL_CHUNK positions.
+gets Q / (D + Q) of a pass (each request an equal share; at least MIN_PREFILL_SHARE), in seconds
+priced by the passes' own
+measured cost (`PassCost`: a base for the weights streamed once, plus a cost per position). A long
+prompt beside four decoding streams then slows them by a quarter instead of stopping them, and
+eight prompts arriving together are prefilled at nearly full speed; with nobody decoding a chunk
+is PREFILL_CHUNK positions.
 
 How long to wait (the scheduler): a batch opens when the worker is free and a request is queued,
 and closes at the first of
@@ -51,6 +53,9 @@ from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
 MIN_PREFILL_CHUNK = 8  # a waiting prompt advances at least this many positions a pass, however busy the rest
+# waiting prompts get at least this share of a pass's time beside running rounds: those slow by at most
+# 1 / (1 - share) = 1.5x, and the last prompt of a burst is not starved by the streams started before it
+MIN_PREFILL_SHARE = 1 / 3
 
 
 @dataclass
@@ -81,35 +86,54 @@ class _Prefill:
     future: Future = field(default_factory=Future)
 
 
-class PrefillBudget:
-    """How many prompt positions the next pass may carry beside `decoding` sessions' rounds: the
-    prompts' fair share of the pass's time, from moving averages of a pass without prompt positions
-    (decode_s) and of a prompt position's cost (position_s), both measured on the passes run."""
+class PassCost:
+    """A pass's seconds as base_s + position_s × positions (every position it feeds: rounds' and prompts'),
+    fitted by least squares over the passes run, older passes forgotten at PASS_TIME_SMOOTHING a pass.
+    The base is the weights streamed once a pass, the slope a position's compute."""
 
     def __init__(self) -> None:
-        self.decode_s: Optional[float] = None
-        self.position_s: Optional[float] = None
+        self._sums = [0.0] * 5  # weight, Σx, Σy, Σxx, Σxy (forgetting)
 
-    def positions(self, decoding: int, waiting: int) -> int:
-        if not decoding:
+    def observe(self, positions: int, seconds: float) -> None:
+        keep = 1 - PASS_TIME_SMOOTHING
+        terms = (1.0, positions, seconds, positions * positions, positions * seconds)
+        self._sums = [keep * total + term for total, term in zip(self._sums, terms)]
+
+    def fit(self) -> Optional[tuple[float, float]]:
+        """(base_s, position_s), or None until passes of different sizes were seen."""
+        w, x, y, xx, xy = self._sums
+        spread = w * xx - x * x
+        if w <= 0 or spread <= 1e-9 * max(w * xx, 1e-12):
+            return None
+        slope = (w * xy - x * y) / spread
+        if slope <= 0:
+            return None
+        return max((y - slope * x) / w, 0.0), slope
+
+
+class PrefillBudget:
+    """How many prompt positions the next pass may carry beside the running rounds' `decoding`
+    positions: the prompts' fair share of the pass's time (the module docstring), priced by the
+    measured PassCost."""
+
+    def __init__(self) -> None:
+        self.cost = PassCost()
+
+    def positions(self, decoding: int, rounds: int, waiting: int) -> int:
+        """decoding: positions the pass's `rounds` rounds feed; waiting: prompts being prefilled."""
+        if not rounds:
             return PREFILL_CHUNK
-        if self.decode_s is None or self.position_s is None:
-            return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures a position's cost
-        share = waiting / (decoding + waiting)  # of the pass's time, for the prompts
-        budget = share / (1 - share) * self.decode_s / self.position_s
+        fitted = self.cost.fit()
+        if fitted is None:
+            return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures the cost
+        base_s, position_s = fitted
+        share = max(waiting / (rounds + waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
+        budget = share / (1 - share) * (base_s + position_s * decoding) / position_s
         return int(min(max(budget, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
 
-    def observe(self, seconds: float, decoding: int, positions: int) -> None:
-        """A pass of `decoding` sessions' rounds and `positions` prompt positions took `seconds`."""
-        if not positions:
-            self.decode_s = _moving(self.decode_s, seconds)
-        elif not decoding or self.decode_s is not None:
-            beside = self.decode_s if decoding else 0.0
-            self.position_s = _moving(self.position_s, max(seconds - beside, 0.0) / positions)
-
-
-def _moving(average: Optional[float], value: float) -> float:
-    return value if average is None else PASS_TIME_SMOOTHING * value + (1 - PASS_TIME_SMOOTHING) * average
+    def observe(self, seconds: float, positions: int) -> None:
+        """A pass that fed `positions` positions in all took `seconds`."""
+        self.cost.observe(positions, seconds)
 
 
 # finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V];
@@ -235,7 +259,7 @@ class ForwardBatcher:
                 requests.append(request)
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
-        prefilling = self._prefill_feeds(len(requests))
+        prefilling = self._prefill_feeds(sum(len(feed.tokens) for feed in feeds), len(feeds))
         try:
             results = self.lm.run_feeds(feeds + [feed for feed, _ in prefilling])[: len(requests)]
             if self.finish is not None and requests:
@@ -247,7 +271,7 @@ class ForwardBatcher:
                 self._finish_prefill(prefill, error)
             return
         elapsed = self._clock() - started
-        self.prefill_budget.observe(elapsed, len(requests), sum(len(feed.tokens) for feed, _ in prefilling))
+        self.prefill_budget.observe(elapsed, sum(len(feed.tokens) for feed in feeds) + sum(len(feed.tokens) for feed, _ in prefilling))
         if requests:
             self._pass_seconds = elapsed if self._pass_seconds is None else (
                 PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds
@@ -273,11 +297,12 @@ class ForwardBatcher:
         else:
             prefill.future.set_exception(error)
 
-    def _prefill_feeds(self, decoding: int) -> list[tuple[Feed, _Prefill]]:
-        """The prompts' chunks for this pass, first come first served, within PrefillBudget's positions."""
+    def _prefill_feeds(self, decoding: int, rounds: int) -> list[tuple[Feed, _Prefill]]:
+        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, first
+        come first served, within PrefillBudget's positions."""
         with self._condition:
             waiting = list(self._prefills)
-        budget, feeds = self.prefill_budget.positions(decoding, len(waiting)), []
+        budget, feeds = self.prefill_budget.positions(decoding, rounds, len(waiting)), []
         for prefill in waiting:
             if budget <= 0:
                 break

@@ -414,3 +414,24 @@ def test_a_reply_that_fails_fails_its_caller_alone():
     assert max(len(batch) for batch in fake.batches) == 3
     assert good == ["good:2"] * 3 and also_good == ["also good:2"] * 3
     assert all(isinstance(reply, ValueError) and "bad" in str(reply) for reply in bad)
+
+
+def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
+    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), two waiting
+    prompts get a third of the pass's time (31 ms: 15 positions), and so does one (a fifth by count,
+    raised to MIN_PREFILL_SHARE); seven waiting beside one round of 4 positions most of it
+    (7 × 38 ms / 2 ms = 133); nobody decoding: a whole chunk; unmeasured: the smallest chunk."""
+    from specd_common.batching import MIN_PREFILL_CHUNK, PassCost, PrefillBudget
+    from specd_common.lm import PREFILL_CHUNK
+
+    budget = PrefillBudget()
+    assert budget.positions(16, 4, 1) == MIN_PREFILL_CHUNK and budget.positions(0, 0, 3) == PREFILL_CHUNK
+    for positions in (4, 16, 100, 512, 24):
+        budget.observe(0.030 + 0.002 * positions, positions)
+    assert budget.cost.fit() == pytest.approx((0.030, 0.002))
+    assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 15
+    assert budget.positions(4, 1, 7) == 133
+    assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
+    flat = PassCost()
+    flat.observe(8, 0.05)
+    assert flat.fit() is None  # one size says nothing of a position's cost

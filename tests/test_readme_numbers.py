@@ -14,6 +14,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
@@ -40,15 +41,19 @@ def tables_with_citations(section: str) -> list[tuple[list[str], list[list[str]]
 
 
 def reported_values(path: str) -> list[float]:
-    """Every number a report gives per mode (overall and per task kind), and its k."""
-    report = json.loads((REPO / path).read_text())
-    values = [float(report["k"])]
-    for mode in report["modes"].values():
-        for block in [mode.get("overall", {}), *mode.get("by_category", {}).values()]:
-            for value in block.values():  # numbers, and the numbers in lists (per position, per repeat)
-                values += [float(v) for v in (value if isinstance(value, list) else [value])
-                           if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return values
+    """Every number a report holds: per mode (overall, per task kind, per position, per repeat) and,
+    in the concurrency reports, one at a time against many at once and the arrival test's."""
+    return list(numbers_in(json.loads((REPO / path).read_text())))
+
+
+def numbers_in(value) -> Iterator[float]:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            yield from numbers_in(item)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield float(value)
 
 
 def unexplained(text: str, values: list[float]) -> list[str]:

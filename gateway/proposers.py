@@ -52,8 +52,9 @@ class RoundContext:
         return max(0, min(longest, self.tokens_left - 1))
 
     def tree_branches(self, branches: int) -> int:
-        """Candidates a position may take this round: a tree pass cannot join a batched pass (its mask is
-        its own), so beside other requests it would hold them up, a cost no measured time shows."""
+        """Candidates a position may take this round: trees only for a request running alone. Beside
+        other requests a tree's extra positions cost every request sharing the pass (a padded batch
+        pads them all; since ragged passes, its own positions only: not re-measured yet)."""
         return branches if self.alone else 1
 
     def free_cost(self, k: int, widened: int = 0, heads: bool = False, tree: bool = False, branches: int = 1) -> float:

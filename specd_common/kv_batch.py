@@ -1,5 +1,8 @@
 """Packing several sessions' KV caches into one padded batch, and handing each its new keys/values back.
 
+Only for transformers' forward (architectures the lean forward does not serve): the lean forward
+runs several sessions as one ragged pass with attention in place in each cache (CausalLM.run_feeds).
+
 Layout: the past is LEFT-padded and the new tokens RIGHT-padded, so every row's new tokens start at
 the same cache column P (the longest past). One cache offset and one causal mask then serve the
 whole batch; a 2D attention mask hides the padding and explicit position ids give each row its own

@@ -220,7 +220,7 @@ class HeadProposer:
         nodes, predicted, rate = confident_tree(tokens, confidences, self.calibration.scale, self.round_cost(ctx))
         if nodes and rate > rival_rate:
             self._declined_rounds = 0
-        elif not rival_rate and self._declined_rounds >= self.policy.probe_every_rounds:
+        elif not rival_rate and tokens and self._declined_rounds >= self.policy.probe_every_rounds:  # room for one draft
             nodes, predicted, self._declined_rounds = [TreeNode((tokens[0][0],), confidences[0][0])], confidences[0][0], 0
         else:
             self._declined_rounds += 1

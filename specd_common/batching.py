@@ -177,7 +177,8 @@ class ForwardBatcher:
         """Prefill a session made with CausalLM.new_session(prefill=False), in chunks that share the passes
         of the other sessions' rounds; returns when all but its last prompt token is cached."""
         if self.lm.unprefilled(session):
-            self._wait(self._prefills, _Prefill(session))
+            with model_forward(self.lm.unprefilled(session)):  # the caller's span, as `forward` records it
+                self._wait(self._prefills, _Prefill(session))
 
     def _wait(self, queue: collections.deque, item: Any) -> Any:
         with self._condition:

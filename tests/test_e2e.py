@@ -124,15 +124,16 @@ def test_sampling_with_a_seed_is_reproducible(specd_up):
 
 
 def readme_http_examples() -> tuple[list[str], str]:
-    """The curl commands (continuation lines joined) and the Python snippet of README's HTTP API section."""
-    section = (REPO / "README.md").read_text().split("## HTTP API", 1)[1].split("\n## ", 1)[0]
+    """The curl commands (continuation lines joined) and the Python snippet of docs/http-api.md, the
+    HTTP API's page (the README links it and shows one of its commands)."""
+    section = (REPO / "docs" / "http-api.md").read_text()
     shell = section.split("```sh\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     python = section.split("```python\n", 1)[1].split("```", 1)[0]
     return [line.strip() for line in shell.splitlines() if line.strip().startswith("curl ")], python
 
 
 def test_readme_http_examples_work_as_written(specd_up, up_ports):
-    """Every curl line and the Python snippet of the README's HTTP API section, against the real
+    """Every curl line and the Python snippet of docs/http-api.md, against the real
     default model; the only change is the port (the stack here runs on free ports, not 8000)."""
     commands, python = readme_http_examples()
     assert len(commands) == 5 and "127.0.0.1:8000" in python

@@ -69,7 +69,7 @@ def test_verify_refuses_a_duplicate_or_an_extra_session_without_running_the_targ
     stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="one", prompt_token_ids=[5, 6, 7]), timeout=30)
     stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="two", prompt_token_ids=[5, 6, 7]), timeout=30)
     forwards = []
-    monkeypatch.setattr(lm, "_run", lambda *args: forwards.append(args))
+    monkeypatch.setattr(lm, "run_feeds", lambda *args: forwards.append(args))
     try:
         for session_id, code in (("one", grpc.StatusCode.ALREADY_EXISTS), ("three", grpc.StatusCode.RESOURCE_EXHAUSTED)):
             with pytest.raises(grpc.RpcError) as error:
@@ -167,8 +167,8 @@ def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch)
         assert all(cost.milliseconds > 0 for cost in info.runtime_profile.batch_costs)
         stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
         forwards = []
-        run = running.servicer.scorer.lm._run
-        monkeypatch.setattr(running.servicer.scorer.lm, "_run", lambda *a, **k: forwards.append(a) or run(*a, **k))
+        run = running.servicer.scorer.lm.run_feeds
+        monkeypatch.setattr(running.servicer.scorer.lm, "run_feeds", lambda *a, **k: forwards.append(a) or run(*a, **k))
         with pytest.raises(grpc.RpcError) as error:
             stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="b", prompt_token_ids=list(range(5, 50))), timeout=30)  # 45
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-token-budget" in error.value.details()

@@ -711,6 +711,10 @@ def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibra
         drafted.append(head_round(timid)[0])
     assert drafted.count([7]) == 2 and drafted.count([]) == 2 * PROBE_EVERY_ROUNDS
     assert drafted[PROBE_EVERY_ROUNDS] == [7]
+    last = head_policy_generation(costs, branches=2, max_new_tokens=1)  # one token left: it is the bonus, no room to draft
+    for _ in range(PROBE_EVERY_ROUNDS + 2):
+        last.heads.proposals = HeadProposals([[7], [8], [9]], [[0.01], [0.01], [0.01]])
+        assert head_round(last) == ([], [])
 
 
 def draft_shape(generation) -> tuple[int, int]:

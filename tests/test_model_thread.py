@@ -49,8 +49,11 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
     def record(what: str) -> None:
         threads.setdefault(what, set()).add(threading.get_ident())
 
-    passes = scorer.lm.lean if scorer.lm.lean is not None else loaded.model  # the module that runs every pass
-    passes.register_forward_pre_hook(lambda module, args: record("pass"))
+    if scorer.lm.lean is not None:  # every pass is a ragged one
+        ragged = scorer.lm.lean.forward_ragged
+        monkeypatch.setattr(scorer.lm.lean, "forward_ragged", lambda *args, **kwargs: (record("pass"), ragged(*args, **kwargs))[1])
+    else:
+        loaded.model.register_forward_pre_hook(lambda module, args: record("pass"))
     heads.heads[0][0].register_forward_pre_hook(lambda module, args: record("heads"))  # head 1's block: every proposal runs it
     for name in ("encode_features", "warp_probs"):
         real = getattr(scorer_module, name)

@@ -180,12 +180,18 @@ def confident_tree(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequen
     return chosen, sum(node.value for node in chosen) / scale if scale else 0.0, rate
 
 
-def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int) -> float:
+def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int,
+                        ragged: bool = False) -> float:
     """Expected cost of a batched round whose `rows` rows each verify a number of positions drawn
-    independently from positions_share (positions → share of rounds): a batch pads every row to the
-    longest, so it costs as much as its longest row, Σ_p P(max = p) · cost(p) with P(max ≤ p) = F(p)^rows.
-    One copy of 8 tokens among 8 rows makes all 8 verify 9 positions. by_positions: measured cost by
-    positions per row (interpolated between, flat beyond)."""
+    independently from positions_share (positions → share of rounds). by_positions: measured cost of
+    `rows` rows of n positions each (interpolated between, flat beyond).
+
+    ragged: each row costs its own positions (one ragged pass), and the measured costs are nearly
+    linear in them, so the round costs what rows of the mean positions do. Padded: a batch pads every
+    row to the longest, so it costs as much as its longest row, Σ_p P(max = p) · cost(p) with
+    P(max ≤ p) = F(p)^rows: one copy of 8 tokens among 8 rows makes all 8 verify 9 positions."""
+    if ragged:
+        return autotune.interpolate(by_positions, sum(n * share for n, share in positions_share.items()))
     total, below, cumulative = 0.0, 0.0, 0.0
     for positions in sorted(positions_share):
         cumulative += positions_share[positions]
@@ -196,12 +202,12 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
 
 
 def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tuple[int, bool], "RoundShape"],
-                    current: Optional[int] = None, policy: SpeculationPolicy = POLICY) -> int:
+                    current: Optional[int] = None, policy: SpeculationPolicy = POLICY, ragged: bool = False) -> int:
     """The most requests a verify replica may run while they speculate, from its measured batch costs
     and the rounds measured at each batch size.
 
-    Once requests share passes, a draft costs every request in the batch (rows are padded to the
-    longest), so speculation pays at batch size B only if rounds there emit more tokens a second
+    Once requests share passes, a draft costs every request in the batch (its positions make the pass
+    longer; a padded batch pads every row to the longest: `ragged` says which), so speculation pays at batch size B only if rounds there emit more tokens a second
     while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
     run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B
     the measured rates decide (speculating must be policy.measured_margin faster to start, and not slower
@@ -233,7 +239,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             if shape is None:  # the smallest size, unmeasured: speculate while it is shared, and measure it
                 return rows
             by_positions = batch_costs_ms[rows]
-            cost = expected_batch_cost(by_positions, shape.positions_share, rows) * (policy.cap_hysteresis if held else policy.speculation_margin)
+            cost = expected_batch_cost(by_positions, shape.positions_share, rows, ragged) * (
+                policy.cap_hysteresis if held else policy.speculation_margin)
             pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
         if not pays:
             return max(cap, 1)

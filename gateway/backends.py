@@ -90,7 +90,8 @@ class Backends:
         rounds = self.rounds.count
         computed_at, current = self._replica_cap
         if computed_at < 0 or (computed_at != rounds and rounds - self._cap_changed_at >= POLICY.cap_hold_rounds):
-            cap = speculation_cap(costs, self.rounds.measured(), current=None if computed_at < 0 else current)
+            cap = speculation_cap(costs, self.rounds.measured(), current=None if computed_at < 0 else current,
+                                  ragged=self.target_info.runtime_profile.ragged)
             if computed_at >= 0 and cap != current:
                 self._cap_changed_at = rounds
             self._replica_cap = (rounds, cap)

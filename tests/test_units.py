@@ -383,6 +383,22 @@ def test_a_batch_costs_as_much_as_its_longest_row():
     assert long_copies == pytest.approx(0.98 ** 8 * 40 + (1 - 0.98 ** 8) * 80)
 
 
+def test_a_ragged_batch_costs_its_rows_own_positions():
+    """One ragged pass (no padding): rows of 1 and 4 positions half the time each cost what rows of 2.5
+    do, however many rows there are; a rare long copy adds its own share only."""
+    from gateway.adaptive import expected_batch_cost, speculation_cap
+
+    costs = {1: 10.0, 4: 40.0, 8: 80.0}
+    assert expected_batch_cost(costs, {1: 0.5, 4: 0.5}, 8, ragged=True) == pytest.approx(25.0)
+    assert expected_batch_cost(costs, {4: 0.98, 9: 0.02}, 8, ragged=True) == pytest.approx(41.0)  # 4.1 positions on average
+    # rounds of 1 or 4 positions, half and half, yielding 1.6 tokens a pass: padded, 15 in 16 batches
+    # of 4 rows cost 4 positions' time (139.4 ms × 1.1 > 86.5 ms × 1.6), so the cap stops at 2 rows;
+    # ragged, 2.5 positions' time pays at every size (8 rows: 176.3 ms × 1.1 < 124.6 ms × 1.6): no cap
+    half = {(2, True): measured_rounds(1.6, {1: 0.5, 4: 0.5})}
+    assert speculation_cap(EPYC_BATCH_COSTS, half) == 2
+    assert speculation_cap(EPYC_BATCH_COSTS, half, ragged=True) == 0
+
+
 def measured_rounds(tokens_per_pass: float, positions_share: dict[int, float] = HEADS_ROUNDS, round_s: float = 0.1):
     """A kind of round as RoundShapes reports it once measured (the speculation cap's input)."""
     from gateway.adaptive import RoundShape

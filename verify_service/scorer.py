@@ -100,6 +100,7 @@ class Scorer:
             runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))
         log.info("verify runtime: %s", runtime.summary())
         self._info.runtime_config = runtime.summary()
+        self._info.runtime_profile.ragged = self.batcher is not None and self.lm.lean is not None  # CausalLM.run_feeds
         self._info.runtime_profile.batch_costs.extend(
             common_pb2.BatchCost(rows=rows, positions=positions, milliseconds=ms)
             for rows, by_positions in runtime.batch_costs_ms.items() for positions, ms in by_positions.items())

@@ -57,11 +57,11 @@ class RoundContext:
         pads them all; since ragged passes, its own positions only: not re-measured yet)."""
         return branches if self.alone else 1
 
-    def free_cost(self, k: int, widened: int = 0, heads: bool = False, tree: bool = False, branches: int = 1) -> float:
-        """Seconds of a round of k drafts made without a call (alternatives beside the first `widened`;
-        `tree`: k nodes of another shape). heads: its Verify asks for the heads' proposals when it
-        drafts (a plain round does not); otherwise priced at the share of Verifies that ask."""
-        return self.costs.round_cost_s(k, branches, drafting=False, heads=(k > 0) if heads else None, widened=widened, tree=tree)
+    def free_cost(self, k: int, heads: bool = False, tree: bool = False) -> float:
+        """Seconds of a round of k drafts made without a call (`tree`: k nodes that are not a chain).
+        heads: its Verify asks for the heads' proposals when it drafts (a plain round does not);
+        otherwise priced at the share of Verifies that ask."""
+        return self.costs.round_cost_s(k, drafting=False, heads=(k > 0) if heads else None, tree=tree)
 
 
 @dataclass
@@ -125,7 +125,7 @@ class LookupProposer:
         """How much of the copy to verify and the tokens per second it promises (the fixed policy: all)."""
         if not self.adaptive:
             return len(copy), float("inf")
-        k, _, rate = best_shape(self.acceptance.chain(len(copy)), len(copy), None, lambda k, w: ctx.free_cost(k, w))
+        k, _, rate = best_shape(self.acceptance.chain(len(copy)), len(copy), None, lambda k, _: ctx.free_cost(k))  # chains only
         return k, rate
 
     def decline(self) -> None:

@@ -7,12 +7,13 @@ whose cache is a transformers DynamicCache (appending in place: kv_cache.py); `f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -67,6 +68,7 @@ class KVSession(TokenSequence):
     fed_start: int = 0
     fed_features: Optional[torch.Tensor] = None
     fed_layers: Optional[torch.Tensor] = None
+    prefill_parts: Optional[list] = None  # a chunked prefill's (features, layers) so far, joined once the prompt is cached
     tree: Optional[PendingTree] = None
 
     def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
@@ -449,13 +451,32 @@ class CausalLM:
     @staticmethod
     def _keep_features(feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor]) -> None:
         """The feed's rows of the final hidden state [n, H] (and captured layers [n, L, H]) as the session's
-        features; a prefill chunk extends the earlier chunks' (the prompt's features are one pass's)."""
+        features. A prefill chunk's are kept aside and the prompt's joined once, after its last chunk
+        (they are those of one pass; joining at every chunk would copy them once a chunk)."""
         session = feed.session
-        if not feed.logits and start > 0 and session.fed_features is not None:
-            session.fed_features = torch.cat((session.fed_features, hidden))
-            session.fed_layers = torch.cat((session.fed_layers, layers)) if layers is not None else None
+        if feed.logits:
+            session.fed_start, session.fed_features, session.fed_layers = start, hidden, layers
             return
-        session.fed_start, session.fed_features, session.fed_layers = start, hidden, layers
+        parts = session.prefill_parts = (session.prefill_parts if start > 0 else None) or []
+        parts.append((hidden, layers))
+        if start + len(feed.tokens) >= len(session.tokens) - 1:  # the prompt's last chunk
+            session.fed_start, session.fed_features = 0, torch.cat([features for features, _ in parts])  # [n, H]
+            session.fed_layers = torch.cat([part for _, part in parts]) if layers is not None else None  # [n, L, H]
+            session.prefill_parts = None
+
+    @contextlib.contextmanager
+    def _runtime_for(self, rows: int, trial: bool = True) -> Iterator[None]:
+        """Run the pass inside on the measured runtime for `rows` positions, or (trial) on a serving
+        trial's candidate, timed and recorded (_settle_trial)."""
+        candidate = self.trials.next(rows) if trial and self.trials is not None else None
+        if candidate is None:
+            self._configure(rows)
+            yield
+            return
+        self._apply(*candidate)
+        started = time.perf_counter()
+        yield
+        self._settle_trial(rows, candidate, time.perf_counter() - started)
 
     def _configure(self, rows: int) -> None:
         """The measured runtime for a forward over `rows` positions: its weight layout, and its thread
@@ -499,19 +520,11 @@ class CausalLM:
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
         wanted = [segment.start + segment.n - feed.logits + i for feed, segment in zip(feeds, segments) for i in range(feed.logits)]
-        with self._forward_lock, model_forward(at):
-            trial = self.trials.next(at) if self.trials is not None and len(feeds) == 1 else None  # serving trials time lone passes
-            if trial is not None:
-                self._apply(*trial)
-            else:
-                self._configure(at)
-            started = time.perf_counter()
+        with self._forward_lock, model_forward(at), self._runtime_for(at, trial=len(feeds) == 1):  # serving trials time lone passes
             hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=device),
                                                       torch.tensor(positions, dtype=torch.long, device=device), segments,
                                                       keep, self.captured_layers)  # [T, H], [T, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [R, V]
-            if trial is not None:
-                self._settle_trial(at, trial, time.perf_counter() - started)
         results, row = [], 0
         for feed, segment, start in zip(feeds, segments, starts):
             results.append(logits[row : row + feed.logits] if feed.logits else None)  # [feed.logits, V]
@@ -533,17 +546,9 @@ class CausalLM:
             "position_ids": torch.tensor([feed.positions], dtype=torch.long, device=device),  # [1, n]
             "attention_mask": feed.mask[None, None].to(device),  # [1, 1, n, cached + n]
         }
-        with self._forward_lock, model_forward(len(feed.tokens)):
-            trial = self.trials.next(len(feed.tokens)) if self.trials is not None else None  # a serving trial's candidate, timed
-            if trial is not None:
-                self._apply(*trial)
-            else:
-                self._configure(len(feed.tokens))
-            started = time.perf_counter()
+        with self._forward_lock, model_forward(len(feed.tokens)), self._runtime_for(len(feed.tokens)):
             logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
                                                 logits_to_keep=max(feed.logits, 1), **custom)  # [1, kept, V], [1, n, H], [1, n, L, H]
-            if trial is not None:
-                self._settle_trial(len(feed.tokens), trial, time.perf_counter() - started)
         if session.keep_features:
             self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None)
         self._advance(feed)

@@ -260,7 +260,8 @@ class ForwardBatcher:
                 requests.append(request)
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
-        prefilling = self._prefill_feeds(sum(len(feed.tokens) for feed in feeds), len(feeds))
+        decoding = sum(len(feed.tokens) for feed in feeds)  # the rounds' positions
+        prefilling = self._prefill_feeds(decoding, len(feeds))
         try:
             results = self.lm.run_feeds(feeds + [feed for feed, _ in prefilling])[: len(requests)]
             if self.finish is not None and requests:
@@ -272,7 +273,7 @@ class ForwardBatcher:
                 self._finish_prefill(prefill, error)
             return
         elapsed = self._clock() - started
-        self.prefill_budget.observe(elapsed, sum(len(feed.tokens) for feed in feeds) + sum(len(feed.tokens) for feed, _ in prefilling))
+        self.prefill_budget.observe(elapsed, decoding + sum(len(feed.tokens) for feed, _ in prefilling))
         if requests:
             self._pass_seconds = elapsed if self._pass_seconds is None else (
                 PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds

@@ -12,6 +12,7 @@ from specd_common import autotune
 from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.lookup import SHORTEST_NGRAM
+from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 
@@ -114,15 +115,19 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     return drafters[best], json.dumps(record, separators=(",", ":"))
 
 
-def start_draft_server(drafter: Drafter, config: ServerConfig, interceptors: Sequence = (), kv_token_budget: int = 0) -> RunningServer:
+def start_draft_server(
+    drafter: Drafter, config: ServerConfig, interceptors: Sequence = (), kv_token_budget: int = 0, auth_token: str = "",
+) -> RunningServer:
     """kv_token_budget: positions all sessions may hold (> 0), none (< 0), or 0: derived like the verify's,
-    from the memory free now and the drafter's bytes per position (no budget for the n-gram drafter)."""
+    from the memory free now and the drafter's bytes per position (no budget for the n-gram drafter).
+    auth_token: when set, every DraftService RPC needs `authorization: Bearer <token>` (health and reflection stay open)."""
     budget = draft_token_budget(drafter, kv_token_budget)
     log.info("draft KV-token budget: %s", budget or "none")
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s, max_tokens=budget)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
-    return start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)
+    return start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config,
+                                 [*token_interceptors(auth_token), *interceptors])
 
 
 def draft_token_budget(drafter: Drafter, requested: int) -> int:

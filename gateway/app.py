@@ -16,7 +16,7 @@ from gateway.pool import PoolMetrics
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
-from specd_common.security import BearerTokenInterceptor, ClientTLS
+from specd_common.security import ClientTLS, token_interceptors, with_bearer_token
 from specd_common.server import RunningServer, channel, start_observed_server
 
 log = logging.getLogger(__name__)
@@ -38,14 +38,16 @@ def start_gateway_server(
     least-loaded replica of each service (gateway/pool.py). The gateway reports NOT_SERVING while no
     verify replica serves.
     backend_tls is how the gateway dials them (TLS / mutual TLS); config.tls is its own public port;
-    options.auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC.
+    options.auth_token, when set, is required as `authorization: Bearer <token>` on every GenerateService RPC,
+    and sent on every call to draft and verify (one token for the stack; docs/security.md).
     http_port: also serve the OpenAI-compatible HTTP API (gateway/http_api.py) on config.host and this
     port (0 = a free one, None = no HTTP), with the same TLS files as the gRPC port.
     """
     metrics = GatewayMetrics()
     pool_metrics = PoolMetrics(metrics.report_replicas, metrics.report_sessions, metrics.count_discovery)
     backends = Backends.connect(
-        split_addresses(verify_addresses), split_addresses(draft_addresses), lambda address, name: channel(address, tls_for(backend_tls, name)),
+        split_addresses(verify_addresses), split_addresses(draft_addresses),
+        lambda address, name: with_bearer_token(channel(address, tls_for(backend_tls, name)), options.auth_token),
         options.connect_timeout_s, options.resolve_period_s, pool_metrics,
     )
     backends.report_cap = metrics.speculation_cap.set
@@ -55,7 +57,7 @@ def start_gateway_server(
     servicer = GenerateServicer(backends, options, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + options.max_waiting + 8
-    interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
+    interceptors = token_interceptors(options.auth_token)
     warn_plaintext_token(config, options.auth_token)
     bridge_dir = tempfile.mkdtemp(prefix="specd-gateway-") if http_port is not None else None  # mode 0700
     bridge = [f"unix:{bridge_dir}/generate.sock"] if bridge_dir else []

@@ -9,7 +9,8 @@
   specd bench --prompts SHORT.jsonl --arrival [--arrival-streams K]   running streams' latency while a long prompt prefills
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
---tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on the gateway.
+--tls-client-cert/--tls-client-key on the gateway toward draft and verify, --auth-token[-file] on any `serve`
+(the gateway sends its token to draft and verify) and on `up` (one token for all three).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import MutableMapping, Optional, Sequence
 
 from gateway.options import GatewayOptions
 from specd_app.long_prompts import LONG_PROMPTS
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
              "auto (the shipped heads for the default target) or none")
+    add_auth_token_flags(verify, "every VerifyService RPC (the gateway sends its own --auth-token)")
     verify.set_defaults(func=serve_verify)
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
              "(0 = half the memory free after loading over the drafter's bytes per position, none for ngram; -1 = no budget)")
     add_flag(draft, "lookup-min-ngram", SHORTEST_NGRAM, f"ngram drafter: {LOOKUP_MIN_NGRAM_HELP} (other drafters propose no "
              "copies: the gateway's lookup rounds do, deciding per request whether they pay)")
+    add_auth_token_flags(draft, "every DraftService RPC (the gateway sends its own --auth-token)")
     draft.set_defaults(func=serve_draft)
     gateway = serve.add_parser("gateway", help="the public API")
     add_server_flags(gateway, "gateway")
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "verify-port", DEFAULT_PORTS["verify"], "verify port")
     add_flag(up, "threads", 0, "torch threads for each model service (0 = default)")
     add_flag(up, "num-draft-tokens", GATEWAY_DEFAULTS.num_draft_tokens, "default draft tokens per round")
+    add_auth_token_flags(up, "every RPC of all three services (passed to them in the environment, never on their command lines)")
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, help="send one demo prompt once ready")
     up.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
     up.set_defaults(func=run_up)
@@ -215,9 +219,14 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "max-waiting", defaults.max_waiting, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", defaults.draft_timeout_s, "a Propose slower than this drops to target-only rounds for a while")
     add_client_tls_flags(parser, "draft and verify")
-    add_flag(parser, "auth-token", defaults.auth_token, "require 'authorization: Bearer <token>' on the public API ('' = open)")
-    add_flag(parser, "auth-token-file", "", "read the bearer token from this file (a mounted Secret)")
+    add_auth_token_flags(parser, "the public API, and send it to draft and verify")
     add_flag(parser, "http-port", DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP API port on --host, TLS as the gRPC port (0 = off)")
+
+
+def add_auth_token_flags(parser: argparse.ArgumentParser, where: str) -> None:
+    """--auth-token / --auth-token-file (env SPECD_AUTH_TOKEN / SPECD_AUTH_TOKEN_FILE), read by load_token."""
+    add_flag(parser, "auth-token", GATEWAY_DEFAULTS.auth_token, f"require 'authorization: Bearer <token>' on {where} ('' = open)")
+    add_flag(parser, "auth-token-file", "", "read the bearer token from this file (a mounted Secret)")
 
 
 def _set_threads(threads: int) -> None:
@@ -239,6 +248,7 @@ def serve_verify(args: argparse.Namespace) -> None:
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
         medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
+        auth_token=load_token(args.auth_token, args.auth_token_file),
     )
     wait_for_termination(running, args.grace)
 
@@ -254,7 +264,8 @@ def serve_draft(args: argparse.Namespace) -> None:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
                            lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads)
-    running = start_draft_server(drafter, ServerConfig.from_args(args), kv_token_budget=args.kv_token_budget)
+    running = start_draft_server(drafter, ServerConfig.from_args(args), kv_token_budget=args.kv_token_budget,
+                                 auth_token=load_token(args.auth_token, args.auth_token_file))
     wait_for_termination(running, args.grace)
 
 
@@ -300,6 +311,7 @@ def run_up(args: argparse.Namespace) -> int:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     from specd_app.supervise import Child, Supervisor
 
+    token = share_stack_token(os.environ, args.auth_token, args.auth_token_file)  # children (and restarts) inherit it
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port, "http": args.http_port}
     commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens)
     children = start_in_order(commands, args.host, ports)
@@ -320,7 +332,6 @@ def run_up(args: argparse.Namespace) -> int:
             log.info("OpenAI-compatible API: http://%s:%d/v1 (curl examples in README.md)", args.host, args.http_port)
         if args.demo:
             log.info("demo prompt: %s", args.demo)
-            token = load_token(os.environ.get("SPECD_AUTH_TOKEN", ""), os.environ.get("SPECD_AUTH_TOKEN_FILE", ""))
             demo = ["generate", "--gateway", gateway_address, "--prompt", args.demo, "--token", token]
             run_generate(build_parser().parse_args(demo))
             if args.exit_after_demo:
@@ -335,6 +346,21 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stop_children(children, timeout_s=30)
+
+
+def share_stack_token(environ: MutableMapping[str, str], token: str, token_file: str) -> str:
+    """Set `specd up`'s bearer token for the whole stack: checked here (an empty or unreadable file
+    stops `up` before anything starts), then left in `environ` as SPECD_AUTH_TOKEN_FILE (an absolute
+    path) or SPECD_AUTH_TOKEN, the variables every `specd serve` reads, so the children and their
+    restarts inherit it and no command line shows it in `ps`. Returns the token ('' = none) for the demo."""
+    loaded = load_token(token, token_file)
+    for name in ("SPECD_AUTH_TOKEN", "SPECD_AUTH_TOKEN_FILE"):
+        environ.pop(name, None)
+    if token_file:
+        environ["SPECD_AUTH_TOKEN_FILE"] = str(Path(token_file).resolve())
+    elif loaded:
+        environ["SPECD_AUTH_TOKEN"] = loaded
+    return loaded
 
 
 def spawn_services(

@@ -3,8 +3,9 @@
 Everything here is optional and off by default, so a laptop run (`specd up` on 127.0.0.1) stays
 plaintext. In production the model services take --tls-cert/--tls-key/--tls-client-ca (mTLS: only
 a client holding a certificate from that CA, i.e. the gateway, may call them), the gateway dials
-them with --tls-ca/--tls-client-cert/--tls-client-key, and the public port may add TLS and a
-bearer token (--auth-token / --auth-token-file).
+them with --tls-ca/--tls-client-cert/--tls-client-key, and every service may require a bearer
+token (--auth-token / --auth-token-file): the gateway on its public API, draft and verify on theirs,
+which the gateway calls with its own token (with_bearer_token on its channels).
 
 Server certificates are re-read when their files change (Kubernetes updates mounted Secrets in
 place and cert-manager rotates them), so rotation needs no restart; each new connection sees the
@@ -27,7 +28,9 @@ import grpc
 log = logging.getLogger(__name__)
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
-PUBLIC_API_PREFIX = "/specd.v1.GenerateService/"  # health and reflection stay open for probes and tools
+# Methods served without a token: health (Kubernetes probes, load balancers) and reflection (grpcurl).
+# Everything else is checked, so a service added later is protected without anyone remembering to.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
 
 class SecurityConfigError(ValueError):
@@ -168,6 +171,55 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTHORIZATION, f"Bearer {token}"),) if token else ()
 
 
+def with_bearer_token(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """The channel, sending `authorization: Bearer <token>` on every call; unchanged when token is ''.
+
+    The gateway wraps each channel to a draft or verify replica once, where it is opened, so no
+    call site can forget the token. A client interceptor rather than call credentials: gRPC sends
+    call credentials only over TLS, and the token must also work on a plaintext loopback stack.
+    """
+    return grpc.intercept_channel(channel, _BearerClientInterceptor(token)) if token else channel
+
+
+class _BearerClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor,
+):
+    """Adds the bearer metadata to every call, of any shape, keeping the call's own metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [m for m in details.metadata or () if m[0] != AUTHORIZATION]
+        return _CallDetails(details.method, details.timeout, [*metadata, *self._metadata], details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    """grpc.ClientCallDetails is an interface with no constructor; interceptors build their own."""
+
+    method: str
+    timeout: Optional[float]
+    metadata: Optional[Sequence[tuple[str, str]]]
+    credentials: Optional[grpc.CallCredentials]
+    wait_for_ready: Optional[bool]
+    compression: Any
+
+
 def load_token(token: str = "", token_file: str = "") -> str:
     """The bearer token from a flag or a file (a mounted Secret); '' means authentication is off.
 
@@ -188,24 +240,25 @@ def _digest(value: str) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses public-API RPCs without `authorization: Bearer <token>` with UNAUTHENTICATED.
+    """Refuses RPCs without `authorization: Bearer <token>` with UNAUTHENTICATED, before any work.
 
-    Only methods under `protected_prefix` are checked, so grpc.health.v1 (Kubernetes probes) and
-    reflection (grpcurl) stay open. The comparison is constant time over SHA-256 digests, so neither
-    the token's bytes nor its length leak through timing.
+    Every method is checked except those under `open_prefixes` (grpc.health.v1 for Kubernetes probes,
+    reflection for grpcurl): the gateway's GenerateService and the model services' DraftService and
+    VerifyService alike. The comparison is constant time over SHA-256 digests, so neither the
+    token's bytes nor its length leak through timing.
     """
 
-    def __init__(self, token: str, protected_prefix: str = PUBLIC_API_PREFIX) -> None:
+    def __init__(self, token: str, open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES) -> None:
         if not token:
             raise SecurityConfigError("an empty bearer token would accept anyone")
         self._expected = _digest(token)
-        self._prefix = protected_prefix
+        self._open = tuple(open_prefixes)
 
     def authorized(self, metadata: Optional[Sequence[Any]]) -> Optional[str]:
         """None when the metadata carries the right token, else why not (for the client's error)."""
         values = [m.value for m in metadata or () if m.key == AUTHORIZATION]
         if not values:
-            return "missing 'authorization: Bearer <token>' metadata"
+            return "missing 'authorization: Bearer <token>' metadata (the token this service runs with: --auth-token or --auth-token-file)"
         scheme, _, given = str(values[0]).partition(" ")
         if scheme.lower() != "bearer" or not given:
             return "the authorization metadata must be 'Bearer <token>'"
@@ -214,13 +267,18 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return None
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
-        if not handler_call_details.method.startswith(self._prefix):
+        if handler_call_details.method.startswith(self._open):
             return continuation(handler_call_details)
         reason = self.authorized(handler_call_details.invocation_metadata)
         handler = continuation(handler_call_details)
         if reason is None or handler is None:
             return handler
         return _refusing_handler(handler, f"unauthenticated: {reason}")
+
+
+def token_interceptors(token: str) -> list[grpc.ServerInterceptor]:
+    """[the bearer check] when a token is set, else []: how each service turns --auth-token into interceptors."""
+    return [BearerTokenInterceptor(token)] if token else []
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

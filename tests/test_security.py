@@ -1,10 +1,12 @@
-"""Security: mutual TLS between the gateway and the model services, TLS and a bearer token on the public API.
+"""Security: mutual TLS between the gateway and the model services, TLS and a bearer token on the public API,
+and one bearer token for the whole stack (the model services check the token the gateway sends them).
 
 Certificates are made here with `cryptography` (a throwaway CA, server and client certificates), so
 nothing is checked in and nothing expires under the tests. One cluster runs everything hardened:
 draft and verify require a client certificate from the internal CA, the gateway presents one, the
 public port speaks TLS with a certificate for a name that is not the address (checked through
---tls-server-name), and the public API requires a bearer token.
+--tls-server-name), and the public API requires a bearer token. Another runs plaintext with the token
+on all three services, as `specd up --auth-token-file` does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc, verify_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specd_common.security import (
     BearerTokenInterceptor,
     ClientTLS,
@@ -41,6 +44,7 @@ from specd_common.security import (
 )
 from gateway.app import http_server
 from tests.conftest import Cluster, start_cluster
+from tests.specd_stack import specd_up
 
 TOKEN = "s3cret-token-for-tests"
 GATEWAY_NAME = "specd-gateway.example"  # the public certificate's only name: clients dial 127.0.0.1 with an override
@@ -419,3 +423,189 @@ def test_http_api_speaks_tls_and_checks_the_token(secure, pki):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:  # plaintext HTTP gets no answer
         plain.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert not plain.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+# --- one token for the whole stack: the model services check what the gateway sends -----------------
+
+
+@pytest.fixture(scope="module")
+def token_stack(tiny) -> Iterator[Cluster]:
+    """Plaintext draft, verify and gateway, all three started with the same bearer token (as `specd up
+    --auth-token-file` starts them): the gateway sends it to draft and verify on its own."""
+    from draft_service.app import make_drafter, start_draft_server
+    from gateway.app import start_gateway_server
+    from gateway.options import GatewayOptions
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
+    config = ServerConfig(port=0, max_sessions=8)
+    verify = start_verify_server(load_causal_lm(str(tiny.target)), config, auth_token=TOKEN)
+    draft = start_draft_server(make_drafter("model", str(tiny.draft_noisy)), config, auth_token=TOKEN)
+    gateway = start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{draft.port}", config,
+                                   GatewayOptions(num_draft_tokens=3, connect_timeout_s=30, auth_token=TOKEN))
+    running = Cluster(verify, draft, gateway)
+    yield running
+    running.stop()
+
+
+def model_calls(stubs: dict, session: str) -> dict:
+    """Every session RPC of both model services, in an order that works when each is served: name → call(metadata)."""
+    verify, draft = stubs["verify"], stubs["draft"]
+    commit = common_pb2.Commit(prefix_length=3)
+    return {
+        "verify.Prefill": lambda md: verify.Prefill(verify_pb2.VerifyPrefillRequest(session_id=session, prompt_token_ids=[5, 6, 7]), metadata=md, timeout=30),
+        "verify.Verify": lambda md: verify.Verify(verify_pb2.VerifyRequest(session_id=session, commit=commit, draft_token_ids=[8]), metadata=md, timeout=30),
+        "verify.GetModelInfo": lambda md: verify.GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=md, timeout=30),
+        "verify.Release": lambda md: verify.Release(common_pb2.ReleaseRequest(session_id=session), metadata=md, timeout=30),
+        "draft.Prefill": lambda md: draft.Prefill(draft_pb2.DraftPrefillRequest(session_id=session, prompt_token_ids=[5, 6, 7]), metadata=md, timeout=30),
+        "draft.Propose": lambda md: draft.Propose(draft_pb2.ProposeRequest(session_id=session, commit=commit, num_draft_tokens=2), metadata=md, timeout=30),
+        "draft.Release": lambda md: draft.Release(common_pb2.ReleaseRequest(session_id=session), metadata=md, timeout=30),
+    }
+
+
+def model_stubs(verify_address: str, draft_address: str) -> dict:
+    return {"verify": verify_pb2_grpc.VerifyServiceStub(open_channel(verify_address)),
+            "draft": draft_pb2_grpc.DraftServiceStub(open_channel(draft_address))}
+
+
+def assert_model_services_need_the_token(stubs: dict, open_sessions=lambda: None) -> None:
+    """Without the token, or with another, every call is UNAUTHENTICATED saying what to send, and
+    opens nothing; with it, every call is served."""
+    refused = {"missing": ((), "authorization: Bearer <token>"), "wrong": (bearer_metadata("wrong-token"), "invalid bearer token")}
+    for why, (metadata, detail) in refused.items():
+        for name, call in model_calls(stubs, "intruder").items():
+            with pytest.raises(grpc.RpcError) as error:
+                call(metadata)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, (why, name)
+            assert detail in error.value.details(), (why, name)
+            assert TOKEN not in error.value.details()
+    assert open_sessions() in (None, {"verify": 0, "draft": 0})  # refused before any work
+    served = {name: call(bearer_metadata(TOKEN)) for name, call in model_calls(stubs, "owner").items()}
+    assert served["verify.Verify"].sequence_length == 3 and len(served["verify.Verify"].argmax_token_ids) == 2
+    assert served["draft.Propose"].sequence_length == 3
+    assert served["verify.Release"].released and served["draft.Release"].released
+
+
+def test_model_services_with_a_token_refuse_calls_without_it(token_stack):
+    """The issue's probe: with the token on, Prefill/Verify/Propose on the model ports answered anyone."""
+    stubs = model_stubs(f"127.0.0.1:{token_stack.verify.port}", f"127.0.0.1:{token_stack.draft.port}")
+    assert_model_services_need_the_token(stubs, token_stack.open_sessions)
+    assert token_stack.open_sessions() == {"verify": 0, "draft": 0}
+
+
+def test_model_services_keep_health_and_reflection_open(token_stack):
+    """Kubernetes probes and grpcurl carry no token, on the model services too."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for server, name in ((token_stack.verify, "specd.v1.VerifyService"), (token_stack.draft, "specd.v1.DraftService")):
+        address = f"127.0.0.1:{server.port}"
+        assert model_health(address, None) == health_pb2.HealthCheckResponse.SERVING
+        with open_channel(address) as channel:
+            replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+            assert name in {s.name for reply in replies for s in reply.list_services_response.service}
+
+
+def test_gateway_sends_its_token_to_the_model_services(token_stack):
+    """An authenticated Generate crosses token-protected draft and verify: speculation still runs and
+    equals target-only, and the sessions are released (Release carries the token too)."""
+    stub = generate_pb2_grpc.GenerateServiceStub(open_channel(token_stack.address))
+    metadata = bearer_metadata(TOKEN)
+    speculative = stub.Generate(request(), metadata=metadata, timeout=60)
+    assert speculative.stats.draft_tokens > 0  # the draft answered: Prefill and Propose carried the token
+    assert list(speculative.token_ids) == list(stub.Generate(request(disable_speculation=True), metadata=metadata, timeout=60).token_ids)
+    streamed = [t for m in stub.GenerateStream(request(), metadata=metadata, timeout=60) for t in m.token_ids]
+    assert streamed == list(speculative.token_ids)
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(request(), timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    deadline = time.monotonic() + 10
+    while token_stack.open_sessions() != {"verify": 0, "draft": 0}:
+        assert time.monotonic() < deadline, token_stack.open_sessions()
+        time.sleep(0.1)
+
+
+def test_bearer_client_channel_keeps_the_calls_own_metadata():
+    """with_bearer_token adds the token to unary and streaming calls, keeps the call's other metadata
+    and replaces a caller's own authorization."""
+    from specd_common.security import with_bearer_token
+    from specd_common.server import start_server
+
+    seen = []
+
+    class Record(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            seen.append(dict(details.invocation_metadata))
+            return continuation(details)
+
+    running = start_server(lambda server: None, ["x"], "127.0.0.1", 0, interceptors=[Record()])
+    try:
+        with with_bearer_token(open_channel(f"127.0.0.1:{running.port}"), TOKEN) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            stub.Check(health_pb2.HealthCheckRequest(), metadata=(("x-trace", "1"), ("authorization", "Bearer other")), timeout=5)
+            next(iter(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)))
+    finally:
+        running.stop(0)
+    assert [m.get("authorization") for m in seen] == [f"Bearer {TOKEN}"] * 2
+    assert seen[0]["x-trace"] == "1"
+
+
+def test_specd_up_shares_the_token_through_the_environment_only(tmp_path, monkeypatch):
+    """`specd up --auth-token-file F`: the children's command lines carry no token (`ps` shows them),
+    their environment carries the file, and each child's flags read it back as the same token."""
+    from specd_app.cli import build_parser, service_commands, share_stack_token
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    up = build_parser().parse_args(["up", "--auth-token-file", str(token_file)])
+    environ = {"SPECD_AUTH_TOKEN": "stale", "PATH": "/bin"}
+    assert share_stack_token(environ, up.auth_token, up.auth_token_file) == TOKEN
+    assert environ == {"SPECD_AUTH_TOKEN_FILE": str(token_file.resolve()), "PATH": "/bin"}
+    ports = {"gateway": 1, "draft": 2, "verify": 3, "http": 0}
+    commands = service_commands("127.0.0.1", ports, "target", "ngram", "", 0, 3)
+    assert not any(TOKEN in word or str(token_file) in word for command in commands.values() for word in command)
+    monkeypatch.setenv("SPECD_AUTH_TOKEN_FILE", environ["SPECD_AUTH_TOKEN_FILE"])  # what each child inherits
+    for name, command in commands.items():
+        child = build_parser().parse_args(command[3:])  # after `python -m specd_app.cli`
+        assert load_token(child.auth_token, child.auth_token_file) == TOKEN, name
+
+    inline = {}
+    assert share_stack_token(inline, "inline-token", "") == "inline-token"
+    assert inline == {"SPECD_AUTH_TOKEN": "inline-token"}
+    assert share_stack_token(inline, "", "") == "" and inline == {}  # no token: the children run open
+    token_file.write_text("")
+    with pytest.raises(SecurityConfigError, match="empty"):  # `up` stops before starting anything
+        share_stack_token({}, "", str(token_file))
+
+
+@pytest.mark.e2e
+def test_specd_up_with_a_token_file_protects_all_three_services(tiny, tmp_path):
+    """`specd up --auth-token-file F` over real sockets: the model services refuse calls without the
+    token, the gateway serves an authenticated Generate through them, and no process shows the token."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    flags = ("--drafter", "model", "--draft-model", str(tiny.draft_noisy), "--auth-token-file", str(token_file))
+    with specd_up(tiny.target, tmp_path / "up.log", drafter=flags) as stack:
+        assert_model_services_need_the_token(model_stubs(stack.address("verify"), stack.address("draft")))
+        gateway = generate_pb2_grpc.GenerateServiceStub(open_channel(stack.address("gateway")))
+        reply = gateway.Generate(request(), metadata=bearer_metadata(TOKEN), timeout=60)
+        assert len(reply.token_ids) > 0 and reply.stats.draft_tokens > 0
+        with pytest.raises(grpc.RpcError) as error:
+            gateway.Generate(request(), timeout=10)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert not any(TOKEN.encode() in line for line in process_tree_command_lines(stack.pid))
+
+
+def process_tree_command_lines(root: int) -> list[bytes]:
+    """The command lines of `root` and its children, from /proc."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+            if stat and (int(entry.name) == root or int(stat.rsplit(")", 1)[1].split()[1]) == root):
+                lines.append((entry / "cmdline").read_bytes())
+        except OSError:
+            continue
+    return lines

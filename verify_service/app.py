@@ -9,6 +9,7 @@ from specd_common import model_thread
 from specd_common.batching import BatchPolicy
 from specd_common.config import ServerConfig
 from specd_common.models import LoadedModel
+from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 from verify_service.scorer import Scorer
@@ -18,10 +19,11 @@ from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
     threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
-    forward: str = "auto",
+    forward: str = "auto", auth_token: str = "",
 ) -> RunningServer:
     """threads / prepack / kv_token_budget / forward: see Scorer (0 / auto: measured or derived at start-up on this machine);
-    medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none.
+    medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none;
+    auth_token: when set, every VerifyService RPC needs `authorization: Bearer <token>` (health and reflection stay open).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
                                        forward)
@@ -30,7 +32,8 @@ def start_verify_server(
     )
     sessions.start_reaper()
     servicer = VerifyServicer(scorer, sessions)
-    return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config, interceptors)
+    return start_observed_server("verify", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config,
+                                 [*token_interceptors(auth_token), *interceptors])
 
 
 def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,

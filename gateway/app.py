@@ -14,6 +14,7 @@ from gateway.http_api import HttpApi, HttpServer, HttpSettings
 from gateway.options import GatewayOptions
 from gateway.pool import PoolMetrics
 from gateway.service import SERVICE_NAME, GenerateServicer, add_to_server
+from specd.v1 import common_pb2
 from specd_common.config import ServerConfig
 from specd_common.metrics import GatewayMetrics
 from specd_common.security import ClientTLS, token_interceptors, with_bearer_token
@@ -74,7 +75,7 @@ def start_gateway_server(
     if bridge_dir is not None:
         running.cleanups.append(lambda: shutil.rmtree(bridge_dir, ignore_errors=True))
         try:
-            running.companions.append(start_http_api(running, bridge[0], backends.target_info.model_name, config, http_port))
+            running.companions.append(start_http_api(running, bridge[0], backends.target_info, config, http_port))
         except BaseException:
             running.stop(0)
             raise
@@ -86,11 +87,12 @@ def http_server(running: RunningServer) -> Optional[HttpServer]:
     return next((companion for companion in running.companions if isinstance(companion, HttpServer)), None)
 
 
-def start_http_api(running: RunningServer, bridge_address: str, model: str, config: ServerConfig, port: int) -> HttpServer:
+def start_http_api(running: RunningServer, bridge_address: str, target: common_pb2.GetModelInfoResponse,
+                   config: ServerConfig, port: int) -> HttpServer:
     """The HTTP API in front of the gateway's GenerateService (reached over the private bridge socket)."""
     obs = running.observability
     settings = HttpSettings(
-        bridge_address=bridge_address, service_name=SERVICE_NAME, model=model,
+        bridge_address=bridge_address, service_name=SERVICE_NAME, model=target.model_name, vocab_size=target.vocab_size,
         tracer=obs.tracer if obs is not None and obs.tracing else None, metrics=obs.metrics if obs is not None else None,
     )
     return HttpServer(HttpApi(settings), config.host, port, config.tls, config.grace_s).start()

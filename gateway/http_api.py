@@ -9,7 +9,9 @@ only translates (gateway/openai_api.py) and maps gRPC status codes to HTTP ones.
   GET  /v1/models, GET /health
 
 A client that disconnects cancels its gRPC call, which stops the generation and frees both model
-services' sessions, streamed or not.
+services' sessions, streamed or not. Every answer that is not a 2xx is OpenAI's error JSON: bad bodies
+are 400s that name the field (gateway/openai_api.py reads them), and anything unexpected is a 500
+"server_error" (logged here with its traceback), never plain text, also after a stream has started.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 2.0
+# a prompt at its limit written with JSON escapes (up to 12 bytes a character: an escaped surrogate pair) fits
+MAX_BODY_BYTES = 16 * openai_api.MAX_PROMPT_CHARS
 
 
 @dataclass
@@ -54,6 +58,7 @@ class HttpSettings:
     bridge_address: str  # the gateway's private gRPC address (unix:PATH)
     service_name: str  # GenerateService's full name, for its health status
     model: str  # the id /v1/models lists and requests must name
+    vocab_size: int = openai_api.INT32_MAX + 1  # the target's: token-id prompts are checked against it
     tracer: Any = None  # the gateway's OpenTelemetry tracer, None when not tracing
     metrics: Any = None  # specd_common.metrics.GatewayMetrics, None when not counted
 
@@ -71,7 +76,7 @@ class HttpApi:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
             ],
-            exception_handlers={HTTPException: _http_exception},
+            exception_handlers={HTTPException: _http_exception, Exception: _server_error},
             lifespan=self._lifespan,
         )
 
@@ -114,22 +119,25 @@ class HttpApi:
         started = time.perf_counter()
         span = self._start_span(request)
         try:
-            parsed = openai_api.parse_request(kind, await _json_body(request))
+            parsed = openai_api.parse_request(kind, await _json_body(request), self.settings.vocab_size)
             if parsed.model != self.settings.model:
-                raise ApiError(404, f"model {parsed.model!r} is not served here; GET /v1/models lists {self.settings.model!r}",
-                               "invalid_request_error", "model_not_found", "model")
+                raise ApiError(404, f"model {openai_api.shown(parsed.model)} is not served here; GET /v1/models lists "
+                               f"{json.dumps(self.settings.model)}", "invalid_request_error", "model_not_found", "model")
             if parsed.user and span is not None:
                 span.set_attribute("specd.openai.user", parsed.user)
             metadata = _call_metadata(request, span)
             ids = ReplyIds.new(kind, self.settings.model)
             if parsed.stream:
-                return await self._stream(request, kind, ids, parsed.to_grpc(), metadata, parsed.include_usage, span, started)
-            answer = await _unless_disconnected(request, self._generate.Generate(parsed.to_grpc(), metadata=metadata))
+                return await self._stream(request, kind, ids, parsed.request, metadata, parsed.include_usage, span, started)
+            answer = await _unless_disconnected(request, self._generate.Generate(parsed.request, metadata=metadata))
             response: Response = JSONResponse(openai_api.reply(kind, ids, answer))
         except ApiError as error:
             response = _error_response(error)
         except grpc.aio.AioRpcError as error:
             response = _error_response(ApiError.from_grpc(error.code(), error.details() or ""))
+        except Exception:  # noqa: BLE001 - the last resort: a 500 in OpenAI's shape, the traceback in the log
+            log.exception("%s %s failed", request.method, request.url.path)
+            response = _error_response(SERVER_ERROR)
         _end_span(span, response.status_code)
         return self._count(request, response, started)
 
@@ -142,7 +150,7 @@ class HttpApi:
         try:
             first = await _unless_disconnected(request, call.read())
             if first is grpc.aio.EOF:
-                raise ApiError(500, "the gateway ended the stream without an answer", "internal_error", "internal_error")
+                raise ApiError(500, "the gateway ended the stream without an answer", "server_error", "internal_error")
             answered = True
         except grpc.aio.AioRpcError as error:
             raise ApiError.from_grpc(error.code(), error.details() or "") from None
@@ -174,6 +182,10 @@ class HttpApi:
         except asyncio.CancelledError:
             status = 499
             raise
+        except Exception:  # noqa: BLE001 - the headers are sent: the last event says what happened
+            log.exception("a %s stream failed", kind)
+            status = SERVER_ERROR.status
+            yield _event(SERVER_ERROR.body())
         finally:
             call.cancel()
             _end_span(span, status)
@@ -198,10 +210,18 @@ class HttpApi:
 
 
 async def _json_body(request: Request) -> Any:
+    """The body as JSON, read up to MAX_BODY_BYTES (413 beyond). Invalid UTF-8, numbers of more digits than
+    Python converts and nesting deeper than its recursion limit are bad JSON too (400, not a crash)."""
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes; send a shorter prompt",
+                           code="request_too_large")
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, f"the request body is not valid JSON: {str(error)[:200]}") from None
 
 
 async def _unless_disconnected(request: Request, awaitable: Any) -> Any:
@@ -246,6 +266,15 @@ def _event(payload: dict) -> str:
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"www-authenticate": 'Bearer realm="specd"'} if error.status == 401 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+SERVER_ERROR = ApiError(500, "the gateway failed to answer this request (a bug: its log has the traceback); "
+                               "retrying may not help", "server_error", "internal_error")
+
+
+async def _server_error(_request: Request, _error: Exception) -> Response:
+    """Whatever escaped a route (Starlette logs the traceback): OpenAI's error JSON, never plain text."""
+    return _error_response(SERVER_ERROR)
 
 
 async def _http_exception(_request: Request, error: HTTPException) -> Response:

@@ -11,20 +11,25 @@ is accepted, because clients and SDKs send those by default.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.service import MAX_NEW_TOKENS
+from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from specd.v1 import common_pb2, generate_pb2
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # Chat without max_tokens gets the gateway's default (GenerateRequest.max_new_tokens = 0): 256 tokens.
 SEED_MASK = 2**64 - 1  # OpenAI seeds are signed 64-bit; specd's are unsigned: same bits
+INT32_MAX = 2**31 - 1  # token ids and top_k are int32 in specd.v1
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for "system"
+Kind = Literal["chat", "completion"]
+T = TypeVar("T")
+_UNSET = object()
 
 # Parameters accepted only at the value that changes nothing (SDKs and harnesses send these).
 NO_EFFECT_VALUES: dict[str, tuple] = {
@@ -77,7 +82,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, details: str) -> "ApiError":
-        status, error_type, error_code = _HTTP_ERRORS.get(code, (500, "internal_error", "internal_error"))
+        status, error_type, error_code = _HTTP_ERRORS.get(code, (500, "server_error", "internal_error"))
         return cls(status, details or code.name, error_type, error_code)
 
     def body(self) -> dict:
@@ -85,114 +90,217 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code or None}}
 
 
-# --------------------------------------------------------------------------- request models
+# --------------------------------------------------------------------------- reading a request body
+# One set of typed readers checks every field (strict JSON types: a boolean is not a number, a string is not
+# a boolean, NaN and Infinity are not numbers); each error names the field's path (`messages[0].content`),
+# the type or range it must have and what it got, so a client can fix the request from the message alone.
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def as_int(value: Any, path: str, low: int, high: int, what: str = "an integer") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid(path, f"must be {what} in [{low}, {high}]", value)
+    return value
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
+def as_number(value: Any, path: str, low: float, high: float, above_low: bool = False) -> float:
+    """A JSON number (an integer counts), finite, in [low, high] or (low, high] when above_low."""
+    interval = f"{'(' if above_low else '['}{low:g}, {high:g}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, float) and not math.isfinite(value):
+        raise invalid(path, f"must be a finite number in {interval}", value)
+    if not (low < value if above_low else low <= value) or value > high:
+        raise invalid(path, f"must be in {interval}", value)
+    return float(value)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+def as_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(path, "must be true or false", value)
+    return value
 
 
-class ChatMessage(_Strict):
-    # "developer" is OpenAI's newer name for "system"; tool and function messages need tool calling
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+def as_text(value: Any, path: str, min_chars: int = 0, max_chars: int = MAX_PROMPT_CHARS) -> str:
+    """A string of min_chars..max_chars characters that UTF-8 can carry: JSON lets a string hold a lone
+    UTF-16 surrogate (`"\\ud800"`), which no model or protobuf message can."""
+    if not isinstance(value, str) or not min_chars <= len(value) <= max_chars:
+        raise invalid(path, f"must be a string of {min_chars}..{max_chars} characters", value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise invalid(path, f"holds a lone UTF-16 surrogate at character {error.start}, which is not text; "
+                            "send characters outside the BMP as a surrogate pair or as UTF-8") from None
+    return value
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+def as_list(value: Any, path: str, min_items: int, max_items: int) -> list:
+    if not isinstance(value, list) or not min_items <= len(value) <= max_items:
+        raise invalid(path, f"must be an array of {min_items}..{max_items} items", value)
+    return value
 
 
-class _Generation(_Strict):
-    """What chat and completion requests share."""
+def as_object(value: Any, path: str, known: tuple[str, ...]) -> dict:
+    """A JSON object whose keys are all known (anything else would be ignored, so it is refused)."""
+    if not isinstance(value, dict):
+        raise invalid(path, "must be an object", value)
+    for key in value:
+        if key not in known:
+            raise unsupported(_join(path, key))
+    return value
+
+
+def read(body: dict, name: str, check: Callable[..., T], *limits: Any, where: str = "") -> Optional[T]:
+    """body[name] checked by `check(value, path, *limits)`; None when absent or null (OpenAI's "not set")."""
+    value = body.get(name)
+    return None if value is None else check(value, _join(where, name), *limits)
+
+
+def require(body: dict, name: str, check: Callable[..., T], *limits: Any, where: str = "") -> T:
+    path = _join(where, name)
+    if body.get(name) is None:
+        raise ApiError(400, f"parameter {path!r} is required", param=path)
+    return check(body[name], path, *limits)
+
+
+def invalid(path: str, problem: str, value: Any = _UNSET) -> ApiError:
+    got = "" if value is _UNSET else f", got {shown(value)}"
+    return ApiError(400, f"invalid {path!r}: {problem}{got}", param=path)
+
+
+def unsupported(path: str) -> ApiError:
+    hint = f" (only {json.dumps(NO_EFFECT_VALUES[path][0])} is accepted)" if path in NO_EFFECT_VALUES else ""
+    return ApiError(400, f"parameter {path!r} is not supported by specd{hint}; remove it", param=path)
+
+
+def _join(where: str, name: str) -> str:
+    name = json.dumps(name)[1:-1]  # a client's key, printable and UTF-8-safe for the error JSON
+    return f"{where}.{name}" if where else name
+
+
+def shown(value: Any) -> str:
+    """A JSON value as an error message shows it: short and ASCII-escaped (safe in the error JSON)."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    if isinstance(value, str) and len(value) > 40:
+        return f"a string of {len(value)} characters"
+    text = json.dumps(value)  # NaN and Infinity as JSON writes them; lone surrogates escaped
+    text = text if len(text) <= 40 else f"{text[:24]}... ({len(text)} digits)"
+    return f"{text} (not a finite number)" if isinstance(value, float) and not math.isfinite(value) else text
+
+
+# --------------------------------------------------------------------------- the requests
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A checked OpenAI request: what the HTTP layer needs, and the GenerateRequest it becomes."""
 
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)  # an extension, as in vLLM and SGLang; 0 = off
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
-    stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None  # an end-user id: recorded on the trace, changes nothing
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def base_request(self, max_new_tokens: Optional[int]) -> generate_pb2.GenerateRequest:
-        """The GenerateRequest fields every kind shares; OpenAI's defaults are temperature 1, top_p 1."""
-        temperature = 1.0 if self.temperature is None else self.temperature
-        request = generate_pb2.GenerateRequest(
-            max_new_tokens=max_new_tokens or 0,
-            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=self.top_p or 0.0, top_k=self.top_k or 0),
-            stop=self.stop_strings(),
-        )
-        if self.seed is not None:
-            request.seed = self.seed & SEED_MASK
-        return request
+    stream: bool
+    include_usage: bool
+    user: Optional[str]  # an end-user id: recorded on the trace, changes nothing
+    request: generate_pb2.GenerateRequest
 
 
-class ChatCompletionRequest(_Generation):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_NEW_TOKENS)
-
-    def to_grpc(self) -> generate_pb2.GenerateRequest:
-        request = self.base_request(self.max_completion_tokens or self.max_tokens)
-        role = {"developer": "system"}
-        request.messages.messages.extend(
-            generate_pb2.ChatMessage(role=role.get(m.role, m.role), content=m.text()) for m in self.messages
-        )
-        return request
-
-
-class CompletionRequest(_Generation):
-    prompt: Union[str, list[int], list[str]]
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("specd answers one prompt per request; send a string or a list with one string")
-            return prompt[0]
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("the prompt is empty")
-        return prompt
-
-    def to_grpc(self) -> generate_pb2.GenerateRequest:
-        request = self.base_request(self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
-        if isinstance(self.prompt, str):
-            request.text, request.raw = self.prompt, True  # completions are raw text: no chat template
-        else:
-            request.token_ids.ids.extend(self.prompt)
-        return request
-
-
-Kind = Literal["chat", "completion"]
-_MODELS: dict[str, type[_Generation]] = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
-
-
-def parse_request(kind: Kind, body: Any) -> _Generation:
-    """Validate a JSON body; ApiError(400) that names the parameter and says what to fix."""
+def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> ParsedRequest:
+    """Check a JSON body field by field; ApiError(400) that names the field and says what to fix.
+    Token ids are checked against vocab_size when the caller knows it (the gateway checks them again)."""
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    body = {key: value for key, value in body.items() if not _no_effect(key, value)}
-    try:
-        return _MODELS[kind].model_validate(body)
-    except ValidationError as error:
-        raise _validation_error(error) from None
+        raise ApiError(400, f"the request body must be a JSON object, got {shown(body)}")
+    body = as_object({key: value for key, value in body.items() if not _no_effect(key, value)}, "", _FIELDS[kind])
+    model = require(body, "model", as_text, 1)
+    stream = read(body, "stream", as_bool) or False
+    options = read(body, "stream_options", as_object, ("include_usage",)) or {}
+    include_usage = read(options, "include_usage", as_bool, where="stream_options") or False
+    user = read(body, "user", as_text)
+    if kind == "chat":
+        messages = _messages(require(body, "messages", as_list, 1, MAX_PROMPT_CHARS))
+        max_tokens = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS)
+        max_new = read(body, "max_completion_tokens", as_int, 1, MAX_NEW_TOKENS) or max_tokens
+        request = generate_pb2.GenerateRequest(messages=generate_pb2.ChatMessages(messages=messages))
+    else:
+        max_new = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS) or COMPLETION_DEFAULT_MAX_TOKENS
+        request = _prompt(require(body, "prompt", _prompt_value), vocab_size)
+    _sampling(body, request)
+    request.max_new_tokens = max_new or 0  # 0: the gateway's default (chat: 256 tokens)
+    return ParsedRequest(model, stream, include_usage, user, request)
+
+
+_SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user")
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens"),
+    "completion": (*_SHARED_FIELDS, "prompt"),
+}
+
+
+def _sampling(body: dict, request: generate_pb2.GenerateRequest) -> None:
+    """The sampling fields chat and completions share; OpenAI's defaults are temperature 1, top_p 1."""
+    temperature = read(body, "temperature", as_number, 0, 2)
+    request.sampling.temperature = 1.0 if temperature is None else temperature
+    request.sampling.top_p = read(body, "top_p", as_number, 0, 1, True) or 0.0
+    request.sampling.top_k = read(body, "top_k", as_int, 0, INT32_MAX) or 0  # an extension, as in vLLM; 0 = off
+    seed = read(body, "seed", as_int, -(2**63), SEED_MASK)
+    if seed is not None:
+        request.seed = seed & SEED_MASK
+    request.stop.extend(read(body, "stop", _stop_value) or [])
+
+
+def _stop_value(value: Any, path: str) -> list[str]:
+    """A string or an array of strings."""
+    if isinstance(value, str):
+        return [as_text(value, path, 1, MAX_STOP_LENGTH)]
+    stops = as_list(value, path, 0, MAX_STOP_STRINGS)
+    return [as_text(stop, f"{path}[{i}]", 1, MAX_STOP_LENGTH) for i, stop in enumerate(stops)]
+
+
+def _messages(messages: list) -> list[generate_pb2.ChatMessage]:
+    """Roles system/developer/user/assistant ("developer" is OpenAI's newer "system"; tool messages would
+    need tool calling), text content as a string or as text parts; MAX_PROMPT_CHARS characters in all."""
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        message = as_object(message, where, ("role", "content"))
+        role = require(message, "role", as_text, where=where)
+        if role not in ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(ROLES)}", role)
+        content = require(message, "content", _content, where=where)
+        checked.append(generate_pb2.ChatMessage(role="system" if role == "developer" else role, content=content))
+    total = sum(len(message.content) for message in checked)
+    if total > MAX_PROMPT_CHARS:
+        raise invalid("messages", f"the contents are {total} characters in all; at most {MAX_PROMPT_CHARS} are accepted "
+                                  "(and the prompt must fit the model's context, in tokens)")
+    return checked
+
+
+def _content(value: Any, path: str) -> str:
+    """A string, or an array of text parts ({"type": "text", "text": ...}) joined."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return as_text(value, path)
+    texts = []
+    for i, part in enumerate(value):
+        where = f"{path}[{i}]"
+        part = as_object(part, where, ("type", "text"))
+        if require(part, "type", as_text, where=where) != "text":
+            raise invalid(f"{where}.type", 'must be "text" (specd takes text only)', part["type"])
+        texts.append(require(part, "text", as_text, where=where))
+    return "".join(texts)
+
+
+def _prompt_value(value: Any, path: str) -> Union[str, list[int]]:
+    """A string, an array of one string, or an array of token ids (checked against the vocabulary later)."""
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        if len(value) != 1:
+            raise invalid(path, "specd answers one prompt per request; send a string or an array of one string")
+        return as_text(value[0], f"{path}[0]", 1)
+    if isinstance(value, list):
+        return as_list(value, path, 1, MAX_PROMPT_CHARS)
+    return as_text(value, path, 1)
+
+
+def _prompt(prompt: Union[str, list], vocab_size: int) -> generate_pb2.GenerateRequest:
+    if isinstance(prompt, str):  # completions are raw text: no chat template
+        return generate_pb2.GenerateRequest(text=prompt, raw=True)
+    high, what = min(vocab_size, INT32_MAX + 1) - 1, "a token id of the model's vocabulary"
+    ids = [as_int(token, f"prompt[{i}]", 0, high, what) for i, token in enumerate(prompt)]
+    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=ids))
 
 
 def _no_effect(key: str, value: Any) -> bool:
@@ -204,20 +312,6 @@ def _same(value: Any, allowed: Any) -> bool:
     if isinstance(value, bool) or isinstance(allowed, bool) or value is None or allowed is None:
         return value is allowed
     return value == allowed
-
-
-def _validation_error(error: ValidationError) -> ApiError:
-    """The first problem, phrased for a person: which parameter, what is wrong with it."""
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    if first["type"] == "extra_forbidden":
-        name = str(first["loc"][-1])
-        hint = f" (only {json.dumps(NO_EFFECT_VALUES[name][0])} is accepted)" if name in NO_EFFECT_VALUES else ""
-        return ApiError(400, f"parameter {param!r} is not supported by specd{hint}; remove it", param=param)
-    if first["type"] == "missing":
-        return ApiError(400, f"parameter {param!r} is required", param=param)
-    message = first["msg"].removeprefix("Value error, ")
-    return ApiError(400, f"invalid {param!r}: {message}", param=param)
 
 
 # --------------------------------------------------------------------------- replies

@@ -154,7 +154,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             require(len(messages) > 0, "messages must hold at least one message")
             for message in messages:
                 require(message.role in CHAT_ROLES, f"message role must be one of {CHAT_ROLES}, got {message.role!r}")
-            require(sum(len(m.content) for m in messages) <= MAX_PROMPT_CHARS, "messages are too long")
+            chars = sum(len(m.content) for m in messages)
+            require(chars <= MAX_PROMPT_CHARS, f"messages are {chars} characters in all; at most {MAX_PROMPT_CHARS}")
             ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)

@@ -145,7 +145,7 @@ def test_stop_strings_end_the_text_before_them(served: Cluster, client: openai.O
         ({"temperature": 3}, "invalid 'temperature'"),
         ({"max_tokens": 0}, "invalid 'max_tokens'"),
         ({"messages": []}, "invalid 'messages'"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid 'messages.0.role'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid 'messages[0].role'"),
     ],
 )
 def test_bad_input_is_a_400_that_names_the_parameter(client: openai.OpenAI, model: str, extra: dict, fragment: str):
@@ -154,6 +154,132 @@ def test_bad_input_is_a_400_that_names_the_parameter(client: openai.OpenAI, mode
         client.chat.completions.create(**request)
     assert refused.value.status_code == 400
     assert fragment in refused.value.body["message"], refused.value.body
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize(
+    "path, fields, param, fragment",
+    [
+        # the two former 500s: a lone surrogate (JSON allows it, UTF-8 and protobuf cannot) and an id beyond int32
+        (CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content", "lone UTF-16 surrogate"),
+        (COMPLETIONS, {"prompt": [1099511627776]}, "prompt[0]", "vocabulary in [0, "),
+        (COMPLETIONS, {"prompt": [1, 5000]}, "prompt[1]", "vocabulary in [0, "),  # int32, beyond the tiny vocabulary
+        (COMPLETIONS, {"prompt": [1, -1]}, "prompt[1]", "got -1"),
+        # strict types: no bool as an int, no string as a bool, no fractional ints, no NaN / Infinity
+        (CHAT, {"max_tokens": True}, "max_tokens", "must be an integer in [1, 8192], got true"),
+        (CHAT, {"max_tokens": 4.0}, "max_tokens", "must be an integer"),
+        (CHAT, {"max_tokens": "4"}, "max_tokens", "must be an integer"),
+        (CHAT, {"max_completion_tokens": 8193}, "max_completion_tokens", "in [1, 8192], got 8193"),
+        (COMPLETIONS, {"max_tokens": False}, "max_tokens", "got false"),
+        (CHAT, {"stream": "yes"}, "stream", 'must be true or false, got "yes"'),
+        (CHAT, {"stream": 1}, "stream", "must be true or false"),
+        (CHAT, {"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage", "true or false"),
+        (CHAT, {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "not supported"),
+        (CHAT, {"stream_options": True}, "stream_options", "must be an object"),
+        (CHAT, {"temperature": "NaN"}, "temperature", "finite number"),
+        (CHAT, {"temperature": True}, "temperature", "finite number in [0, 2], got true"),
+        (CHAT, {"top_p": 0}, "top_p", "in (0, 1]"),
+        (CHAT, {"top_p": "0.9"}, "top_p", "finite number"),
+        (CHAT, {"top_k": -1}, "top_k", "in [0, 2147483647]"),
+        (CHAT, {"top_k": 2.5}, "top_k", "must be an integer"),
+        (CHAT, {"seed": True}, "seed", "must be an integer"),
+        (CHAT, {"seed": 2**64}, "seed", "got 18446744073709551616"),
+        (CHAT, {"stop": 7}, "stop", "must be an array"),
+        (CHAT, {"stop": ["ok", None]}, "stop[1]", "must be a string of 1..256 characters"),
+        (CHAT, {"stop": [f"s{i}" for i in range(17)]}, "stop", "array of 0..16 items"),
+        (CHAT, {"stop": "x" * 257}, "stop", "a string of 257 characters"),
+        (CHAT, {"user": 42}, "user", "must be a string"),
+        (CHAT, {"model": 3}, "model", "must be a string"),
+        (CHAT, {"n": True}, "n", "only 1 is accepted"),
+        (CHAT, {"logprobs": 0}, "logprobs", "not supported"),
+        (CHAT, {"messages": "hi"}, "messages", "must be an array"),
+        (CHAT, {"messages": ["hi"]}, "messages[0]", "must be an object"),
+        (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+        (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "not supported"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].image_url", "not supported"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type", '"text"'),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]},
+         "messages[0].content[0].text", "surrogate"),
+        (CHAT, {"messages": [{"role": "user", "content": "x" * 600_000}, {"role": "user", "content": "y" * 500_000}]},
+         "messages", "1100000 characters in all; at most 1000000"),
+        (COMPLETIONS, {"prompt": ""}, "prompt", "1..1000000 characters"),
+        (COMPLETIONS, {"prompt": []}, "prompt", "array of 1.."),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        (COMPLETIONS, {"prompt": [[1, 2]]}, "prompt[0]", "token id"),
+        (COMPLETIONS, {"prompt": None}, "prompt", "is required"),
+        (COMPLETIONS, {"max_completion_tokens": 4}, "max_completion_tokens", "not supported"),
+    ],
+)
+def test_every_malformed_field_is_a_400_naming_it(served: Cluster, model: str, path: str, fields: dict, param: str,
+                                                   fragment: str):
+    """Sent as raw JSON bytes (no SDK between): the answer is OpenAI's error JSON naming the field, what it
+    must be and what it got. NaN, Infinity and lone surrogates are written as Python's json writes them."""
+    base = {"model": model, "max_tokens": 2, **({"messages": MESSAGES} if path == CHAT else {"prompt": "The sea"})}
+    status, answer = raw_http(http_port(served), "POST", path, json.dumps({**base, **fields}).encode())
+    error = json.loads(answer)["error"]
+    assert status == 400, answer
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert f"'{param}'" in error["message"] and fragment in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_say_so(served: Cluster, model: str, literal: str):
+    """Python's JSON reader takes NaN and Infinity literals (and 1e999 overflows to Infinity): a range
+    message ("should be ≤ 2") would mislead, so the error says the number is not finite."""
+    body = '{"model": %s, "messages": %s, "temperature": %s}' % (json.dumps(model), json.dumps(MESSAGES), literal)
+    status, answer = raw_http(http_port(served), "POST", CHAT, body.encode())
+    error = json.loads(answer)["error"]
+    assert status == 400 and error["param"] == "temperature", answer
+    assert "not a finite number" in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"[" * 100_000, "not valid JSON"),  # deeper than Python's recursion limit
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),  # more digits than Python converts
+        (b'{"model": "\xff"}', "not valid JSON"),  # not UTF-8
+        (b"[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_bodies_that_are_not_a_json_object_are_400s(served: Cluster, body: bytes, fragment: str):
+    status, answer = raw_http(http_port(served), "POST", CHAT, body)
+    assert status == 400 and fragment in json.loads(answer)["error"]["message"], answer
+
+
+def test_a_body_over_the_limit_is_a_413(served: Cluster):
+    from gateway.http_api import MAX_BODY_BYTES
+
+    status, answer = raw_http(http_port(served), "POST", CHAT, b" " * (MAX_BODY_BYTES + 1))
+    assert status == 413 and str(MAX_BODY_BYTES) in json.loads(answer)["error"]["message"], answer
+
+
+def test_a_bug_is_a_500_in_openai_shape_plain_and_streamed(served: Cluster, model: str, monkeypatch: pytest.MonkeyPatch):
+    """The last resort: an exception nobody expected (here injected into the reply builders) reaches the
+    client as OpenAI's error JSON with type server_error; after a stream has started, as its last event."""
+    from gateway import openai_api
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(openai_api, "reply", broken)
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}).encode()
+    status, answer = raw_http(http_port(served), "POST", CHAT, body)
+    error = json.loads(answer)["error"]
+    assert status == 500 and error["type"] == "server_error" and "injected" not in error["message"], answer
+
+    real_chunk = openai_api.chunk
+    monkeypatch.setattr(openai_api, "chunk", lambda *args, **kwargs: broken() if not args[4] else real_chunk(*args, **kwargs))
+    streamed = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    status, answer = raw_http(http_port(served), "POST", CHAT, streamed)
+    events = [line.removeprefix(b"data: ") for line in answer.split(b"\n") if line.startswith(b"data: ")]
+    assert status == 200 and json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant", answer
+    assert json.loads(events[-1])["error"]["type"] == "server_error", answer
+    assert b"Traceback" not in answer
 
 
 def test_no_effect_values_are_accepted(client: openai.OpenAI, model: str):

@@ -136,6 +136,7 @@ class Generation:
         spec: GenerationSpec,
         time_remaining: Callable[[], Optional[float]] = lambda: None,
         is_active: Callable[[], bool] = lambda: True,
+        cut_off: Callable[[], bool] = lambda: False,
         speculation_allowed: Callable[[], bool] = lambda: True,
         running: Callable[[], int] = lambda: 1,
         options: GatewayOptions = GatewayOptions(),
@@ -150,6 +151,7 @@ class Generation:
         self.max_length = backends.target_info.max_sequence_length
         self._time_remaining = time_remaining
         self._is_active = is_active
+        self._cut_off = cut_off  # the gateway's shutdown grace is over: end with the partial answer
         self._speculation_allowed = speculation_allowed
         self._running = running  # requests this gateway runs now (the batch this request's rounds share)
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
@@ -179,8 +181,10 @@ class Generation:
         """Yield one Chunk per round until a stop condition; sessions are released on every exit path."""
         observer = GenerationObserver(self)  # spans and metrics (gateway/observe.py)
         try:
+            self._unless_cut_off()
             observer.prefill(self._open_sessions)
             while self._is_active():
+                self._unless_cut_off()
                 chunk = observer.round(self._round)
                 yield chunk
                 if chunk.finish_reason:
@@ -188,6 +192,12 @@ class Generation:
         finally:
             observer.finish()
             self.sessions.release_all()
+
+    def _unless_cut_off(self) -> None:
+        """Between rounds: when the gateway's shutdown grace is over, end with UNAVAILABLE and the
+        tokens made so far, as when the verify is lost (the streamed ones are already sent)."""
+        if self._cut_off():
+            raise self._interrupted("the gateway shut down before the answer was complete; retry on another replica")
 
     def context(self) -> RoundContext:
         """What the proposers read to plan this round (the load is asked once a round)."""

@@ -319,11 +319,13 @@ class HttpServer:
         return self
 
     def begin_stop(self) -> None:
-        """Stop accepting connections; in-flight requests get the graceful-shutdown time."""
-        self._server.should_exit = True
+        """The gateway is stopping: keep accepting, so a new request gets its 503 in OpenAI's error JSON
+        (the gateway's GenerateService refuses it: UNAVAILABLE) and /health says not_serving, rather than
+        a refused connection; in-flight requests go on until the gateway's calls end (RunningServer.stop)."""
 
     def stop(self, grace_s: float = 5.0) -> None:
-        self.begin_stop()
+        """Stop accepting connections; in-flight requests get the graceful-shutdown time."""
+        self._server.should_exit = True
         self._thread.join(grace_s + 1.0)
         self.socket.close()
 

@@ -16,6 +16,7 @@ from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.errors import grpc_errors, grpc_stream_errors, require
 from specd_common.params import Warp
 from specd_common.sequence import validate_token_ids
+from specd_common.server import CallGate
 from specd_common.tree import MAX_TREE_NODES
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -27,6 +28,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
 CHAT_ROLES = ("system", "user", "assistant")
+SHUTTING_DOWN = "the gateway is shutting down; retry on another replica"
 _POLICIES = {generate_pb2.DRAFT_LENGTH_POLICY_FIXED, generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE}
 _FINISH = {
     FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
@@ -40,9 +42,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.backends = backends
         self.options = options
         self.admission = admission or Admission(max_active=64, max_waiting=options.max_waiting)
+        self.gate = CallGate(SHUTTING_DOWN)  # the server's graceful shutdown (specd_common/server.py)
 
     @grpc_errors
     def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        with self.gate.enter():
+            return self._generate(request, context)
+
+    @grpc_stream_errors
+    def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+        with self.gate.enter():
+            yield from self._generate_stream(request, context)
+
+    def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> generate_pb2.GenerateResponse:
         generation = self._start(request, context)
         token_ids, finish = [], None
         with self.admission.slot(_deadline(context)):
@@ -58,8 +70,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             stats=_stats(generation),
         )
 
-    @grpc_stream_errors
-    def GenerateStream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
+    def _generate_stream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         generation = self._start(request, context)
         first = True
         with self.admission.slot(_deadline(context)):
@@ -74,6 +85,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             spec,
             time_remaining=lambda: _deadline(context),
             is_active=context.is_active,
+            cut_off=lambda: self.gate.cut,
             speculation_allowed=self._speculation_allowed,
             running=lambda: self.admission.active,
             options=self.options,

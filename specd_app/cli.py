@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import MutableMapping, Optional, Sequence
+from typing import Callable, MutableMapping, Optional, Sequence
 
 from gateway.options import GatewayOptions
 from specd_app.long_prompts import LONG_PROMPTS
@@ -314,18 +314,24 @@ def run_up(args: argparse.Namespace) -> int:
     token = share_stack_token(os.environ, args.auth_token, args.auth_token_file)  # children (and restarts) inherit it
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port, "http": args.http_port}
     commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens)
-    children = start_in_order(commands, args.host, ports)
     gateway_address = f"{args.host}:{args.gateway_port}"
-    stop = {"requested": False}
+    stop = {"requested": False, "demo": False}
 
     def request_stop(*_: object) -> None:
+        if not stop["requested"]:
+            log.info("stopping: the gateway first (its requests get up to --grace to finish), then the model services")
         stop["requested"] = True
+        if stop["demo"]:  # cancel the demo's call (the gateway frees its sessions) rather than wait for it
+            stop["demo"] = False
+            raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before any child starts: none is left behind
+        signal.signal(sig, request_stop)
+    children: dict = {}
     try:
+        children.update(start_in_order(commands, args.host, ports, stop, spawn=spawn_in_own_session))
         if not wait_until_serving(gateway_address, children, stop):
-            return 1
+            return 0 if stop["requested"] else 1
         draft = "no draft service" if args.drafter == HEADS_ONLY else f"draft {args.host}:{args.draft_port}"
         log.info("specd is up: gateway %s (%s, verify %s:%d)", gateway_address, draft, args.host, args.verify_port)
         if args.http_port:
@@ -333,12 +339,15 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             log.info("demo prompt: %s", args.demo)
             demo = ["generate", "--gateway", gateway_address, "--prompt", args.demo, "--token", token]
-            run_generate(build_parser().parse_args(demo))
+            run_demo(build_parser().parse_args(demo), stop)
             if args.exit_after_demo:
                 return 0
+        if stop["requested"]:
+            return 0
         log.info("serving until Ctrl-C; a service that exits is restarted")
         started = time.monotonic()
-        supervisor = Supervisor({name: Child(name, commands[name], children[name], started) for name in children})
+        supervisor = Supervisor({name: Child(name, commands[name], children[name], started) for name in children},
+                                spawn=spawn_in_own_session)
         while not stop["requested"]:
             supervisor.step()
             children.update({name: child.process for name, child in supervisor.children.items()})
@@ -346,6 +355,23 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stop_children(children, timeout_s=30)
+
+
+def run_demo(args: argparse.Namespace, stop: dict) -> None:
+    """`specd generate` once; a stop request meanwhile cancels it (run_up's handler raises
+    KeyboardInterrupt into the call, whose channel then closes) and says so, without a traceback."""
+    try:
+        stop["demo"] = True
+        run_generate(args)
+        stop["demo"] = False  # inside the try: a stop arriving just before this line is caught below
+    except KeyboardInterrupt:
+        log.info("demo cancelled")
+
+
+def spawn_in_own_session(command: list[str]) -> subprocess.Popen:
+    """A `specd up` child in a session of its own: a terminal's Ctrl-C (or hang-up) reaches only
+    `specd up`, which stops the children in order (stop_children), not all of them at once."""
+    return subprocess.Popen(command, start_new_session=True)
 
 
 def share_stack_token(environ: MutableMapping[str, str], token: str, token_file: str) -> str:
@@ -390,15 +416,18 @@ def service_commands(
     return commands
 
 
-def start_in_order(commands: dict, host: str, ports: dict) -> dict:
+def start_in_order(commands: dict, host: str, ports: dict, stop: Optional[dict] = None,
+                   spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen) -> dict:
     """Start the services one after another: each model service measures its own forward passes at
     start-up to choose its runtime (specd_common/autotune.py), and two services measuring at once on
     shared cores would each time the other's load. The draft starts once the verify serves, the
-    gateway once the draft does. Returns name → Popen (fewer if one died while starting)."""
+    gateway once the draft does. Returns name → Popen (fewer if one died while starting, or a stop
+    was requested: stop["requested"])."""
+    stop = {"requested": False} if stop is None else stop
     children: dict = {}
     for name, command in commands.items():
-        children[name] = subprocess.Popen(command)
-        if name != "gateway" and not wait_until_serving(f"{host}:{ports[name]}", children, {"requested": False}):
+        children[name] = spawn(command)
+        if name != "gateway" and not wait_until_serving(f"{host}:{ports[name]}", children, stop):
             break  # the caller's wait for the gateway reports which child died
     return children
 
@@ -648,19 +677,27 @@ def parse_heads_flags(values: Sequence[str]) -> dict:
 
 
 def stop_children(children: dict, timeout_s: float = 60.0) -> None:
-    """SIGTERM every child, then wait for each; one still running after timeout_s is killed (logged),
-    so a stuck service never costs a benchmark its report."""
-    for child in children.values():
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+    """Stop the gateways first, then the model services: a gateway's requests get its grace to finish,
+    and it releases their sessions on draft and verify as they end, so those must still serve
+    meanwhile (then, holding no session, they stop at once). SIGTERM each group and wait for it;
+    a child still running timeout_s after the first SIGTERM is killed (logged), so a stuck service
+    never costs a benchmark its report."""
     deadline = time.monotonic() + timeout_s
-    for name, child in children.items():
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0f s of SIGTERM; killed", name, timeout_s)
-            child.kill()
-            child.wait()
+    gateways = {name: child for name, child in children.items() if name.startswith("gateway")}
+    models = {name: child for name, child in children.items() if name not in gateways}
+    for group in (gateways, models):
+        running = {name: child for name, child in group.items() if child.poll() is None}
+        if running:
+            log.info("stopping %s", ", ".join(running))
+        for child in running.values():
+            child.send_signal(signal.SIGTERM)
+        for name, child in running.items():
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s of SIGTERM; killed", name, timeout_s)
+                child.kill()
+                child.wait()
 
 
 def start_local_stack(

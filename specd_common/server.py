@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -14,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd_common.errors import Unavailable
 from specd_common.security import ClientTLS, ServerTLS, open_channel
 from specd_common.telemetry import Observability, instrument_channel
 
@@ -24,6 +26,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+CUT_OFF_S = 5.0  # after the grace, how long calls told to end get to send their partial answers (a round or a prefill)
+LAST_STATUS_S = 1.0  # a call that has returned still sends its status: server.stop's grace once every call has returned
 
 
 class WatchSafeHealthServicer(health.HealthServicer):
@@ -37,6 +41,59 @@ class WatchSafeHealthServicer(health.HealthServicer):
     def _on_close_callback(self, send_response_callback, service):
         forget = super()._on_close_callback(send_response_callback, service)
         return lambda: threading.Thread(target=forget, name="health-watch-closed", daemon=True).start()
+
+
+class CallGate:
+    """A servicer's calls in flight, and the door new ones come through, for a graceful shutdown.
+
+    The server's stop closes the door (new calls are refused with UNAVAILABLE and `refusal`, so a
+    client retries on another replica at once), waits for the calls inside to finish within the
+    grace, then cuts the rest off: a call checks `cut` between its steps and ends with what it has.
+    Only when every call has left does the server stop and its companions close the channels the
+    calls use (closing them under a running call ended it in INTERNAL, "Channel closed", its
+    sessions left behind). A servicer exposes its gate as `.gate`; the gateway's does."""
+
+    def __init__(self, refusal: str):
+        self.refusal = refusal
+        self._calls = 0
+        self._closed = False
+        self._cut = threading.Event()
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def enter(self):
+        """Count a call for its whole life; Unavailable once the door is closed."""
+        with self._changed:
+            if self._closed:
+                raise Unavailable(self.refusal)
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._calls -= 1
+                self._changed.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self._calls
+
+    @property
+    def cut(self) -> bool:
+        """The grace is over: end now, with the partial answer."""
+        return self._cut.is_set()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+
+    def cut_off(self) -> None:
+        self._cut.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s until no call is in flight; True if none is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._calls == 0, max(0.0, timeout_s))
 
 
 @dataclass
@@ -59,15 +116,29 @@ class RunningServer:
         for name in ("", *self.service_names):
             self.health.set(name, status)
 
+    @property
+    def gate(self) -> Optional[CallGate]:
+        """The servicer's CallGate (the gateway's), None for a servicer that keeps sessions instead."""
+        return getattr(self.servicer, "gate", None)
+
+    def begin_stop(self) -> None:
+        """Report NOT_SERVING and refuse new calls (where the servicer has a gate); nothing stops yet."""
+        for companion in self.companions:
+            companion.begin_stop()
+        if self.gate is not None:
+            self.gate.close()
+        self.set_serving(False)
+
     def drain(self, grace_s: float, poll_s: float = 0.1) -> float:
         """Report NOT_SERVING, then wait up to grace_s until the service holds no session (a model
         service: gateways watching its health stop sending it new sessions at once, and the sessions
-        in flight finish here instead of failing over). Returns the grace left for stop(); a service
-        without sessions (the gateway: one RPC per request) returns at once."""
-        for companion in self.companions:
-            companion.begin_stop()
-        self.set_serving(False)
+        in flight finish here instead of failing over) or, with a gate (the gateway: one call per
+        request), until its calls in flight have finished. Returns the grace left for stop()."""
+        self.begin_stop()
         deadline = time.monotonic() + grace_s
+        if self.gate is not None:
+            self.gate.wait_idle(grace_s)
+            log.info("drained: %d call(s) still in flight", self.gate.in_flight)
         sessions = getattr(self.servicer, "sessions", None)
         while sessions is not None and len(sessions) and time.monotonic() < deadline:
             time.sleep(poll_s)
@@ -76,20 +147,34 @@ class RunningServer:
         return max(0.0, deadline - time.monotonic())
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Report NOT_SERVING, then let in-flight RPCs finish for up to grace_s."""
-        for companion in self.companions:
-            companion.begin_stop()
-        self.set_serving(False)
-        stopped = self.server.stop(grace_s)
+        """Report NOT_SERVING, let in-flight RPCs finish for up to grace_s, then stop; the companions
+        (the gateway's pools and their channels, its HTTP API) stop only after the calls have ended.
+        With a gate, the calls still running when the grace ends are cut off and get CUT_OFF_S to
+        send their partial answers."""
+        self.begin_stop()
+        calls_grace_s = grace_s
+        if self.gate is not None:
+            self._end_calls(grace_s)
+            calls_grace_s = LAST_STATUS_S  # the calls have returned; their statuses are on the way (health watches are cut)
+        self.server.stop(calls_grace_s).wait()
         for companion in self.companions:
             companion.stop(grace_s)
-        stopped.wait()
         for cleanup in self.cleanups:
             cleanup()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         if self.observability is not None:
             self.observability.close()
+
+    def _end_calls(self, grace_s: float) -> None:
+        """Wait for the gate's calls to finish within the grace; cut off the ones still running."""
+        gate = self.gate
+        if gate.wait_idle(grace_s):
+            return
+        log.info("grace over: ending %d call(s) with their partial answers", gate.in_flight)
+        gate.cut_off()
+        if not gate.wait_idle(CUT_OFF_S):
+            log.warning("%d call(s) still running %.0f s after the cut-off; stopping anyway", gate.in_flight, CUT_OFF_S)
 
 
 def start_server(
@@ -185,14 +270,20 @@ def start_observed_server(
 
 
 def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callable[[], None] = lambda: None) -> None:
-    """Block until SIGTERM/SIGINT, then drain gracefully."""
+    """Block until SIGTERM/SIGINT, then shut down gracefully (shutdown)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    shutdown(running, grace_s)
+    on_stop()
+
+
+def shutdown(running: RunningServer, grace_s: float) -> None:
+    """What SIGTERM does to a service: NOT_SERVING and new calls refused at once, then in-flight
+    work gets up to grace_s in all (drain), then the server stops (stop)."""
     log.info("shutting down: draining in-flight requests for up to %.0f s", grace_s)
     running.stop(running.drain(grace_s))
-    on_stop()
 
 
 def channel(address: str, tls: Optional[ClientTLS] = None) -> grpc.Channel:

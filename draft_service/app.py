@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
-from specd_common import autotune
+from specd_common import autotune, runtime_cache
 from specd_common.batching import BatchPolicy
-from specd_common.config import ServerConfig
+from specd_common.config import ServerConfig, StartupMeasurement
 from specd_common.lookup import SHORTEST_NGRAM
 from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
@@ -21,16 +21,17 @@ log = logging.getLogger(__name__)
 
 def make_drafter(
     kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
-    lookup_min_ngram: int = SHORTEST_NGRAM, threads: int = 0, max_threads: int = 0,
+    lookup_min_ngram: int = SHORTEST_NGRAM, threads: int = 0, max_threads: int = 0, startup: StartupMeasurement = StartupMeasurement(),
 ) -> Drafter:
     """'ngram' → prompt lookup of suffix n-grams down to `lookup_min_ngram` tokens; 'model' → a
     Hugging Face draft model loaded from `model`, batching concurrent sessions' drafting steps per
     `batching`; 'feature' → a feature head folder (`model`) over its target's embedding and LM head
-    (`target`, default: the target named in the head)."""
+    (`target`, default: the target named in the head). startup: where a feature drafter caches its start-up
+    timings and how long they may take (specd_common/runtime_cache.py)."""
     if kind == "ngram":
         return NgramDrafter(min_ngram=lookup_min_ngram)
     if kind == "feature":
-        return load_feature_drafter(model, target, dtype, threads, max_threads)
+        return load_feature_drafter(model, target, dtype, threads, max_threads, startup)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -39,7 +40,8 @@ def make_drafter(
 
 
 def load_feature_drafter(
-    folder: str, target: str = "", dtype: str = "auto", threads: int = 0, max_threads: int = 0
+    folder: str, target: str = "", dtype: str = "auto", threads: int = 0, max_threads: int = 0,
+    startup: StartupMeasurement = StartupMeasurement(),
 ) -> Drafter:
     """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
 
@@ -66,33 +68,43 @@ def load_feature_drafter(
         raise ValueError(f"feature head {folder} was trained for a target with another vocabulary than {loaded.name!r}")
     info.model_name = f"feature-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
+    key = {**runtime_cache.machine_key("cpu"), **runtime_cache.model_key(loaded.name, loaded.model), "head": runtime_cache.digest(config)}
     del loaded
     dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch.device("cpu"))]
     drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(d), info, max_length) for d in dtypes}
-    drafter, runtime = tune_feature_drafter(drafters, threads, max_threads)
+    key.update(dtypes=list(drafters), threads=autotune.threads_to_try(threads, max_threads))
+    timings = runtime_cache.StartupTimings.open("draft-feature", key, startup.cache_dir, startup.remeasure, startup.budget_s)
+    drafter, runtime = tune_feature_drafter(drafters, threads, max_threads, measure=timings.measure, source=lambda: timings.source)
+    timings.finish()
     drafter.info().runtime_config = runtime
     log.info("draft runtime: feature head %s, %s", folder, runtime)
     return drafter
 
 
-def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> tuple[Drafter, str]:
+def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0, repeats: int = 5,
+                         measure: autotune.Measure = autotune.measure_now, source: Callable[[], str] = lambda: "measured",
+                         ) -> tuple[Drafter, str]:
     """The fastest of `drafters` (dtype name → FeatureDrafter) at the fewest threads within the
-    tolerance, from interleaved timings of a 3-token draft after a 32-token prompt; sets torch's
-    threads; returns the drafter and the choice as JSON (for GetModelInfo.runtime_config)."""
+    tolerance, from interleaved timings of a 3-token draft after a 32-token prompt (taken by `measure`;
+    `source()` says how, once taken); sets torch's threads; returns the drafter and the choice as JSON
+    (for GetModelInfo.runtime_config)."""
     import json
 
     import numpy as np
     import torch
 
-    from specd_common import autotune
     from specd_common.features import encode_features
     from specd_common.params import Warp
 
     counts = autotune.threads_to_try(threads, max_threads)
-    if len(counts) * len(drafters) == 1:
+
+    def first(source: str) -> tuple[Drafter, str]:
         torch.set_num_threads(counts[0])
         name = next(iter(drafters))
-        return drafters[name], json.dumps({"device": "cpu", "threads": counts[0], "dtype": name, "source": "flags"})
+        return drafters[name], json.dumps({"device": "cpu", "threads": counts[0], "dtype": name, "source": source})
+
+    if len(counts) * len(drafters) == 1:
+        return first("flags")
 
     def draft_three(drafter):
         prompt = list(range(1, 33))
@@ -106,11 +118,13 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
 
         return run
 
-    seconds = autotune.measure_interleaved({(t, name): draft_three(d) for t in counts for name, d in drafters.items()}, repeats)
+    seconds = measure("draft steps", lambda: {(t, name): draft_three(d) for t in counts for name, d in drafters.items()}, repeats)
+    if not seconds:  # no start-up time left to measure
+        return first("default")
     best = min(drafters, key=lambda name: min(s for (t, n), s in seconds.items() if n == name))
     chosen_threads = autotune.fewest_threads({t: s for (t, n), s in seconds.items() if n == best})
     torch.set_num_threads(chosen_threads)
-    record = {"device": "cpu", "threads": chosen_threads, "dtype": best, "source": "measured",
+    record = {"device": "cpu", "threads": chosen_threads, "dtype": best, "source": source(),
               "draft3_ms": {f"{t}:{n}": round(s * 1000, 2) for (t, n), s in seconds.items()}}
     return drafters[best], json.dumps(record, separators=(",", ":"))
 

@@ -36,6 +36,7 @@ from specd_common.config import (
     DEFAULT_TARGET,
     HEADS_ONLY,
     ServerConfig,
+    StartupMeasurement,
     add_client_tls_flags,
     add_flag,
     add_model_flags,
@@ -248,7 +249,7 @@ def serve_verify(args: argparse.Namespace) -> None:
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
         medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
-        auth_token=load_token(args.auth_token, args.auth_token_file),
+        auth_token=load_token(args.auth_token, args.auth_token_file), startup=StartupMeasurement.from_args(args),
     )
     wait_for_termination(running, args.grace)
 
@@ -263,7 +264,8 @@ def serve_draft(args: argparse.Namespace) -> None:
     if args.drafter in ("model", "feature") and not args.model:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
-                           lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads)
+                           lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads,
+                           startup=StartupMeasurement.from_args(args))
     running = start_draft_server(drafter, ServerConfig.from_args(args), kv_token_budget=args.kv_token_budget,
                                  auth_token=load_token(args.auth_token, args.auth_token_file))
     wait_for_termination(running, args.grace)
@@ -325,8 +327,7 @@ def run_up(args: argparse.Namespace) -> int:
             stop["demo"] = False
             raise KeyboardInterrupt
 
-    hang_up = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)  # under nohup it stays ignored
-    for sig in (signal.SIGTERM, signal.SIGINT, *hang_up):  # before any child starts: none is left behind
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before any child starts: none is left behind
         signal.signal(sig, request_stop)
     children: dict = {}
     try:

@@ -292,12 +292,36 @@ def cgroup_cpu_quota(root: Optional[str] = None) -> Optional[int]:
     return None
 
 
-def measure_interleaved(runs: dict, repeats: int = 5) -> dict:
+# A service's start-up measurements stop taking rounds after this many seconds in all, keeping what they
+# timed (at least one timed round each): a restart on a busy machine must not wait minutes for them.
+# Sized to let an idle 2-core VM finish the default target's (~40 s on the AMD EPYC, 2026-11-26).
+STARTUP_BUDGET_S = 60.0
+
+
+@dataclass
+class Budget:
+    """Seconds the start-up measurements of one service may take in all (0 = no limit), from `started`;
+    `cut` names the measurements it stopped before all their rounds."""
+
+    seconds: float = STARTUP_BUDGET_S
+    started: float = field(default_factory=time.monotonic)
+    cut: list = field(default_factory=list)
+
+    def spent(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self.started >= self.seconds
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+def measure_interleaved(runs: dict, repeats: int = 5, budget: Optional[Budget] = None, name: str = "") -> dict:
     """Median seconds of each `runs[key]()`, with torch set to `key[0]` threads.
 
     The rounds are interleaved (each round times every run once, after one untimed warm-up round),
     so a burst of load from a neighbour on a shared machine spreads over all candidates instead of
-    condemning one. torch.set_num_threads is process-wide; the caller sets its choice afterwards."""
+    condemning one; and a `budget` spent ends them at a round's end (every candidate then has the same
+    number of samples, at least one), with `name` added to budget.cut. torch.set_num_threads is
+    process-wide; the caller sets its choice afterwards."""
     import torch
 
     samples: dict = {key: [] for key in runs}
@@ -308,7 +332,21 @@ def measure_interleaved(runs: dict, repeats: int = 5) -> dict:
             run()
             if round_index:  # round 0 warms every shape up
                 samples[key].append(time.perf_counter() - started)
+        if round_index and round_index < repeats and budget is not None and budget.spent():
+            budget.cut.append(f"{name or 'a measurement'} after {round_index} of {repeats} rounds")
+            break
     return {key: statistics.median(times) for key, times in samples.items()}
+
+
+# measure(name, make_runs, repeats) → measure_interleaved's medians of make_runs(), or {} when a start-up
+# budget was spent before (the caller keeps its defaults): how start-up code asks for timings, so a service
+# can answer from its cache (specd_common/runtime_cache.py) without building the runs.
+Measure = Callable[[str, Callable[[], dict], int], dict]
+
+
+def measure_now(name: str, make_runs: Callable[[], dict], repeats: int) -> dict:
+    """The plain Measure: time the runs here and now, no budget, no cache."""
+    return measure_interleaved(make_runs(), repeats)
 
 
 def fewest_threads(cost_by_threads: dict[int, float], tolerance: float = THREAD_TOLERANCE) -> int:
@@ -323,11 +361,14 @@ def measure_forward_costs(
     layouts: Sequence[str] = LAYOUTS,
     positions: Sequence[int] = MEASURED_POSITIONS,
     repeats: int = 5,
+    measure: Measure = measure_now,
 ) -> Costs:
     """Median seconds of `timed_forward(positions, layout)()` for every thread count, layout and size."""
-    runs = {(t, layout, n): timed_forward(n, layout) for t in threads for layout in layouts for n in positions}
+    def runs() -> dict:
+        return {(t, layout, n): timed_forward(n, layout) for t in threads for layout in layouts for n in positions}
+
     costs: Costs = {}
-    for (count, layout, n), seconds in measure_interleaved(runs, repeats).items():
+    for (count, layout, n), seconds in measure("forward costs", runs, repeats).items():
         costs.setdefault(count, {}).setdefault(layout, {})[n] = seconds
     return costs
 

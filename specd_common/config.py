@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from specd_common.autotune import STARTUP_BUDGET_S
 from specd_common.metrics import DEFAULT_METRICS_PORTS
 from specd_common.security import ClientTLS, ServerTLS
 
@@ -180,11 +181,32 @@ class BatchPolicy:
         return cls(max_batch_size=args.max_batch_size, max_wait_ms=args.batch_wait_ms)
 
 
+@dataclass(frozen=True)
+class StartupMeasurement:
+    """Where a model service caches its start-up timings (specd_common/runtime_cache.py) and how long it
+    may take them (autotune.Budget)."""
+
+    cache_dir: Optional[str] = None  # None: no cache (a service built in-process); '': the default folder; else that folder
+    remeasure: bool = False  # time again even when the cache holds the timings (and rewrite it)
+    budget_s: float = STARTUP_BUDGET_S
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StartupMeasurement":
+        if args.startup_budget < 0:
+            raise ValueError("--startup-budget must be >= 0 (0 = no limit)")
+        return cls(None if args.runtime_cache == "off" else args.runtime_cache, args.remeasure, args.startup_budget)
+
+
 def add_model_flags(parser: argparse.ArgumentParser, default_model: str) -> None:
     add_flag(parser, "model", default_model, "hub id, local folder, GGUF file, or embedded:<name>")
     add_flag(parser, "device", "auto", "auto, cpu, cuda, cuda:N")
     add_flag(parser, "dtype", "auto", "auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
     add_flag(parser, "threads", 0, "torch CPU threads for this service (0 = measured at start-up by the verify and feature drafters, torch's default for others)")
     add_flag(parser, "max-threads", 0, "with --threads 0: the most threads the start-up measurement may choose (0 = all cores; `specd up` leaves cores to the rest of the stack)")
+    add_flag(parser, "runtime-cache", "", "folder of the start-up timings cached per machine and model (measured once, read by later "
+             "starts; '' = runtime/ under $SPECD_CACHE_DIR, $XDG_CACHE_HOME/specd or ~/.cache/specd; off = measure every start)")
+    add_flag(parser, "remeasure", False, "take the start-up timings again even when the cache holds them", nargs="?", const=True)
+    add_flag(parser, "startup-budget", STARTUP_BUDGET_S, "seconds the start-up timings may take in all; past them the runtime is "
+             "chosen from the rounds timed so far and not cached (0 = no limit)")
     add_flag(parser, "max-batch-size", BatchPolicy.max_batch_size, "sessions scored in one batched forward pass (1 = one session at a time)")
     add_flag(parser, "batch-wait-ms", BatchPolicy.max_wait_ms, f"longest a batch waits for expected sessions (also capped at {BatchPolicy.wait_fraction:g} of a pass)")

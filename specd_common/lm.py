@@ -273,11 +273,13 @@ class CausalLM:
         return self.model_thread.run(fn, *args, **kwargs)
 
     @on_model_thread
-    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5) -> autotune.RuntimeChoice:
+    def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5,
+             measure: autotune.Measure = autotune.measure_now) -> autotune.RuntimeChoice:
         """Measure this model's forward passes on this machine and adopt the fastest runtime
         (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
         `max_threads` > 0) and the weight layout per forward size (among self.layouts). Not on
-        CUDA: there the default stands."""
+        CUDA: there the default stands. `measure` takes the timings (a service's may answer from
+        its cache: specd_common/runtime_cache.py)."""
         if self.loaded.device.type != "cpu":
             return self.runtime
         counts = autotune.threads_to_try(threads, max_threads)
@@ -299,7 +301,9 @@ class CausalLM:
 
             return run
 
-        costs = autotune.measure_forward_costs(timed_forward, counts, sorted(self.layouts), repeats=repeats)
+        costs = autotune.measure_forward_costs(timed_forward, counts, sorted(self.layouts), repeats=repeats, measure=measure)
+        if not costs:  # no start-up time left to measure: the default runtime stands
+            return self.runtime
         choice = autotune.choose_runtime(costs)
         torch.set_num_threads(choice.threads)
         self.use_only(choice.needs)

@@ -201,3 +201,142 @@ def test_available_cores_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch)
     assert autotune.available_cores() == affinity
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert autotune.available_cores() == 3  # set by the user: taken as is
+
+
+# --- start-up timings cached per machine (specd_common/runtime_cache.py) and bounded by a budget ---
+
+
+def counted_runs(calls: list, keys=((1, "a"), (2, "a")), seconds: float = 0.0):
+    """make_runs for StartupTimings.measure: counts how often the runs are built, each run sleeping `seconds`."""
+    import time
+
+    def make_runs() -> dict:
+        calls.append(1)
+        return {key: (lambda: time.sleep(seconds)) for key in keys}
+
+    return make_runs
+
+
+def test_a_second_start_with_the_same_key_reads_the_timings_and_measures_nothing(tmp_path, caplog):
+    from specd_common.runtime_cache import StartupTimings
+
+    key, calls = {"cpu": "test cpu", "cores": 2, "torch": "1.0"}, []
+    first = StartupTimings("verify", key, tmp_path)
+    measured = first.measure("forward costs", counted_runs(calls), repeats=2)
+    assert first.source == "measured" and first.finish() == first.path and first.path.parent == tmp_path
+    with caplog.at_level("INFO"):
+        second = StartupTimings("verify", key, tmp_path)
+    assert second.measure("forward costs", counted_runs(calls), repeats=2) == measured  # tuple keys, float seconds
+    assert calls == [1] and second.source == "cached" and str(second.path) in caplog.text
+    assert second.finish() is None  # nothing new to write
+    remeasured = StartupTimings("verify", key, tmp_path, remeasure=True)
+    remeasured.measure("forward costs", counted_runs(calls), repeats=1)
+    assert calls == [1, 1] and remeasured.source == "measured"
+
+
+@pytest.mark.parametrize("change", [{"torch": "2.0"}, {"cores": 4}, {"cpu": "other cpu"}, {"model": "other", "config": "x"}])
+def test_a_changed_machine_software_or_model_is_a_miss(tmp_path, change):
+    from specd_common.runtime_cache import StartupTimings
+
+    key, calls = {"cpu": "test cpu", "cores": 2, "torch": "1.0", "model": "m", "config": "c"}, []
+    warm = StartupTimings("verify", key, tmp_path)
+    warm.measure("forward costs", counted_runs(calls), repeats=1)
+    warm.finish()
+    changed = StartupTimings("verify", {**key, **change}, tmp_path)
+    changed.measure("forward costs", counted_runs(calls), repeats=1)
+    assert calls == [1, 1] and changed.path != warm.path
+
+
+def test_the_key_follows_the_torch_version_the_cores_and_the_model(tmp_path, monkeypatch):
+    import torch
+
+    from specd_common import runtime_cache
+    from specd_common.models import load_causal_lm
+    from tests.tiny_models import build_model
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = runtime_cache.machine_key("cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert runtime_cache.machine_key("cpu")["cores"] == 2 != one["cores"]
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert runtime_cache.machine_key("cpu")["torch"] == "0.0.1"
+    small, other = load_causal_lm(str(build_model(tmp_path / "a", seed=0))), load_causal_lm(str(build_model(tmp_path / "b", seed=0, layers=1)))
+    assert runtime_cache.model_key("m", small.model) == runtime_cache.model_key("m", small.model)
+    assert runtime_cache.model_key("m", small.model)["config"] != runtime_cache.model_key("m", other.model)["config"]
+    assert runtime_cache.cpu_model()  # /proc/cpuinfo's model name, or what platform says
+
+
+def test_cache_root_follows_specd_cache_dir_then_xdg(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from specd_common.runtime_cache import cache_root, runtime_folder
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "specd"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "specd" and runtime_folder() == tmp_path / "specd" / "runtime"
+    monkeypatch.delenv("SPECD_CACHE_DIR")
+    assert cache_root() == tmp_path / "xdg" / "specd"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "specd" and runtime_folder(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 0, "key": {}, "timings": {}}', '{"format": 1}', "[]",
+                                     '{"format": 1, "key": KEY, "timings": {"forward costs": [[["x"], 1.0]]}}'])
+def test_a_corrupt_or_old_cache_file_is_measured_over_with_a_warning(tmp_path, caplog, content):
+    import json
+
+    from specd_common.runtime_cache import StartupTimings
+
+    key, calls = {"cpu": "test cpu"}, []
+    timings = StartupTimings("verify", key, tmp_path)
+    timings.path.write_text(content.replace("KEY", json.dumps(timings.key)))
+    timings = StartupTimings("verify", key, tmp_path)
+    assert "measuring again" in caplog.text and not timings.cached
+    timings.measure("forward costs", counted_runs(calls), repeats=1)
+    assert calls == [1] and timings.finish() == timings.path
+    assert StartupTimings("verify", key, tmp_path).cached  # rewritten whole
+
+
+def test_a_budget_cuts_the_rounds_short_and_such_timings_are_not_cached(tmp_path, caplog):
+    from specd_common.autotune import Budget
+    from specd_common.runtime_cache import StartupTimings
+
+    calls = []
+    timings = StartupTimings("verify", {"cpu": "test cpu"}, tmp_path, budget=Budget(seconds=0.05))
+    measured = timings.measure("forward costs", counted_runs(calls, seconds=0.02), repeats=5)  # a round takes 0.04 s
+    assert set(measured) == {(1, "a"), (2, "a")}  # one timed round after the warm-up: the best found so far
+    assert timings.budget.cut == ["forward costs after 1 of 5 rounds"]
+    assert timings.measure("batch costs", counted_runs(calls), repeats=3) == {} and calls == [1]  # no time left: defaults
+    assert "not timed" in timings.budget.cut[-1] and timings.source.startswith("measured, cut short")
+    with caplog.at_level("WARNING"):
+        assert timings.finish() is None
+    assert "cut short by their 0 s budget" in caplog.text and not list(tmp_path.iterdir())
+    unbounded = StartupTimings("verify", {"cpu": "test cpu"}, tmp_path, budget=Budget(seconds=0))
+    unbounded.measure("forward costs", counted_runs(calls, seconds=0.01), repeats=3)
+    assert not unbounded.budget.cut and unbounded.finish() is not None
+
+
+def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, monkeypatch):
+    """Scorer's start-up: the forward costs, the batch costs (and the heads' product) are timed on the
+    first start and read on the second, which chooses the same runtime from them."""
+    from specd_common import autotune
+    from specd_common.config import BatchPolicy, StartupMeasurement
+    from specd_common.models import load_causal_lm
+    from tests.tiny_models import build_model
+    from verify_service.scorer import Scorer
+
+    measured = []
+    real = autotune.measure_interleaved
+    monkeypatch.setattr(autotune, "measure_interleaved", lambda runs, *a, **k: measured.append(len(runs)) or real(runs, *a, **k))
+    model = build_model(tmp_path / "m", seed=0)
+    startup = StartupMeasurement(cache_dir=str(tmp_path / "cache"))
+    batching = BatchPolicy(max_batch_size=2)
+    first = Scorer(load_causal_lm(str(model)), batching, max_threads=2, prepack="auto", startup=startup)
+    assert len(measured) == 2 and len(list((tmp_path / "cache").glob("verify-*.json"))) == 1
+    second = Scorer(load_causal_lm(str(model)), batching, max_threads=2, prepack="auto", startup=startup)
+    assert len(measured) == 2  # nothing timed again
+    assert second.lm.runtime.source == "cached" and first.lm.runtime.source == "measured"
+    assert (second.lm.runtime.layouts, second.lm.runtime.threads) == (first.lm.runtime.layouts, first.lm.runtime.threads)
+    assert second.lm.runtime.batch_costs_ms == first.lm.runtime.batch_costs_ms != {}
+    Scorer(load_causal_lm(str(model)), BatchPolicy(max_batch_size=4), max_threads=2, startup=startup)  # another batch size: a miss
+    assert len(measured) == 4

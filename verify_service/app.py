@@ -7,7 +7,7 @@ from typing import Sequence
 
 from specd_common import model_thread
 from specd_common.batching import BatchPolicy
-from specd_common.config import ServerConfig
+from specd_common.config import ServerConfig, StartupMeasurement
 from specd_common.models import LoadedModel
 from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
@@ -19,14 +19,15 @@ from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
     threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
-    forward: str = "auto", auth_token: str = "",
+    forward: str = "auto", auth_token: str = "", startup: StartupMeasurement = StartupMeasurement(),
 ) -> RunningServer:
     """threads / prepack / kv_token_budget / forward: see Scorer (0 / auto: measured or derived at start-up on this machine);
     medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none;
     auth_token: when set, every VerifyService RPC needs `authorization: Bearer <token>` (health and reflection stay open).
+    startup: where the start-up timings are cached and how long they may take (specd_common/runtime_cache.py).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
-                                       forward)
+                                       forward, startup)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
     )
@@ -37,7 +38,8 @@ def start_verify_server(
 
 
 def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,
-                kv_token_budget: int, medusa_heads: str, forward: str = "auto") -> Scorer:
+                kv_token_budget: int, medusa_heads: str, forward: str = "auto",
+                startup: StartupMeasurement = StartupMeasurement()) -> Scorer:
     """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
     medusa = None
     if medusa_heads:
@@ -45,4 +47,4 @@ def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepac
         from verify_service.medusa import load_heads
 
         medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
-    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward)
+    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup)

@@ -220,7 +220,8 @@ class MedusaHeads(nn.Module):
         return columns, (top_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
 
     @torch.inference_mode()
-    def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7) -> dict[int, str]:
+    def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7,
+                     measure: autotune.Measure = autotune.measure_now) -> dict[int, str]:
         """Time the heads' product (one head's argmax over N rows) in float32 and in bfloat16 (with the
         float32 rescoring) for each N in rows, interleaved, and use bfloat16 for the row counts where
         it is BF16_MARGIN faster; returns rows → the choice and its timings, for the service's
@@ -234,9 +235,15 @@ class MedusaHeads(nn.Module):
         self.bf16_columns = self.head_columns.to(torch.bfloat16)  # [H, V']
         threads = torch.get_num_threads()
         outputs = {n: torch.randn(n, self.config.hidden_size) for n in rows}  # [n, H], made before the timing
-        runs = {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
-                for n in rows for precision in (FLOAT32, BFLOAT16)}
-        costs = {key[1:]: seconds * 1e3 for key, seconds in autotune.measure_interleaved(runs, repeats).items()}  # (rows, precision) → ms
+
+        def runs() -> dict:
+            return {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
+                    for n in rows for precision in (FLOAT32, BFLOAT16)}
+
+        costs = {key[1:]: seconds * 1e3 for key, seconds in measure("heads product", runs, repeats).items()}  # (rows, precision) → ms
+        if not costs:  # no start-up time left to measure: float32 everywhere
+            self.bf16_columns = None
+            return {}
         self.product_dtypes = {n: BFLOAT16 if costs[n, BFLOAT16] * BF16_MARGIN < costs[n, FLOAT32] else FLOAT32 for n in rows}
         if BFLOAT16 not in self.product_dtypes.values():
             self.bf16_columns = None

@@ -9,9 +9,10 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from specd.v1 import common_pb2
-from specd_common import autotune, tree
+from specd_common import autotune, runtime_cache, tree
 from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
+from specd_common.config import StartupMeasurement
 from specd_common.features import encode_features
 from specd_common.lm import CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
@@ -79,7 +80,8 @@ class Scorer:
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
-                 max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto"):
+                 max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto",
+                 startup: StartupMeasurement = StartupMeasurement()):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
         if forward not in autotune.FORWARDS:
@@ -91,13 +93,18 @@ class Scorer:
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward == "auto")
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
-        runtime = self.lm.tune(threads, max_threads)
+        timings = runtime_cache.StartupTimings.open("verify", self.timing_key(threads, max_threads, batching), startup.cache_dir,
+                                                    startup.remeasure, startup.budget_s)
+        runtime = self.lm.tune(threads, max_threads, measure=timings.measure)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
-        if self.medusa is not None:
-            runtime.heads_product = self.lm.run(self.medusa.tune_product)  # on the model thread, at its thread count
+        if self.medusa is not None:  # on the model thread, at its thread count
+            runtime.heads_product = self.lm.run(self.medusa.tune_product, measure=timings.measure)
         self.batcher = make_batcher(self.lm, batching, finish=self._finish)  # None: one session per forward
         if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
-            runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size))
+            runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size), measure=timings.measure)
+        timings.finish()
+        if runtime.source == "measured":
+            runtime.source = timings.source
         log.info("verify runtime: %s", runtime.summary())
         self._info.runtime_config = runtime.summary()
         self._info.runtime_profile.ragged = self.batcher is not None and self.lm.lean is not None  # CausalLM.run_feeds
@@ -105,8 +112,22 @@ class Scorer:
             common_pb2.BatchCost(rows=rows, positions=positions, milliseconds=ms)
             for rows, by_positions in runtime.batch_costs_ms.items() for positions, ms in by_positions.items())
 
+    def timing_key(self, threads: int, max_threads: int, batching: BatchPolicy) -> dict:
+        """What the start-up timings depend on (specd_common/runtime_cache.py): the machine, the model, and
+        what this verify times (the layouts and forward it may use, the thread counts it tries, the sizes
+        of its passes, its batches and its heads)."""
+        loaded = self.lm.loaded
+        return {
+            **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
+            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "threads": autotune.threads_to_try(threads, max_threads),
+            "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
+            "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
+            "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",
+        }
+
     def measure_batch_costs(self, rows: Sequence[int], positions: Sequence[int] = autotune.BATCH_POSITIONS,
-                            repeats: int = 3, context: int = autotune.BATCH_CONTEXT) -> dict[int, dict[int, float]]:
+                            repeats: int = 3, context: int = autotune.BATCH_CONTEXT,
+                            measure: autotune.Measure = autotune.measure_now) -> dict[int, dict[int, float]]:
         """Milliseconds of the model's work for one batched round in which b sessions score n positions
         each, for every b in rows and n in positions (medians of interleaved rounds): the padded pass,
         then each row's argmax and, when n > 1 and there are heads, the heads' proposals (a gateway
@@ -116,7 +137,7 @@ class Scorer:
         if not rows:
             return {}
         prompt = [i % self.lm.vocab_size for i in range(1, min(context, self.lm.max_length // 2) + 1)]  # any ids
-        sessions = [VerifySession(self.lm.new_session(prompt), Warp()) for _ in range(max(rows))]  # not via the batcher: this runs on the model thread
+        sessions: list[VerifySession] = []  # filled when the runs are made: not at all when the timings are cached
         draft, next_token = 2 % self.lm.vocab_size, 1 % self.lm.vocab_size  # distinct: a commit drops the drafts
 
         def batched_round(b: int, n: int) -> Callable[[], None]:
@@ -134,9 +155,12 @@ class Scorer:
 
             return run
 
+        def runs() -> dict:
+            sessions.extend(VerifySession(self.lm.new_session(prompt), Warp()) for _ in range(max(rows)))  # not via the batcher: this runs on the model thread
+            return {(self.lm.runtime.threads_for(b * n) or threads, b, n): batched_round(b, n) for b in rows for n in positions}
+
         threads = torch.get_num_threads()
-        runs = {(self.lm.runtime.threads_for(b * n) or threads, b, n): batched_round(b, n) for b in rows for n in positions}
-        costs = autotune.measure_interleaved(runs, repeats)
+        costs = measure("batch costs", runs, repeats)
         torch.set_num_threads(threads)
         table: dict[int, dict[int, float]] = {}
         for (_, b, n), seconds in costs.items():

@@ -327,7 +327,8 @@ def run_up(args: argparse.Namespace) -> int:
             stop["demo"] = False
             raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before any child starts: none is left behind
+    hang_up = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)  # under nohup it stays ignored
+    for sig in (signal.SIGTERM, signal.SIGINT, *hang_up):  # before any child starts: none is left behind
         signal.signal(sig, request_stop)
     children: dict = {}
     try:

@@ -29,7 +29,7 @@ from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.server import shutdown
 from tests.conftest import start_cluster
 from tests.test_http_api import SlowVerify  # every Verify sleeps first: rounds take a known minimum time
-from tests.specd_stack import REPO, free_ports, gateway_health, repo_env, specd_up
+from tests.specd_stack import REPO, free_ports, gateway_health, repo_env, serving, specd_up
 
 GRACE_S = 3.0
 ROUND_DELAY_S = 0.1  # each Verify waits this long: a 400-token answer needs far more than the grace
@@ -188,6 +188,7 @@ def test_ctrl_c_of_specd_up_stops_the_gateway_first_and_exits_within_the_grace(t
     log = log_path.read_text()
     assert process_exited, log
     assert elapsed < 10 + 6, f"specd up took {elapsed:.1f} s to stop:\n{log}"
+    assert not any(serving(stack.address(name)) for name in ("gateway", "draft", "verify")), "a child outlived specd up"
     for reader in readers:
         assert reader.error is None or reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
         assert reader.error is not None or reader.finish

@@ -44,7 +44,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
         warp = Warp.from_proto(request.sampling)
         # id, slot and KV budget claimed before any drafting work
-        with self.sessions.opening(request.session_id, len(request.prompt_token_ids)) as keep:
+        with self.sessions.opening(request.session_id, len(request.prompt_token_ids), request.lease_seconds) as keep:
             session = self.drafter.open(list(request.prompt_token_ids), warp)
             if self.reads_features:
                 self.drafter.add_features(session, request.target_features)
@@ -81,6 +81,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
+
+    @grpc_errors
+    def KeepAlive(self, request: common_pb2.KeepAliveRequest, context: grpc.ServicerContext):
+        unknown = self.sessions.renew(request.session_ids)
+        return common_pb2.KeepAliveResponse(renewed=len(request.session_ids) - len(unknown), unknown_session_ids=unknown)
 
     @grpc_errors
     def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):

@@ -8,8 +8,9 @@ import shutil
 import tempfile
 from typing import Optional, Sequence
 
-from gateway.admission import Admission
+from gateway.admission import Admission, estimate_from_profile
 from gateway.backends import Backends
+from gateway.links import SessionKeeper
 from gateway.http_api import HttpApi, HttpServer, HttpSettings
 from gateway.options import GatewayOptions
 from gateway.pool import PoolMetrics
@@ -52,9 +53,11 @@ def start_gateway_server(
         options.connect_timeout_s, options.resolve_period_s, pool_metrics,
     )
     backends.report_cap = metrics.speculation_cap.set
+    backends.keeper = SessionKeeper(options.session_lease_s)
     if options.max_speculative_requests >= 0:
         metrics.speculation_cap.set(options.max_speculative_requests)
-    admission = Admission(max_active=config.max_sessions, max_waiting=options.max_waiting)
+    admission = Admission(max_active=config.max_sessions, max_waiting=options.max_waiting,
+                          estimate=estimate_from_profile(backends.target_info.runtime_profile), max_queue_s=options.max_queue_s)
     servicer = GenerateServicer(backends, options, admission)
     # threads: every admitted or waiting request holds one, plus a few for health checks and refusals
     workers = config.max_sessions + options.max_waiting + 8

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gateway.adaptive import RoundShapes, StepCosts, describe_shapes, speculation_cap
+from gateway.links import SessionKeeper
 from gateway.policy import POLICY
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
 from gateway.tokenizer import GatewayTokenizer
@@ -34,6 +35,7 @@ class Backends:
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
+    keeper: SessionKeeper = field(default_factory=lambda: SessionKeeper(lease_s=0))  # leases renewed, failed releases retried
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
     _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
     _replica_cap: tuple[int, int] = field(default=(-1, 0), repr=False)  # (rounds observed, one replica's cap) last computed
@@ -46,7 +48,7 @@ class Backends:
         return self.first.get("draft")
 
     @functools.cached_property
-    def _verify_batch_costs(self) -> dict[int, dict[int, float]]:
+    def verify_batch_costs(self) -> dict[int, dict[int, float]]:
         """rows → positions → ms of a batched round, as the target's first verify replica measured them
         at start-up (GetModelInfo.runtime_profile; runtime_config's JSON is for logs only); empty when it did not."""
         costs: dict[int, dict[int, float]] = {}
@@ -63,7 +65,7 @@ class Backends:
         every batch on drafts it knows nothing of (on the 2-core EPYC, speculating in 8-stream
         batches lost 17%). No cap when the verify measured no batch costs (it does not batch:
         requests then share no passes, and each one's own policy decides)."""
-        costs = self._verify_batch_costs
+        costs = self.verify_batch_costs
         if not costs:
             return 0
         cap = self._cap_per_replica(costs) * self._serving_replicas()
@@ -78,7 +80,7 @@ class Backends:
         """One round's shape for the speculation cap, counted at the batch size its `running`
         requests (this gateway's, spread over the serving verify replicas) make."""
         rows = -(-running // self._serving_replicas())
-        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self._verify_batch_costs)), speculating)
+        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self.verify_batch_costs)), speculating)
 
     def _serving_replicas(self) -> int:
         return max(1, sum(replica.eligible for replica in self.verify.replicas()))
@@ -155,6 +157,7 @@ class Backends:
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.begin_stop()
+        self.keeper.stop()  # before the channels close: its last try at failed releases needs them
         self.verify.stop()
         self.draft.stop()
 

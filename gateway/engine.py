@@ -155,7 +155,7 @@ class Generation:
         self._speculation_allowed = speculation_allowed
         self._running = running  # requests this gateway runs now (the batch this request's rounds share)
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
-        self.sessions = SessionSet(self.request_id, spec.warp.to_proto(common_pb2.SamplingParams))
+        self.sessions = SessionSet(self.request_id, spec.warp.to_proto(common_pb2.SamplingParams), backends.keeper)
         self._verify = Link()
         self.draft = DraftProposer(backends, self.sessions, speculate=spec.speculate, adaptive=spec.adaptive,
                                    num_draft_tokens=spec.num_draft_tokens, branches=spec.branches, overlap=options.overlap,

@@ -134,7 +134,7 @@ class HttpApi:
         except ApiError as error:
             response = _error_response(error)
         except grpc.aio.AioRpcError as error:
-            response = _error_response(ApiError.from_grpc(error.code(), error.details() or ""))
+            response = _error_response(_api_error(error))
         except Exception:  # noqa: BLE001 - the last resort: a 500 in OpenAI's shape, the traceback in the log
             log.exception("%s %s failed", request.method, request.url.path)
             response = _error_response(SERVER_ERROR)
@@ -153,7 +153,7 @@ class HttpApi:
                 raise ApiError(500, "the gateway ended the stream without an answer", "server_error", "internal_error")
             answered = True
         except grpc.aio.AioRpcError as error:
-            raise ApiError.from_grpc(error.code(), error.details() or "") from None
+            raise _api_error(error) from None
         finally:
             if not answered:
                 call.cancel()
@@ -176,7 +176,7 @@ class HttpApi:
                 message, is_first = await call.read(), False
             yield "data: [DONE]\n\n"
         except grpc.aio.AioRpcError as error:
-            problem = ApiError.from_grpc(error.code(), error.details() or "")
+            problem = _api_error(error)
             status = problem.status
             yield _event(problem.body())
         except asyncio.CancelledError:
@@ -263,9 +263,15 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _api_error(error: grpc.aio.AioRpcError) -> ApiError:
+    return ApiError.from_grpc(error.code(), error.details() or "", error.trailing_metadata())
+
+
 def _error_response(error: ApiError) -> JSONResponse:
-    headers = {"www-authenticate": 'Bearer realm="specd"'} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    headers = {"www-authenticate": 'Bearer realm="specd"'} if error.status == 401 else {}
+    if error.status in (429, 503):  # when to come back: the gateway's estimate, else soon
+        headers["retry-after"] = error.retry_after or "1"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
 SERVER_ERROR = ApiError(500, "the gateway failed to answer this request (a bug: its log has the traceback); "

@@ -76,14 +76,17 @@ class ApiError(Exception):
     """An error for the HTTP client: its status, OpenAI error type and code, and what to fix."""
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", code: str = "",
-                 param: Optional[str] = None):
+                 param: Optional[str] = None, retry_after: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.error_type, self.code, self.param = status, message, error_type, code, param
+        self.retry_after = retry_after  # seconds, for the Retry-After header of a 429 / 503
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, details: str) -> "ApiError":
+    def from_grpc(cls, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> "ApiError":
+        """The HTTP error for a gRPC status; the gateway's `retry-after` trailer (admission) becomes Retry-After."""
         status, error_type, error_code = _HTTP_ERRORS.get(code, (500, "server_error", "internal_error"))
-        return cls(status, details or code.name, error_type, error_code)
+        retry_after = next((str(value) for key, value in trailing_metadata or () if key == "retry-after"), None)
+        return cls(status, details or code.name, error_type, error_code, retry_after=retry_after)
 
     def body(self) -> dict:
         """OpenAI's error JSON."""

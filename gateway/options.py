@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 MAX_LOOKUP_TOKENS = 16  # like num_draft_tokens (gateway.service.MAX_DRAFT_TOKENS); a Verify scores at most 32
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
+MAX_QUEUE_S = 30.0  # a client without a deadline waits at most about this long for its first token, else is refused
+SESSION_LEASE_S = 6.0  # a model service frees a session this long after its gateway stopped renewing it
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class GatewayOptions:
     connect_timeout_s: float = 600.0  # how long start-up waits for the model services
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set
+    max_queue_s: float = MAX_QUEUE_S  # without a deadline, a request whose first token is estimated this far away is refused
+    session_lease_s: float = SESSION_LEASE_S  # model services free this gateway's sessions this long after it stops renewing them
 
     def __post_init__(self) -> None:
         if self.draft_length_policy not in ("adaptive", "fixed"):

@@ -57,8 +57,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> generate_pb2.GenerateResponse:
         generation = self._start(request, context)
         token_ids, finish = [], None
-        with self.admission.slot(_deadline(context)):
+        with self._slot(generation, context) as ticket:
             for chunk in generation.run():
+                ticket.emitted(len(chunk.token_ids))
                 token_ids.extend(chunk.token_ids)
                 finish = chunk.finish_reason
         return generate_pb2.GenerateResponse(
@@ -73,10 +74,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _generate_stream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
         generation = self._start(request, context)
         first = True
-        with self.admission.slot(_deadline(context)):
+        with self._slot(generation, context) as ticket:
             for chunk in generation.run():
+                ticket.emitted(len(chunk.token_ids))
                 yield _stream_message(generation, chunk, first)
                 first = False
+
+    def _slot(self, generation: Generation, context: grpc.ServicerContext):
+        """The request's admission slot (RESOURCE_EXHAUSTED at once when it cannot be served in time)."""
+        spec = generation.spec
+        return self.admission.slot(_deadline(context), len(spec.prompt_ids), spec.max_new_tokens)
 
     def _start(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Generation:
         spec = self.to_spec(request)

@@ -219,6 +219,10 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "connect-timeout", defaults.connect_timeout_s, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", defaults.max_waiting, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", defaults.draft_timeout_s, "a Propose slower than this drops to target-only rounds for a while")
+    add_flag(parser, "max-queue-time", defaults.max_queue_s, "a request without a deadline whose first token is estimated further away "
+             "than this many seconds is refused at once (RESOURCE_EXHAUSTED / 429 with Retry-After); with a deadline, the deadline decides")
+    add_flag(parser, "session-lease", defaults.session_lease_s, "seconds after which draft and verify free this gateway's sessions "
+             "once it stops renewing them (it died); renewed every quarter of it while requests run")
     add_client_tls_flags(parser, "draft and verify")
     add_auth_token_flags(parser, "the public API, and send it to draft and verify")
     add_flag(parser, "http-port", DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP API port on --host, TLS as the gRPC port (0 = off)")
@@ -296,6 +300,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         lookup_min_ngram=args.lookup_min_ngram,
         connect_timeout_s=args.connect_timeout,
         resolve_period_s=args.resolve_period,
+        max_queue_s=args.max_queue_time,
+        session_lease_s=args.session_lease,
         auth_token=load_token(args.auth_token, args.auth_token_file),
     )
 

@@ -1,18 +1,24 @@
-"""A bounded, thread-safe store of per-session state (KV caches) with idle expiry.
+"""A bounded, thread-safe store of per-session state (KV caches) with leases and idle expiry.
 
 Both model services keep one entry per generation request. The store bounds how many sessions
 exist (RESOURCE_EXHAUSTED past that), serializes work on one session, and frees sessions that
-nobody touched for `idle_timeout_s`, so a vanished client cannot leak memory.
+nobody touched for `idle_timeout_s`, so a vanished client cannot leak memory. A session opened
+with a lease (the gateway's) is freed sooner: when neither used nor renewed (KeepAlive) for its
+lease, i.e. seconds after its gateway died or gave it up, not minutes. After sessions are freed
+the reaper hands the freed heap back to the operating system (`return_freed_memory`), so the
+process's memory falls back after a wave of requests instead of staying at its peak.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 from specd_common.errors import AlreadyExists, Cancelled, InvalidArgument, NotFound, ResourceExhausted
 
@@ -20,6 +26,7 @@ log = logging.getLogger(__name__)
 
 State = TypeVar("State")
 MAX_SESSION_ID_LENGTH = 128
+MAX_KEEPALIVE_IDS = 4096  # KeepAliveRequest.session_ids: one gateway's sessions on one replica fit many times over
 
 
 @dataclass
@@ -28,6 +35,7 @@ class _Entry(Generic[State]):
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     tokens: int = 0  # positions this session holds (counted against the token budget)
+    lease_s: float = 0.0  # freed after this long without use or renewal; 0: the store's idle timeout
 
 
 class SessionStore(Generic[State]):
@@ -43,6 +51,7 @@ class SessionStore(Generic[State]):
         self._entries: dict[str, _Entry[State]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._freed = threading.Event()  # a session was dropped since the heap was last trimmed
 
     def __len__(self) -> int:
         with self._lock:
@@ -81,14 +90,17 @@ class SessionStore(Generic[State]):
             entry.tokens = tokens
 
     @contextlib.contextmanager
-    def opening(self, session_id: str, tokens: int = 0) -> Iterator[Callable[[State], None]]:
+    def opening(self, session_id: str, tokens: int = 0, lease_s: float = 0.0) -> Iterator[Callable[[State], None]]:
         """Claim the id and a slot before the costly part of opening a session (a prefill forward):
         ALREADY_EXISTS / RESOURCE_EXHAUSTED come at once, not after the work. The block calls the
         yielded function with the new state; if it raises instead, the claim is dropped. Until then
         the entry is held, so a request for the same id waits and the reaper skips it. `tokens`: the
-        positions it will hold, checked against the token budget now."""
+        positions it will hold, checked against the token budget now. `lease_s` > 0: the session is
+        freed after that long without use or renewal (`renew`), however long the idle timeout."""
         validate_session_id(session_id)
-        entry: _Entry = _Entry(None, last_used=self._clock(), tokens=tokens)
+        if lease_s < 0 or lease_s != lease_s:
+            raise InvalidArgument(f"lease_seconds must be ≥ 0 (0 = no lease), got {lease_s}")
+        entry: _Entry = _Entry(None, last_used=self._clock(), tokens=tokens, lease_s=min(lease_s, self.idle_timeout_s))
         with self._lock:
             if session_id in self._entries:
                 raise AlreadyExists(f"session {session_id!r} already exists; use a new id or release it first")
@@ -134,7 +146,24 @@ class SessionStore(Generic[State]):
         """Drop a session; False when it did not exist. Idempotent."""
         validate_session_id(session_id)
         with self._lock:
-            return self._entries.pop(session_id, None) is not None
+            released = self._entries.pop(session_id, None) is not None
+        if released:
+            self._freed.set()
+        return released
+
+    def renew(self, session_ids: Sequence[str]) -> list[str]:
+        """Mark sessions as still wanted (their lease starts again); returns the ids not held here."""
+        if len(session_ids) > MAX_KEEPALIVE_IDS:
+            raise InvalidArgument(f"at most {MAX_KEEPALIVE_IDS} session ids a KeepAlive, got {len(session_ids)}; split the call")
+        now, unknown = self._clock(), []
+        with self._lock:
+            for session_id in session_ids:
+                entry = self._entries.get(session_id)
+                if entry is None:
+                    unknown.append(session_id)
+                else:
+                    entry.last_used = max(entry.last_used, now)
+        return unknown
 
     def snapshot(self) -> list[State]:
         """The open sessions' states, for metrics (read them, do not mutate them)."""
@@ -142,27 +171,32 @@ class SessionStore(Generic[State]):
             return [entry.state for entry in self._entries.values() if entry.state is not None]  # not half-open ones
 
     def expire_idle(self) -> list[str]:
-        """Drop sessions idle longer than the timeout and not in use; return their ids."""
+        """Drop sessions not in use whose lease (or, without one, the idle timeout) ran out; return their ids."""
         now = self._clock()
         with self._lock:
             stale = [
                 sid
                 for sid, entry in self._entries.items()
-                if now - entry.last_used > self.idle_timeout_s and not entry.lock.locked()
+                if now - entry.last_used > (entry.lease_s or self.idle_timeout_s) and not entry.lock.locked()
             ]
             for sid in stale:
                 del self._entries[sid]
         if stale:
-            log.info("expired %d idle sessions", len(stale))
+            self._freed.set()
+            log.info("expired %d sessions (lease or idle timeout ran out)", len(stale))
         return stale
 
     def start_reaper(self, interval_s: float | None = None) -> threading.Thread:
-        """Run expire_idle periodically in a daemon thread until close()."""
-        interval = interval_s if interval_s is not None else max(0.05, min(5.0, self.idle_timeout_s / 4))
+        """Run expire_idle, then return_freed_memory, periodically in a daemon thread until close().
+        Every second at most: a lease of a few seconds must end within about a second of running out."""
+        interval = interval_s if interval_s is not None else max(0.05, min(REAPER_PERIOD_S, self.idle_timeout_s / 4))
 
         def loop() -> None:
             while not self._stop.wait(interval):
                 self.expire_idle()
+                if self._freed.is_set():
+                    self._freed.clear()
+                    return_freed_memory()
 
         thread = threading.Thread(target=loop, name="session-reaper", daemon=True)
         thread.start()
@@ -173,6 +207,23 @@ class SessionStore(Generic[State]):
         self._stop.set()
         with self._lock:
             self._entries.clear()
+
+
+REAPER_PERIOD_S = 1.0  # how late a lease may end, at most, after it ran out
+_LIBC = ctypes.util.find_library("c")
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), so memory freed by released KV
+    caches shows up as a smaller RSS instead of staying reserved for this process. Freed caches of a
+    few MB go back by themselves (glibc maps big blocks), but torch's many smaller tensors (a session's
+    first chunks, activations) land in the arena, whose top stays mapped. False where there is no glibc."""
+    if not _LIBC:
+        return False
+    try:
+        return bool(ctypes.CDLL(_LIBC).malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        return False
 
 
 def validate_session_id(session_id: str) -> None:

@@ -317,8 +317,8 @@ def test_a_budget_cuts_the_rounds_short_and_such_timings_are_not_cached(tmp_path
 
 
 def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, monkeypatch):
-    """Scorer's start-up: the forward costs, the batch costs (and the heads' product) are timed on the
-    first start and read on the second, which chooses the same runtime from them."""
+    """Scorer's start-up: the forward costs, the batch costs, the prefill cost (and the heads' product) are
+    timed on the first start and read on the second, which chooses the same runtime from them."""
     from specd_common import autotune
     from specd_common.config import BatchPolicy, StartupMeasurement
     from specd_common.models import load_causal_lm
@@ -332,11 +332,12 @@ def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, mon
     startup = StartupMeasurement(cache_dir=str(tmp_path / "cache"))
     batching = BatchPolicy(max_batch_size=2)
     first = Scorer(load_causal_lm(str(model)), batching, max_threads=2, prepack="auto", startup=startup)
-    assert len(measured) == 2 and len(list((tmp_path / "cache").glob("verify-*.json"))) == 1
+    assert len(measured) == 3 and len(list((tmp_path / "cache").glob("verify-*.json"))) == 1
     second = Scorer(load_causal_lm(str(model)), batching, max_threads=2, prepack="auto", startup=startup)
-    assert len(measured) == 2  # nothing timed again
+    assert len(measured) == 3  # nothing timed again
+    assert second.info().runtime_profile.prefill_ms_per_token == first.info().runtime_profile.prefill_ms_per_token > 0
     assert second.lm.runtime.source == "cached" and first.lm.runtime.source == "measured"
     assert (second.lm.runtime.layouts, second.lm.runtime.threads) == (first.lm.runtime.layouts, first.lm.runtime.threads)
     assert second.lm.runtime.batch_costs_ms == first.lm.runtime.batch_costs_ms != {}
     Scorer(load_causal_lm(str(model)), BatchPolicy(max_batch_size=4), max_threads=2, startup=startup)  # another batch size: a miss
-    assert len(measured) == 4
+    assert len(measured) == 6

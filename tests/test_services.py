@@ -348,8 +348,10 @@ def test_deadlines_propagate_and_free_sessions(cluster):
             stub.Generate(generate_pb2.GenerateRequest(text="hello", max_new_tokens=480), timeout=timeout_s)
             outcomes.add("finished")
         except grpc.RpcError as error:
-            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
-            outcomes.add("expired")
+            # or refused at once: the previous request may still hold the gateway until its next round
+            # notices its caller left, and then this one's tokens cannot come in time (gateway/admission.py)
+            assert error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED), error.details()
+            outcomes.add("expired" if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "refused")
     assert "expired" in outcomes
     assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
 

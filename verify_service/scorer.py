@@ -14,7 +14,7 @@ from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.config import StartupMeasurement
 from specd_common.features import encode_features
-from specd_common.lm import CausalLM, KVSession
+from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
@@ -63,6 +63,7 @@ class HeadInputs(NamedTuple):
     layers: Optional[torch.Tensor]  # [m, L, H]: the fused layers' outputs, for heads that fuse them; else None
 
 
+PREFILL_TIMING_TOKENS = 256  # a chat prompt's size: long enough that the pass's fixed cost is spread thin
 PREPACK_CHOICES = {"auto": set(autotune.LAYOUTS), "on": {PREPACKED}, "mkl": {MKL}, "tall": {TALL}, "cols": {COLS}, "rows": {ROWS},
                    "off": {PLAIN}}
 
@@ -102,6 +103,7 @@ class Scorer:
         self.batcher = make_batcher(self.lm, batching, finish=self._finish)  # None: one session per forward
         if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
             runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size), measure=timings.measure)
+        self._info.runtime_profile.prefill_ms_per_token = self.measure_prefill_cost(measure=timings.measure)
         timings.finish()
         if runtime.source == "measured":
             runtime.source = timings.source
@@ -123,6 +125,7 @@ class Scorer:
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",
+            "prefill_tokens": PREFILL_TIMING_TOKENS,
         }
 
     def measure_batch_costs(self, rows: Sequence[int], positions: Sequence[int] = autotune.BATCH_POSITIONS,
@@ -167,6 +170,21 @@ class Scorer:
             table.setdefault(b, {})[n] = round(seconds * 1000, 2)
         return table
 
+    def measure_prefill_cost(self, tokens: int = PREFILL_TIMING_TOKENS, repeats: int = 2,
+                             measure: autotune.Measure = autotune.measure_now) -> float:
+        """Milliseconds per prompt token of one prompt of `tokens` prefilled alone (0.0 when the start-up
+        budget left no time): the gateway's first estimate of a new request's time to first token
+        (gateway/admission.py), before it has measured prompts of its own."""
+        prompt = [i % self.lm.vocab_size for i in range(1, min(tokens, self.lm.max_length // 2) + 1)]
+
+        def runs() -> dict:  # keyed (threads, positions), as every timing: the run is timed at its thread count
+            return {(self.lm.runtime.threads_for(PREFILL_CHUNK) or threads, len(prompt)): lambda: self.lm.new_session(prompt)}
+
+        threads = torch.get_num_threads()
+        timed = measure("prefill cost", runs, repeats)
+        torch.set_num_threads(threads)
+        return round(next(iter(timed.values())) * 1000 / (len(prompt) - 1), 4) if timed else 0.0
+
     def kv_token_budget(self, requested: int) -> int:
         """Positions all sessions may hold: `requested` when > 0, none when < 0, else derived from the
         memory free after loading and the target's KV bytes per position (autotune.kv_token_budget)."""
@@ -183,11 +201,13 @@ class Scorer:
         self._info.runtime_config = self.lm.runtime.summary()
         return self._info
 
-    def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False) -> VerifySession:
-        """A session holding `prompt`; with batching its prefill shares passes with other sessions' rounds."""
+    def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False,
+             wanted: Callable[[], bool] = lambda: True) -> VerifySession:
+        """A session holding `prompt`; with batching its prefill shares passes with other sessions' rounds
+        and stops (Cancelled) between chunks once `wanted()` is False (the caller went away)."""
         session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None)
         if self.batcher is not None:
-            self.batcher.prefill(session)
+            self.batcher.prefill(session, wanted)
         return VerifySession(session, warp)
 
     def last_features(self, session: VerifySession) -> Optional[common_pb2.TargetFeatures]:

@@ -34,8 +34,10 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
         prompt_tokens = len(request.prompt_token_ids)
-        with self.sessions.opening(request.session_id, prompt_tokens) as keep:  # id, slot and KV budget claimed before the forward
-            session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features)
+        # id, slot and KV budget claimed before the forward; a caller that goes stops its prefill between chunks
+        with self.sessions.opening(request.session_id, prompt_tokens, request.lease_seconds) as keep:
+            session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features,
+                                       wanted=context.is_active)
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return verify_pb2.VerifyPrefillResponse(
@@ -74,6 +76,11 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     @grpc_errors
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
+
+    @grpc_errors
+    def KeepAlive(self, request: common_pb2.KeepAliveRequest, context: grpc.ServicerContext):
+        unknown = self.sessions.renew(request.session_ids)
+        return common_pb2.KeepAliveResponse(renewed=len(request.session_ids) - len(unknown), unknown_session_ids=unknown)
 
     @grpc_errors
     def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):

@@ -109,12 +109,14 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ..., runtime_profile: _Optional[_Union[RuntimeProfile, _Mapping]] = ...) -> None: ...
 
 class RuntimeProfile(_message.Message):
-    __slots__ = ("batch_costs", "ragged")
+    __slots__ = ("batch_costs", "ragged", "prefill_ms_per_token")
     BATCH_COSTS_FIELD_NUMBER: _ClassVar[int]
     RAGGED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     batch_costs: _containers.RepeatedCompositeFieldContainer[BatchCost]
     ragged: bool
-    def __init__(self, batch_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ..., ragged: _Optional[bool] = ...) -> None: ...
+    prefill_ms_per_token: float
+    def __init__(self, batch_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ..., ragged: _Optional[bool] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class BatchCost(_message.Message):
     __slots__ = ("rows", "positions", "milliseconds")
@@ -137,3 +139,17 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("renewed", "unknown_session_ids")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    renewed: int
+    unknown_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, renewed: _Optional[int] = ..., unknown_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...

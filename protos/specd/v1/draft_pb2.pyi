@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_features")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "target_features", "lease_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     target_features: _common_pb2.TargetFeatures
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftPrefillResponse(_message.Message):
     __slots__ = ("sequence_length",)

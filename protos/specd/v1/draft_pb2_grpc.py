@@ -52,6 +52,11 @@ class DraftServiceStub:
                 request_serializer=specd_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/specd.v1.DraftService/KeepAlive',
+                request_serializer=specd_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/specd.v1.DraftService/GetModelInfo',
                 request_serializer=specd_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
@@ -85,6 +90,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Renews the leases of sessions opened with lease_seconds (the caller is still alive).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Describes the drafter and its tokenizer.
         """
@@ -109,6 +121,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specd_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
                     response_serializer=specd_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=specd_dot_v1_dot_common__pb2.KeepAliveRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_common__pb2.KeepAliveResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -199,6 +216,33 @@ class DraftService:
             '/specd.v1.DraftService/Release',
             specd_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
             specd_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.DraftService/KeepAlive',
+            specd_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+            specd_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead long-prompts
+	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -46,6 +46,9 @@ protos:  ## regenerate the Python stubs next to the .proto files
 bench: setup  ## specd up's defaults vs in-process transformers (all cores), side by side, on held-out prompts (the README's table)
 	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \
 		--fixed-k 3 --branches 1 2 --medusa --output docs/benchmarks/bench.json
+
+overload: setup  ## 30 clients (20 gRPC streaming, 10 HTTP) for 2 minutes against the default stack, 60 s deadlines, 40% long prompts (docs/design/overload.md)
+	$(PY) -m specd_app.overload --output docs/benchmarks/overload.json
 
 long-prompts: setup  ## rebuild docs/benchmarks/long_prompts.jsonl (summarization/RAG prompts of 750-2,000 tokens) from ../shared/data
 	$(PY) -m specd_app.long_prompts

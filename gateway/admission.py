@@ -8,14 +8,15 @@ of its service time fits (`ServiceEstimate`):
     time to first token ≈ (its prompt + the prompts pending ahead of it) × seconds a prompt token
     time to finish      ≈ time to first token + max_new_tokens × seconds a generated token
 
-"Ahead" follows the verify's prefill order, shortest remaining first (specd_common/batching.py):
-the pending prompts no longer than this one. While other requests run, a request is refused with
-RESOURCE_EXHAUSTED (HTTP 429) and a Retry-After when its time to finish passes its deadline, or
-(without a deadline) its time to first token passes `max_queue_s`. The rates are measured on this gateway's own requests
-(prefill: prompt tokens per second of time with a prompt pending, which counts the passes'
-sharing; decoding: seconds between a stream's tokens) and start from the verify's start-up batch
-costs. At most `max_active` requests run and `max_waiting` wait for a slot; the KV budget is the
-verify's, which refuses a Prefill it cannot hold at once.
+"Ahead" follows the verify's prefill order (specd_common/batching.py), roughly: of each pending
+prompt, as many tokens as this one holds (shorter ones go first, the oldest gets half of a pass).
+While other requests run, a request is refused with RESOURCE_EXHAUSTED (HTTP 429) and a Retry-After
+when its time to finish passes DEADLINE_HEADROOM of its deadline or, without a deadline, when its
+first token is further than `max_queue_s` away. The rates are measured on this gateway's own
+requests (prefill: busy time, with any prompt pending, per prompt token prefilled, which counts the
+passes' sharing; decoding: seconds between a stream's tokens); until then they are what the verify
+measured at start-up. At most `max_active` requests run and `max_waiting` wait for a slot; the KV
+budget is the verify's, which refuses a Prefill it cannot hold at once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from specd_common.errors import ResourceExhausted
 
 RATE_MEMORY = 0.8  # weight of the past in the measured rates (the newest observation gets the rest)
 MAX_RETRY_AFTER_S = 120  # Retry-After never says more than this
+# a request is admitted when its estimate fits this share of its deadline: requests admitted after it slow
+# it down (their prompts and rows share its passes), so estimates made now run late by about that much
+DEADLINE_HEADROOM = 0.8
 
 
 @dataclass(eq=False)
@@ -69,9 +73,11 @@ class ServiceEstimate:
         self._lock = threading.Lock()
 
     def pending_ahead(self, prompt_tokens: int) -> int:
-        """Prompt tokens pending that the verify prefills before a prompt of `prompt_tokens` (shortest first)."""
+        """Prompt tokens the verify prefills before a prompt of `prompt_tokens` arriving now is done: of each
+        pending prompt, at most as many as this one holds (specd_common/batching.py's prefill_shares:
+        shorter prompts go first, the oldest gets half of every pass; a fair share, roughly)."""
         with self._lock:
-            return sum(t.prompt_tokens for t in self._pending if t.prompt_tokens <= prompt_tokens)
+            return sum(min(t.prompt_tokens, prompt_tokens) for t in self._pending)
 
     def predict(self, prompt_tokens: int, max_new_tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds to the last) for a request arriving now."""
@@ -88,6 +94,7 @@ class ServiceEstimate:
         return max(self.prefill_s_per_token, busy / pending if pending else 0.0)
 
     def admit(self, ticket: Ticket) -> None:
+        ticket.admitted_at = self._clock()
         with self._lock:
             if not self._pending:
                 self._busy_since = self._clock()
@@ -153,8 +160,8 @@ class Admission:
         if not self.active:
             return
         first, last = self.estimate.predict(prompt_tokens, max_new_tokens)
-        if deadline_s is not None and last > deadline_s:
-            over = last - deadline_s
+        if deadline_s is not None and last > deadline_s * DEADLINE_HEADROOM:
+            over = last - deadline_s * DEADLINE_HEADROOM
             reason = (f"its answer would take about {last:.1f} s (first token in {first:.1f} s) but the deadline is "
                       f"{deadline_s:.1f} s")
         elif deadline_s is None and first > self.max_queue_s:
@@ -187,7 +194,7 @@ class Admission:
                 self.active += 1
         if not acquired:
             raise ResourceExhausted(f"server busy: no slot freed within {wait_s:.1f} s; retry with backoff")
-        ticket = Ticket(prompt_tokens, max_new_tokens, admitted_at=time.monotonic())
+        ticket = Ticket(prompt_tokens, max_new_tokens, admitted_at=0.0)  # the estimate's clock sets it
         self.estimate.admit(ticket)
         try:
             yield ticket

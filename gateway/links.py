@@ -118,12 +118,14 @@ class SessionKeeper:
         releases = [(retry, _release(retry.replica, retry.session_id)) for retry in due]
         for replica, call in calls:
             try:
-                if isinstance(call, Exception):  # it never started: the channel is closed
+                if isinstance(call, ValueError):  # it never started: the channel is closed
                     raise call
                 unknown = call.result().unknown_session_ids
                 if unknown:
                     log.warning("%s no longer holds %d session(s) of running requests (expired?)", replica.address, len(unknown))
-            except (grpc.RpcError, ValueError) as error:
+            except grpc.RpcError as error:
+                log.info("lease renewal on %s failed: %s", replica.address, error.code())
+            except ValueError as error:
                 log.info("lease renewal on %s failed: %s", replica.address, error)
         for retry, call in releases:
             self._settle(retry, _released(call))
@@ -211,7 +213,7 @@ def _renew(replica: Replica, session_ids: list[str], timeout_s: float) -> Any:
 
 def _released(call: Any) -> bool:
     """Whether the service no longer holds the session: released, or NOT_FOUND (expired, never opened)."""
-    if isinstance(call, Exception):
+    if isinstance(call, ValueError):  # it never started (a grpc call future is an Exception too: not that test)
         return False
     try:
         call.result()

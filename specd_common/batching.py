@@ -15,11 +15,13 @@ priced by the passes' own
 measured cost (`PassCost`: a base for the weights streamed once, plus a cost per position). A long
 prompt beside four decoding streams then slows them by a quarter instead of stopping them, and
 eight prompts arriving together are prefilled at nearly full speed; with nobody decoding a chunk
-is PREFILL_CHUNK positions. Among waiting prompts the one with the fewest positions left goes first
-(shortest remaining first): a four-word prompt that arrives behind ten long ones gets its first token
-after its own few positions, not after theirs, which is what minimises the mean time to first
-token; the long ones lose little, and one whose caller gives up (deadline, cancel) leaves the queue
-between chunks instead of being prefilled for nobody.
+is PREFILL_CHUNK positions. Among waiting prompts (`prefill_shares`) half of a pass's prompt positions
+go to the one waiting longest, the rest shortest-remaining first: a four-word prompt that arrives
+behind ten long ones gets its first token after its own few positions, not after theirs, and no long
+prompt is starved by a stream of short ones (measured: shortest-first alone left long prompts without
+a token for 60 s under overload; arrival order alone made short prompts wait 35 s; docs/design/
+overload.md). A prompt whose caller gives up (deadline, cancel) leaves the queue between chunks
+instead of being prefilled for nobody.
 
 How long to wait (the scheduler): a batch opens when the worker is free and a request is queued,
 and closes at the first of
@@ -89,6 +91,7 @@ class _Request:
 class _Prefill:
     session: KVSession
     wanted: Callable[[], bool] = lambda: True  # False once the caller went away: the prefill stops
+    arrived: float = 0.0  # the batcher's clock when it was queued
     future: Future = field(default_factory=Future)
 
 
@@ -185,7 +188,7 @@ class ForwardBatcher:
         (before its next chunk) once `wanted()` is False."""
         if self.lm.unprefilled(session):
             with model_forward(self.lm.unprefilled(session)):  # the caller's span, as `forward` records it
-                self._wait(self._prefills, _Prefill(session, wanted))
+                self._wait(self._prefills, _Prefill(session, wanted, self._clock()))
 
     def _wait(self, queue: collections.deque, item: Any) -> Any:
         with self._condition:
@@ -309,27 +312,41 @@ class ForwardBatcher:
             prefill.future.set_exception(error)
 
     def _prefill_feeds(self, decoding: int, rounds: int) -> list[tuple[Feed, _Prefill]]:
-        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, shortest
-        remaining first, within PrefillBudget's positions; prompts nobody waits for any more are dropped."""
+        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, in the order
+        they would finish alone from their arrival (the module docstring), within PrefillBudget's positions;
+        prompts nobody waits for any more are dropped."""
         with self._condition:
             waiting = list(self._prefills)
         for prefill in [prefill for prefill in waiting if not prefill.wanted()]:
             self._finish_prefill(prefill, Cancelled("the caller went away before its prompt was prefilled"))
             waiting.remove(prefill)
-        waiting.sort(key=lambda prefill: self.lm.unprefilled(prefill.session))  # stable: ties in arrival order
-        budget, feeds = self.prefill_budget.positions(decoding, rounds, len(waiting)), []
-        for prefill in waiting:
-            if budget <= 0:
-                break
-            feed = self.lm.prefill_feed(prefill.session, budget)
-            feeds.append((feed, prefill))
-            budget -= len(feed.tokens)
-        return feeds
+        budget = self.prefill_budget.positions(decoding, rounds, len(waiting))
+        shares = prefill_shares([self.lm.unprefilled(prefill.session) for prefill in waiting],
+                                [prefill.arrived for prefill in waiting], budget)
+        return [(self.lm.prefill_feed(prefill.session, positions), prefill) for prefill, positions in zip(waiting, shares) if positions]
 
     def _fail_queued(self) -> None:
         for queue in (self._queue, self._prefills):
             while queue:
                 queue.popleft().future.set_exception(RuntimeError("the forward batcher is closed"))
+
+
+def prefill_shares(remaining: Sequence[int], arrived: Sequence[float], budget: int) -> list[int]:
+    """Prompt positions for each waiting prompt this pass, `budget` in all: half of it for the prompt
+    waiting longest (no prompt waits forever behind newer ones), the rest shortest-remaining first
+    (a short prompt's first token is not held up by the long ones ahead of it). One prompt alone gets
+    the whole budget."""
+    shares = [0] * len(remaining)
+    if not remaining or budget <= 0:
+        return shares
+    oldest = min(range(len(remaining)), key=lambda i: arrived[i])
+    shares[oldest] = min(remaining[oldest], budget if len(remaining) == 1 else -(-budget // 2))
+    left = budget - shares[oldest]
+    for i in sorted(range(len(remaining)), key=lambda i: remaining[i]):
+        extra = min(remaining[i] - shares[i], left)
+        shares[i] += extra
+        left -= extra
+    return shares
 
 
 def make_batcher(lm: CausalLM, policy: BatchPolicy, finish: Optional[Finish] = None) -> ForwardBatcher | None:

@@ -165,7 +165,7 @@ def test_admission_refuses_at_once_what_cannot_finish_before_its_deadline_with_a
         pass
     with admission.slot(deadline_s=60, prompt_tokens=1500, max_new_tokens=48):  # 4.5 s + 9.6 s: fits
         with admission.slot(deadline_s=60, prompt_tokens=100, max_new_tokens=48):  # short: not behind the long one
-            assert estimate.pending_ahead(100) == 100
+            assert estimate.pending_ahead(100) == 200  # of each pending prompt, as much as this one holds
             started = time.monotonic()
             with pytest.raises(ResourceExhausted) as refused:
                 with admission.slot(deadline_s=10, prompt_tokens=2000, max_new_tokens=48):
@@ -255,10 +255,10 @@ def _sessions(metrics_port: int, service: str) -> float:
     return scrape_metrics("127.0.0.1", metrics_port)[("specd_active_sessions", frozenset({"service": service}.items()))]
 
 
-# --- the verify's prefill queue: shortest first, and a prompt nobody waits for is dropped --------------
+# --- the verify's prefill queue: the oldest half a pass, the rest shortest first; the abandoned dropped ---
 
 
-def test_waiting_prompts_are_prefilled_shortest_first_and_a_given_up_one_leaves_between_chunks(tiny, monkeypatch):
+def test_a_short_prompt_shares_the_first_pass_with_an_older_long_one_and_a_given_up_one_leaves(tiny, monkeypatch):
     import specd_common.lm as lm_module
     from specd_common.batching import ForwardBatcher, _Prefill
     from specd_common.config import BatchPolicy
@@ -276,18 +276,19 @@ def test_waiting_prompts_are_prefilled_shortest_first_and_a_given_up_one_leaves_
     long = lm.new_session(list(range(1, 40)), prefill=False)
     short = lm.new_session([1, 2, 3, 4], prefill=False)
     wanted = {"long": True}
-    gone, quick = _Prefill(long, lambda: wanted["long"]), _Prefill(short)
+    gone, quick = _Prefill(long, lambda: wanted["long"], arrived=0.0), _Prefill(short, arrived=0.001)
     batcher._prefills.extend([gone, quick])
     first = batcher._prefill_feeds(decoding=0, rounds=0)  # a pass with nobody decoding: PREFILL_CHUNK positions
-    assert [prefill.session for _, prefill in first] == [short, long]  # the short prompt's 3 positions go first
-    assert [len(feed.tokens) for feed, _ in first] == [3, 2]
+    assert [(prefill, len(feed.tokens)) for feed, prefill in first] == [(gone, 3), (quick, 2)]  # the oldest half, then shortest
     lm.run_feeds([feed for feed, _ in first])
+    lm.run_feeds([feed for feed, _ in batcher._prefill_feeds(decoding=0, rounds=0)])  # the short one's last position
+    assert lm.unprefilled(short) == 0
     batcher._finish_prefill(quick)  # done: its caller gets its first token
     wanted["long"] = False  # its caller's deadline passed
     assert batcher._prefill_feeds(decoding=0, rounds=0) == [] and not batcher._prefills
     with pytest.raises(Cancelled):
         gone.future.result(timeout=1)
-    assert lm.unprefilled(long) == 36  # two positions were cached, the rest never run
+    assert lm.unprefilled(long) == 38 - 3 - 4  # two passes' chunks were cached, the rest never run
 
 
 def test_prompts_pending_longer_than_the_rate_allows_raise_the_estimate_at_once():
@@ -301,3 +302,35 @@ def test_prompts_pending_longer_than_the_rate_allows_raise_the_estimate_at_once(
         with pytest.raises(ResourceExhausted):
             with admission.slot(deadline_s=5, prompt_tokens=1500, max_new_tokens=10):  # would need > 4.5 s of prefill after the others
                 pass
+
+
+# --- the load benchmark, bounded (`make overload` runs the issue's full size) -----------------------------
+
+
+@pytest.mark.slow
+def test_under_overload_requests_are_answered_in_time_or_refused_at_once_and_nothing_is_left(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.specd_stack import REPO, repo_env
+
+    report_path = tmp_path / "overload.json"
+    subprocess.run([sys.executable, "-m", "specd_app.overload", "--grpc-clients", "8", "--http-clients", "4",
+                    "--duration", "45", "--deadline", "30", "--output", str(report_path)],
+                   cwd=REPO, env=repo_env(), check=True, timeout=900)
+    report = json.loads(report_path.read_text())
+    assert report["requests"] >= 12 and report["good_share"] >= 0.9, report["statuses"]
+    assert report["short_first_token_s"]["p95"] is not None and report["short_first_token_s"]["p95"] <= 10
+    assert report["sessions_drained_after_s"] is not None and report["sessions_drained_after_s"] <= 10
+    assert report["verify_rss_mb"]["ratio"] <= 1.1
+
+
+def test_prefill_shares_give_the_oldest_prompt_half_and_the_rest_shortest_first():
+    from specd_common.batching import prefill_shares
+
+    assert prefill_shares([1500], [0.0], 512) == [512]  # alone: the whole pass
+    # the oldest (long) gets half; the new short prompt its whole 90 at once; the next shortest what is left
+    assert prefill_shares([1500, 90, 700, 1200], [0.0, 3.0, 2.0, 1.0], 512) == [256, 90, 166, 0]
+    assert prefill_shares([10, 20], [5.0, 1.0], 512) == [10, 20]  # everything fits
+    assert prefill_shares([], [], 512) == [] and prefill_shares([5], [0.0], 0) == [0]

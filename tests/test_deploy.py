@@ -128,8 +128,8 @@ def test_gateway_needs_only_what_its_image_installs():
     }
     # what those pin pull in transitively, and specd itself
     allowed |= {"specd", "typing-extensions", "markupsafe", "huggingface-hub", "importlib-metadata", "zipp", "googleapis-common-protos", "opentelemetry-api", "opentelemetry-semantic-conventions", "opentelemetry-proto", "opentelemetry-exporter-otlp-proto-common", "deprecated", "wrapt",
-                # pulled in by starlette, uvicorn and pydantic (the HTTP API)
-                "anyio", "sniffio", "idna", "h11", "click", "pydantic-core", "annotated-types", "typing-inspection"}
+                # pulled in by starlette and uvicorn (the HTTP API)
+                "anyio", "sniffio", "idna", "h11", "click"}
     ours = {"specd", "specd_common", "gateway", "draft_service", "verify_service", "google", "_distutils_hack"}
     # grpc tries `import grpc_tools` and carries on without it; cython_runtime is Cython's own
     ours |= {"grpc_tools", "cython_runtime"}

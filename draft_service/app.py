@@ -31,7 +31,7 @@ def make_drafter(
     if kind == "ngram":
         return NgramDrafter(min_ngram=lookup_min_ngram)
     if kind == "feature":
-        return load_feature_drafter(model, target, dtype, threads, max_threads, startup)
+        return load_feature_drafter(model, target, dtype, threads, max_threads, startup, device)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
@@ -41,13 +41,14 @@ def make_drafter(
 
 def load_feature_drafter(
     folder: str, target: str = "", dtype: str = "auto", threads: int = 0, max_threads: int = 0,
-    startup: StartupMeasurement = StartupMeasurement(),
+    startup: StartupMeasurement = StartupMeasurement(), device: str = "cpu",
 ) -> Drafter:
-    """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head.
+    """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head, on `device`
+    ('auto': CUDA when present, as every model service).
 
-    The target is loaded once for those two matrices (and its tokenizer, for the gateway's vocabulary
-    check) and then dropped; the head refuses a target of another shape. The head runs on the CPU:
-    one step is a few million multiply-adds, less than a GPU kernel launch sequence costs. dtype 'auto'
+    Of the target only those two matrices are read from its safetensors (its config and tokenizer
+    besides, for shapes and the gateway's vocabulary check; the whole target is loaded on the CPU
+    only where its files hold no safetensors); the head refuses a target of another shape. dtype 'auto'
     and threads 0 are measured at start-up (tune_feature_drafter): bfloat16 halves the weights a step
     reads (a single step 2.57 → 1.48 ms on an AVX512-BF16 CPU, same held-out acceptance) and is slow
     where the CPU has no bf16 instructions; drafts never change what the target accepts, so the
@@ -57,21 +58,31 @@ def load_feature_drafter(
     from pathlib import Path
 
     from draft_service.feature_drafter import FeatureDrafter
-    from draft_service.feature_head import CONFIG_FILE, load_head
-    from specd_common.models import describe_model, load_causal_lm, max_sequence_length, parse_dtype
+    from draft_service.feature_head import CONFIG_FILE, load_head_over, target_matrices
+    from specd_common.models import (describe_model, load_causal_lm, load_model_shell, max_sequence_length, parse_dtype,
+                                     pick_device, read_model_matrices, use_device)
 
     config = json.loads((Path(folder) / CONFIG_FILE).read_text())
-    loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
-    head = load_head(Path(folder), loaded.model)
+    torch_device = pick_device(device)
+    use_device(torch_device)
+    loaded, path = load_model_shell(target or config["target"])
+    matrices = read_model_matrices(loaded, path)
+    if matrices is None:  # no safetensors to read them from: the whole target, once
+        loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
+        matrices = target_matrices(loaded.model)
+    head = load_head_over(Path(folder), *matrices)
+    del matrices
     info = describe_model(loaded)
     if config.get("vocab_digest") and config["vocab_digest"] != info.vocab_digest:
         raise ValueError(f"feature head {folder} was trained for a target with another vocabulary than {loaded.name!r}")
     info.model_name = f"feature-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
-    key = {**runtime_cache.machine_key("cpu"), **runtime_cache.model_key(loaded.name, loaded.model), "head": runtime_cache.digest(config)}
+    key = {**runtime_cache.machine_key(str(torch_device)), **runtime_cache.model_key(loaded.name, loaded.model),
+           "head": runtime_cache.digest(config), "head_device": str(torch_device)}
     del loaded
-    dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch.device("cpu"))]
-    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(d), info, max_length) for d in dtypes}
+    dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch_device)]
+    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(device=torch_device, dtype=d), info, max_length)
+                for d in dtypes}
     key.update(dtypes=list(drafters), threads=autotune.threads_to_try(threads, max_threads))
     timings = runtime_cache.StartupTimings.open("draft-feature", key, startup.cache_dir, startup.remeasure, startup.budget_s)
     drafter, runtime = tune_feature_drafter(drafters, threads, max_threads, measure=timings.measure, source=lambda: timings.source)
@@ -101,7 +112,7 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     def first(source: str) -> tuple[Drafter, str]:
         torch.set_num_threads(counts[0])
         name = next(iter(drafters))
-        return drafters[name], json.dumps({"device": "cpu", "threads": counts[0], "dtype": name, "source": source})
+        return drafters[name], json.dumps({"device": str(drafters[name].device), "threads": counts[0], "dtype": name, "source": source})
 
     if len(counts) * len(drafters) == 1:
         return first("flags")
@@ -124,7 +135,7 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     best = min(drafters, key=lambda name: min(s for (t, n), s in seconds.items() if n == name))
     chosen_threads = autotune.fewest_threads({t: s for (t, n), s in seconds.items() if n == best})
     torch.set_num_threads(chosen_threads)
-    record = {"device": "cpu", "threads": chosen_threads, "dtype": best, "source": source(),
+    record = {"device": str(drafters[best].device), "threads": chosen_threads, "dtype": best, "source": source(),
               "draft3_ms": {f"{t}:{n}": round(s * 1000, 2) for (t, n), s in seconds.items()}}
     return drafters[best], json.dumps(record, separators=(",", ":"))
 
@@ -145,6 +156,9 @@ def start_draft_server(
 
 
 def draft_token_budget(drafter: Drafter, requested: int) -> int:
+    """`requested` when set, else from the free memory of the device the drafter's sessions live on
+    (a model or feature drafter on CUDA: that GPU's, not the host's)."""
     if requested:
         return max(requested, 0)
-    return autotune.kv_token_budget(drafter.bytes_per_token(), autotune.available_memory_bytes("cpu"))
+    device = str(getattr(drafter, "device", "cpu"))
+    return autotune.kv_token_budget(drafter.bytes_per_token(), autotune.available_memory_bytes(device))

@@ -69,6 +69,11 @@ class ModelDrafter:
         self.batcher = make_batcher(self.lm, batching)  # None: one session per forward
         self._info = describe_model(loaded, drafter="model")
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its sessions' caches live (the KV budget reads this device's memory)."""
+        return self.lm.loaded.device
+
     def info(self) -> common_pb2.GetModelInfoResponse:
         return self._info
 

@@ -46,7 +46,7 @@ class FeatureSession(DraftSession):
         long answer costs amortized O(n) per round, not a copy of everything held."""
         needed = start + rows.shape[0]
         if needed > self.buffer.shape[0]:
-            grown = torch.zeros((max(needed, 2 * self.buffer.shape[0]), rows.shape[1]))
+            grown = torch.zeros((max(needed, 2 * self.buffer.shape[0]), rows.shape[1]), device=self.buffer.device)
             grown[:start] = self.buffer[:start]
             self.buffer = grown
         self.buffer[start:needed] = rows
@@ -68,6 +68,11 @@ class FeatureDrafter:
         self._info.wants_target_features = True
         self._lock = threading.Lock()  # one head computation at a time (the device is the bottleneck)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the head runs (and the session buffers live): the KV budget reads this device's memory."""
+        return self.head.vocab_ids.device
+
     def info(self) -> common_pb2.GetModelInfoResponse:
         return self._info
 
@@ -76,7 +81,7 @@ class FeatureDrafter:
         sequence = TokenSequence(
             tokens=list(prompt), max_length=self.max_length, cached=1, on_crop=lambda n: cache.crop(max(0, cache.length - n))
         )
-        return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.hidden_size)))
+        return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.hidden_size), device=self.device))
 
     def bytes_per_token(self) -> int:
         """A position holds one target feature row (float32) and the head's one-layer keys and values."""
@@ -100,7 +105,7 @@ class FeatureDrafter:
                 f"target_features start at position {message.start_position} but the session holds features only up to "
                 f"position {held - 1}; send the missing positions first"
             )
-        session.store(message.start_position, rows)
+        session.store(message.start_position, rows.to(self.device))
 
     def propose(self, session: FeatureSession, k: int, rng: np.random.Generator, branches: int = 1) -> Proposal:
         """k drafted tokens; with branches > 1 a tree of the chain plus, at each position, branches - 1
@@ -129,9 +134,10 @@ class FeatureDrafter:
                 "reports wants_target_features)"
             )
         session.cache.crop(first - 1)
-        tokens = torch.tensor([sequence.tokens[first:length]])  # [1, n]
+        tokens = torch.tensor([sequence.tokens[first:length]], device=self.device)  # [1, n]
+        positions = torch.arange(first, length, device=self.device)
         with model_forward(length - first):
-            estimates = self.head(tokens, session.buffer[None, first - 1 : length - 1], torch.arange(first, length), session.cache)
+            estimates = self.head(tokens, session.buffer[None, first - 1 : length - 1], positions, session.cache)
         session.last = estimates[0, -1]  # [H]
         sequence.cached = length
 
@@ -149,7 +155,8 @@ class FeatureDrafter:
             steps.append([token] + (self._alternatives(scores, token, branches - 1, session.warp, rng, proposal) if branches > 1 else []))
             if step + 1 < k:
                 with model_forward(1):
-                    estimate = head(torch.tensor([[token]]), estimate[None, None], torch.tensor([position]), session.cache)[0, -1]
+                    estimate = head(torch.tensor([[token]], device=self.device), estimate[None, None],
+                                    torch.tensor([position], device=self.device), session.cache)[0, -1]
                 position += 1
         session.cache.crop(kept)
         chain = [candidates[0] for candidates in steps]
@@ -183,7 +190,7 @@ class FeatureDrafter:
         vocab_ids = self.head.vocab_ids
         if warp.greedy:
             return int(vocab_ids[int(torch.argmax(scores))])
-        full = torch.full((self._info.vocab_size,), float("-inf"))  # [V]
+        full = torch.full((self._info.vocab_size,), float("-inf"), device=scores.device)  # [V]
         full[vocab_ids] = scores.float()
         q = encode_rows(warp_probs(full[None], warp))[0]
         proposal.draft_probs.append(q)

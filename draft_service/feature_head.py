@@ -275,12 +275,18 @@ def is_feature_head(folder: Path) -> bool:
 
 def load_head(folder: Path, target_model, dtype: torch.dtype = torch.float32) -> FeatureHead:
     """A saved head bound to the target's embedding and LM head, in eval mode."""
+    embedding, lm_head = target_matrices(target_model)
+    return load_head_over(folder, embedding, lm_head, dtype)
+
+
+def load_head_over(folder: Path, embedding: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype = torch.float32) -> FeatureHead:
+    """A saved head over the target's embedding [V, H] and LM head [V, H] alone (the serving path
+    reads just these two from the target's files: specd_common/models.py read_model_matrices)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     config = FeatureHeadConfig(**json.loads((folder / CONFIG_FILE).read_text()))
     state = load_file(str(folder / WEIGHTS_FILE))
-    embedding, lm_head = target_matrices(target_model)
     if embedding.shape[1] != config.hidden_size or embedding.shape[0] != config.vocab_size:
         raise ValueError(
             f"feature head {folder} was trained for a target with vocabulary {config.vocab_size} and hidden size "

@@ -161,17 +161,19 @@ class HFRunner:
     says): the target alone, or assisted (k > 0) by the draft model (draft_spec) or,
     without one, by transformers' prompt lookup."""
 
-    def __init__(self, target_spec: str, draft_spec: str, warm_prompt: str, sampling: Sampling = Sampling()):
+    def __init__(self, target_spec: str, draft_spec: str, warm_prompt: str, sampling: Sampling = Sampling(),
+                 device: str = "auto", dtype: str = "auto"):
+        """device / dtype: as the services' flags (the verify's device, so both run on the same GPU)."""
         import torch
 
         from gateway.tokenizer import GatewayTokenizer
-        from specd_common.models import describe_model, load_causal_lm
+        from specd_common.models import describe_model, load_causal_lm, synchronize
 
-        self.torch = torch
+        self.torch, self.synchronize = torch, synchronize
         self.sampling = sampling
-        self.loaded = load_causal_lm(target_spec)
+        self.loaded = load_causal_lm(target_spec, device, dtype)
         self.tokenizer = GatewayTokenizer(describe_model(self.loaded))
-        self.assistant = load_causal_lm(draft_spec).model if draft_spec else None
+        self.assistant = load_causal_lm(draft_spec, device, dtype).model if draft_spec else None
         for k in (None, 3):  # warm-up, not counted
             self.run({"prompt": warm_prompt}, 8, k)
 
@@ -183,13 +185,19 @@ class HFRunner:
             extra = {"assistant_model": self.assistant}
         elif k:
             extra = {"prompt_lookup_num_tokens": k}
-        ids = self.torch.tensor([self.tokenizer.encode_prompt(row["prompt"], raw=False)])
+        ids = self.input_ids(row["prompt"])
         if self.sampling.seed is not None:
             self.torch.manual_seed(self.sampling.seed)
         started = time.perf_counter()
         with self.torch.inference_mode():
             out = self.loaded.model.generate(ids, max_new_tokens=max_new_tokens, **self.sampling.generate_kwargs(), **extra)
+        self.synchronize(self.loaded.device)  # out's shape is known before its values: the time ends when the device's work does
         return Sample(category=row.get("category", "all"), tokens=out.shape[1] - ids.shape[1], seconds=time.perf_counter() - started)
+
+
+    def input_ids(self, prompt: str):
+        """The prompt's ids [1, n] on the model's device (generate does not move them there)."""
+        return self.torch.tensor([self.tokenizer.encode_prompt(prompt, raw=False)], device=self.loaded.device)
 
 
 def run_interleaved(modes: dict[str, Callable[[dict], Sample]], rows: list[dict], progress) -> dict[str, tuple[list[Sample], float]]:
@@ -510,7 +518,24 @@ def machine_facts() -> dict:
         pass
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        facts["cuda"] = torch.version.cuda
+        facts["gpu_driver"] = gpu_driver()
+    import transformers
+
+    facts["transformers"] = transformers.__version__
     return facts
+
+
+def gpu_driver() -> str:
+    """The NVIDIA driver's version ('' where nvidia-smi cannot tell)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return ""
 
 
 def emit_report(report: dict, output: str = "") -> None:

@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "draft-port", DEFAULT_PORTS["draft"], "draft port")
     add_flag(up, "verify-port", DEFAULT_PORTS["verify"], "verify port")
     add_flag(up, "threads", 0, "torch threads for each model service (0 = default)")
+    add_device_flags(up)
     add_flag(up, "num-draft-tokens", GATEWAY_DEFAULTS.num_draft_tokens, "default draft tokens per round")
     add_auth_token_flags(up, "every RPC of all three services (passed to them in the environment, never on their command lines)")
     up.add_argument("--demo", nargs="?", const=DEMO_PROMPT, default=None, help="send one demo prompt once ready")
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "service and the modes that need one (fixed k, trees, overlap) use a draft service of the target's default drafter")
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
+    add_device_flags(bench)
+    bench.add_argument("--dtype", default="auto", help="both model services' and transformers' dtype: auto (bf16 on CUDA, fp32 "
+                       "on CPU), float32, float16, bfloat16")
     bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
     bench.add_argument("--cap", type=int, nargs="*", default=[], help="also run specd_capN for each N: the default specd on a "
                        "gateway of its own whose --max-speculative-requests is fixed at N, side by side with the measured cap")
@@ -321,7 +325,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     token = share_stack_token(os.environ, args.auth_token, args.auth_token_file)  # children (and restarts) inherit it
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port, "http": args.http_port}
-    commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens)
+    commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens,
+                                service_devices(args.verify_device, args.draft_device))
     gateway_address = f"{args.host}:{args.gateway_port}"
     stop = {"requested": False, "demo": False}
 
@@ -399,27 +404,51 @@ def share_stack_token(environ: MutableMapping[str, str], token: str, token_file:
 
 
 def spawn_services(
-    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
+    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int,
+    devices: Optional[dict] = None, dtype: str = "auto",
 ) -> dict:
     """verify, draft and gateway as child processes (`specd serve ...`), started in order; name → Popen."""
-    commands = service_commands(host, ports, target, drafter, draft_model, threads, num_draft_tokens)
+    commands = service_commands(host, ports, target, drafter, draft_model, threads, num_draft_tokens, devices, dtype)
     return start_in_order(commands, host, ports)
 
 
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    for service in ("verify", "draft"):
+        add_flag(parser, f"{service}-device", "auto", f"the {service} service's device: auto (with two or more CUDA devices visible "
+                 "the verify on cuda:0 and the draft on cuda:1; with one, both on it; with none, cpu), cpu, cuda or cuda:N")
+
+
+def service_devices(verify: str = "auto", draft: str = "auto", count: Optional[int] = None) -> dict:
+    """Each model service's device: the named one, or for 'auto' spread over the `count` CUDA devices
+    visible (default: counted now). Why spread: the draft and the verify on one GPU take turns on it,
+    and the draft's work between verify passes (overlap) needs a device of its own."""
+    if count is None:
+        from specd_common.models import visible_cuda_devices
+
+        count = visible_cuda_devices()
+    spread = {"verify": "cuda:0", "draft": "cuda:1" if count > 1 else "cuda:0"} if count else {"verify": "cpu", "draft": "cpu"}
+    return {"verify": spread["verify"] if verify == "auto" else verify, "draft": spread["draft"] if draft == "auto" else draft}
+
+
 def service_commands(
-    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int
+    host: str, ports: dict, target: str, drafter: str, draft_model: str, threads: int, num_draft_tokens: int,
+    devices: Optional[dict] = None, dtype: str = "auto",
 ) -> dict:
-    """The `specd serve ...` command line of each service of a one-machine stack, in start order."""
+    """The `specd serve ...` command line of each service of a one-machine stack, in start order.
+    devices: service → --device (service_devices; none given: each service's own 'auto'); dtype: both
+    model services' --dtype."""
     serve = [sys.executable, "-m", "specd_app.cli", "serve"]
-    common = ["--host", host, "--threads", str(threads)]
+    common = ["--host", host, "--threads", str(threads)] + ([] if dtype == "auto" else ["--dtype", dtype])
+    device = {name: ["--device", where] for name, where in (devices or {}).items()}
     caps = stack_thread_caps(autotune.available_cores())  # the cores this process may use (affinity, cgroup quota)
     commands = {
-        "verify": serve + ["verify", *common, "--max-threads", str(caps["verify"]), "--port", str(ports["verify"]), "--model", target],
+        "verify": serve + ["verify", *common, *device.get("verify", []), "--max-threads", str(caps["verify"]),
+                           "--port", str(ports["verify"]), "--model", target],
     }
     if drafter == HEADS_ONLY:  # no draft service: the verify's Medusa heads and the gateway's lookup copies draft
         commands["gateway"] = gateway_command(host, ports, num_draft_tokens, "--draft-address", "")
         return commands
-    commands["draft"] = serve + ["draft", *common, "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]),
+    commands["draft"] = serve + ["draft", *common, *device.get("draft", []), "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]),
                                  "--drafter", drafter, "--model", draft_model, "--target", target]
     commands["gateway"] = gateway_command(host, ports, num_draft_tokens)
     return commands
@@ -539,12 +568,13 @@ def run_bench(args: argparse.Namespace) -> int:
     levels = [1, args.concurrency] if args.sequential_too else [args.concurrency]  # streams at a time, each service mode
     per_mode = args.arrival_streams + 1 if args.arrival else len(rows) * len(levels)
     progress = bench.Progress(len(service_modes) * repeats * per_mode + len(rows) * len(hf_modes))
+    devices = service_devices(args.verify_device, args.draft_device)  # transformers runs where the verify does
     children: dict = {}
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
         address, extra_gateways, children, addresses = start_local_stack(
             args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa,
-            caps=args.cap, caps_without_draft=heads_default, heads=heads,
+            caps=args.cap, caps_without_draft=heads_default, heads=heads, devices=devices, dtype=args.dtype,
         )
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
     results_at = {level: {} for level in levels}  # streams at a time → mode → (samples, wall seconds)
@@ -553,7 +583,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
         # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
-        hf = None if not hf_modes else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"], sampling)
+        hf = None if not hf_modes else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"],
+                                                      sampling, device=devices["verify"], dtype=args.dtype)
         if args.arrival:  # each mode in turn, in order then reversed (ABBA) over the repeats
             for repeat in range(repeats):
                 for mode, fields in service_modes[:: -1 if repeat % 2 else 1]:
@@ -609,7 +640,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
+        "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "sequential_too": args.sequential_too,
     }
     if args.arrival:
@@ -711,7 +742,8 @@ def stop_children(children: dict, timeout_s: float = 60.0) -> None:
 
 def start_local_stack(
     target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False,
-    caps: Sequence[int] = (), caps_without_draft: bool = False, heads: Optional[dict] = None,
+    caps: Sequence[int] = (), caps_without_draft: bool = False, heads: Optional[dict] = None, devices: Optional[dict] = None,
+    dtype: str = "auto",
 ) -> tuple[str, dict, dict, dict]:
     """The three services as child processes on free ports, plus more gateways sharing the draft and
     verify when asked: "overlap" (--overlap), "medusa" (no draft service: the verify's Medusa heads
@@ -733,7 +765,7 @@ def start_local_stack(
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     named = dict(zip(("gateway", "draft", "verify"), ports))
-    children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens)
+    children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens, devices, dtype)
     address, extra = f"127.0.0.1:{ports[0]}", {}
     for (name, gateway_flags), port in zip(flags.items(), ports[3:]):
         extra[name] = f"127.0.0.1:{port}"
@@ -744,7 +776,7 @@ def start_local_stack(
     for name, folder in heads.items():
         verify_port, gateway_port = next(spare), next(spare)
         own = {**named, "verify": verify_port, "gateway": gateway_port}
-        verify = service_commands("127.0.0.1", own, target, drafter, draft_model, threads, num_draft_tokens)["verify"]
+        verify = service_commands("127.0.0.1", own, target, drafter, draft_model, threads, num_draft_tokens, devices, dtype)["verify"]
         children[f"verify-heads-{name}"] = subprocess.Popen([*verify, "--medusa-heads", folder, "--metrics-port", "-1"])  # one at a time: each measures its passes at start-up; /metrics port is the main verify's
         if not wait_until_serving(f"127.0.0.1:{verify_port}", children, {"requested": False}):
             abandon_stack(children)

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -133,15 +133,82 @@ def resolve_model_path(spec: str) -> str:
     return spec  # a hub id: transformers resolves it (from its local cache when offline)
 
 
+def visible_cuda_devices() -> int:
+    """CUDA devices this process sees (0 without CUDA): `specd up` spreads its services over them."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA device the calling thread's current one, so work that names no device (library
+    kernels, the caching allocator) lands on the model's GPU and no stray context opens on GPU 0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (nothing to wait for off CUDA): a timing must end there.
+    The device is named: a synchronize that names none waits on the current device, GPU 0 for a
+    service on cuda:1, and times the wrong GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def load_causal_lm(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load a causal LM and its tokenizer for inference."""
     torch_device = pick_device(device)
+    use_device(torch_device)
     path = resolve_model_path(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, torch_device))
     model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     log.info("loaded %s (%s) on %s", spec, path, torch_device)
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=torch_device)
+
+
+def load_model_shell(spec: str) -> tuple[LoadedModel, str]:
+    """The model's config, generation config and tokenizer with its weights left unloaded (on the
+    meta device), and the folder it came from: enough to describe it, to shape what reads its
+    matrices (read_model_matrices), and to key timings, without the memory of the whole model."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path = resolve_model_path(spec)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # no generation_config.json: the one derived from the config stands
+    return LoadedModel(name=spec, model=model, tokenizer=AutoTokenizer.from_pretrained(path), device=torch.device("meta")), path
+
+
+def read_model_matrices(shell: LoadedModel, path: str) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The input embedding [V, H] and output head [V, H] of a model folder's safetensors, read alone
+    (float32, on the CPU; one tensor twice when tied); None when the folder has no safetensors or
+    lacks either (then the caller loads the whole model). Why: the feature drafter needs only these
+    two of the target's matrices; loading the target for them cost its every layer in float32."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    model = shell.model
+    wanted = {"embedding": model.get_input_embeddings().weight, "head": model.get_output_embeddings().weight}
+    names = {role: [name for name, p in model.named_parameters(remove_duplicate=False) if p is weight]
+             for role, weight in wanted.items()}
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as tensors:
+            stored = set(tensors.keys())
+            for role, candidates in names.items():
+                name = next((n for n in candidates if n in stored), None)
+                if role not in found and name is not None:
+                    found[role] = tensors.get_tensor(name).float()
+    if "head" not in found and getattr(model.config, "tie_word_embeddings", False) and "embedding" in found:
+        found["head"] = found["embedding"]  # tied: saved once, under the embedding's name
+    if set(found) != {"embedding", "head"}:
+        return None
+    return found["embedding"], found["head"]
 
 
 def vocab_digest(tokenizer: PreTrainedTokenizerBase) -> str:

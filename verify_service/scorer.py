@@ -15,7 +15,7 @@ from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.config import StartupMeasurement
 from specd_common.features import encode_features
 from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
-from specd_common.models import LoadedModel, describe_model
+from specd_common.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
 from specd_common.warping import encode_rows, warp_probs
@@ -151,8 +151,7 @@ class Scorer:
                     session.sequence.keep_features = heads
                 logits = self.lm.forward_batch([(session.sequence, drafts) for session in sessions[:b]])
                 self._replies([Part(session, drafts, head_drafts=heads) for session in sessions[:b]], logits)
-                if self.lm.loaded.device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(self.lm.loaded.device)  # this service's GPU, not the current one
                 for session in sessions[:b]:  # as if no draft was accepted
                     session.sequence.apply_commit(len(session.sequence.tokens) - (n - 1), [next_token])
 

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
+	train-heads-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -59,6 +59,9 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 train-heads-gpu:  ## on a GPU machine: both shipped drafts trained further on the whole corpus (WORK=DIR, SPECD_DATA_DIR; TRAIN_ARGS=train-draft flags)
 	PYTHONPATH=.:protos PYTHON=$(GPU_PY) scripts/gpu_train_heads.sh $(WORK) $(TRAIN_ARGS)
+
+gpu-check:  ## on a GPU machine, first: the serving path's tests on CUDA and `specd bench` vs transformers there, one JSON in docs/benchmarks/gpu/ (docs/gpu.md; GPU_CHECK_ARGS="--device cpu --out DIR" runs it on a CPU)
+	PYTHON=$(GPU_PY) scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 eval-feature-heads: setup  ## feature heads against the target on a train-draft work dir's held-out answers (WORK=DIR HEADS="NAME=DIR ..."; EVAL_ARGS="--speculate 3 --leak-free")
 	$(PY) scripts/head_agreement.py --work-dir $(WORK) $(foreach head,$(HEADS),--head $(head)) $(EVAL_ARGS)

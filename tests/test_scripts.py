@@ -21,7 +21,7 @@ from tests.tiny_models import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
-                "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py"}
+                "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -82,3 +82,16 @@ def test_tracing_overhead_times_the_three_stacks():
     printed = make("tracing-overhead", TRACING_ARGS="--requests 1 --tokens 4")
     for mode in ("uninstrumented", "tracing off", "tracing on"):
         assert mode in printed, printed
+
+
+def test_the_gpu_check_runs_its_tests_and_bench_on_the_cpu(tmp_path):
+    """`make gpu-check` on the CPU: the gpu-marked tests on tiny models, then bench, one result file."""
+    make("gpu-check", GPU_CHECK_ARGS=f"--device cpu --out {tmp_path}")
+    [path] = tmp_path.glob("gpu_check-cpu-*.json")
+    result = json.loads(path.read_text())
+    assert result["tests"]["exit_code"] == 0 and " passed" in result["tests"]["summary"]
+    assert 0 <= result["tests"]["measured"]["tiny_bfloat16_agreement"]["rate"] <= 1
+    assert result["bench"]["exit_code"] == 0, result["bench"]["log_tail"]
+    modes = result["bench"]["report"]["modes"]
+    assert {"hf_target", "target_only"} <= set(modes), sorted(modes)
+    assert result["machine"]["torch"] and result["machine"]["transformers"]

@@ -330,6 +330,8 @@ def measure_interleaved(runs: dict, repeats: int = 5, budget: Optional[Budget] =
             torch.set_num_threads(key[0])
             started = time.perf_counter()
             run()
+            if torch.cuda.is_initialized():  # CUDA runs asynchronously: a timing ends when the device is done
+                torch.cuda.synchronize(torch.cuda.current_device())  # a service sets its own (models.load_causal_lm)
             if round_index:  # round 0 warms every shape up
                 samples[key].append(time.perf_counter() - started)
         if round_index and round_index < repeats and budget is not None and budget.spent():

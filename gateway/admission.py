@@ -45,14 +45,13 @@ class Ticket:
 
     prompt_tokens: int
     max_new_tokens: int
-    admitted_at: float
-    first_token_at: Optional[float] = None
-    last_token_at: Optional[float] = None
-    on_token: Callable[["Ticket", int], None] = field(default=lambda ticket, tokens: None, repr=False)
+    estimate: Optional["ServiceEstimate"] = field(default=None, repr=False)
+    last_token_at: Optional[float] = None  # None until its first token
 
     def emitted(self, tokens: int) -> None:
         """The request produced `tokens` more tokens (a round's chunk)."""
-        self.on_token(self, tokens)
+        if self.estimate is not None:
+            self.estimate.on_token(self, tokens)
 
 
 class ServiceEstimate:
@@ -67,8 +66,7 @@ class ServiceEstimate:
         self.decode_s_per_token = decode_s_per_token
         self._clock = clock
         self._pending: set[Ticket] = set()  # admitted, no token yet
-        self._busy_since: Optional[float] = None  # start of the current stretch with a prompt pending
-        self._busy_s = 0.0  # seconds with a prompt pending since the last prefill finished
+        self._busy_since: Optional[float] = None  # since the last prefill finished, with a prompt pending all along
         self._busy_sum = self._tokens_sum = 0.0  # busy seconds and prompt tokens of recent prefills, fading
         self._lock = threading.Lock()
 
@@ -90,27 +88,26 @@ class ServiceEstimate:
         in it (a lower bound that corrects a low prior within the first wave of long prompts)."""
         with self._lock:
             pending = sum(ticket.prompt_tokens for ticket in self._pending)
-            busy = self._busy_s + (self._clock() - self._busy_since if self._busy_since is not None else 0.0)
+            busy = self._busy(self._clock())
         return max(self.prefill_s_per_token, busy / pending if pending else 0.0)
 
     def admit(self, ticket: Ticket) -> None:
-        ticket.admitted_at = self._clock()
         with self._lock:
             if not self._pending:
                 self._busy_since = self._clock()
             self._pending.add(ticket)
-        ticket.on_token = self._on_token
+        ticket.estimate = self
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended (finished, refused upstream, cancelled): its prompt is no longer pending."""
         with self._lock:
             self._drop_pending(ticket, self._clock())
 
-    def _on_token(self, ticket: Ticket, tokens: int) -> None:
+    def on_token(self, ticket: Ticket, tokens: int) -> None:
+        """`ticket`'s request produced `tokens` more tokens (Ticket.emitted)."""
         now = self._clock()
         with self._lock:
-            if ticket.first_token_at is None:
-                ticket.first_token_at = now
+            if ticket.last_token_at is None:  # its first: its prompt is prefilled
                 # busy seconds per prompt token over the recent prefills (a ratio of sums: prompts that
                 # finish together share one stretch of busy time)
                 self._busy_sum = RATE_MEMORY * self._busy_sum + self._drop_pending(ticket, now)
@@ -127,10 +124,13 @@ class ServiceEstimate:
         if ticket not in self._pending:
             return 0.0
         self._pending.discard(ticket)
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        self._busy_s = 0.0
+        busy = self._busy(now)
         self._busy_since = now if self._pending else None
         return busy
+
+    def _busy(self, now: float) -> float:
+        """Seconds since the last prefill finished, with a prompt pending all along (caller holds the lock)."""
+        return now - self._busy_since if self._busy_since is not None else 0.0
 
 
 def _blend(old: float, new: float) -> float:
@@ -194,7 +194,7 @@ class Admission:
                 self.active += 1
         if not acquired:
             raise ResourceExhausted(f"server busy: no slot freed within {wait_s:.1f} s; retry with backoff")
-        ticket = Ticket(prompt_tokens, max_new_tokens, admitted_at=0.0)  # the estimate's clock sets it
+        ticket = Ticket(prompt_tokens, max_new_tokens)
         self.estimate.admit(ticket)
         try:
             yield ticket

@@ -48,7 +48,7 @@ class Backends:
         return self.first.get("draft")
 
     @functools.cached_property
-    def verify_batch_costs(self) -> dict[int, dict[int, float]]:
+    def _verify_batch_costs(self) -> dict[int, dict[int, float]]:
         """rows → positions → ms of a batched round, as the target's first verify replica measured them
         at start-up (GetModelInfo.runtime_profile; runtime_config's JSON is for logs only); empty when it did not."""
         costs: dict[int, dict[int, float]] = {}
@@ -65,7 +65,7 @@ class Backends:
         every batch on drafts it knows nothing of (on the 2-core EPYC, speculating in 8-stream
         batches lost 17%). No cap when the verify measured no batch costs (it does not batch:
         requests then share no passes, and each one's own policy decides)."""
-        costs = self.verify_batch_costs
+        costs = self._verify_batch_costs
         if not costs:
             return 0
         cap = self._cap_per_replica(costs) * self._serving_replicas()
@@ -80,7 +80,7 @@ class Backends:
         """One round's shape for the speculation cap, counted at the batch size its `running`
         requests (this gateway's, spread over the serving verify replicas) make."""
         rows = -(-running // self._serving_replicas())
-        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self.verify_batch_costs)), speculating)
+        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self._verify_batch_costs)), speculating)
 
     def _serving_replicas(self) -> int:
         return max(1, sum(replica.eligible for replica in self.verify.replicas()))

@@ -114,19 +114,16 @@ class SessionKeeper:
             now = self._clock()
             due = [retry for retry in self._retries if retry.due <= now]
         timeout_s = max(0.1, self.lease_s / RENEWALS_PER_LEASE)
-        calls = [(replica, _renew(replica, ids, timeout_s)) for replica, ids in renewals if ids]
+        calls = [(replica, _start(replica.stub.KeepAlive, common_pb2.KeepAliveRequest(session_ids=ids), timeout_s))
+                 for replica, ids in renewals if ids]
         releases = [(retry, _release(retry.replica, retry.session_id)) for retry in due]
         for replica, call in calls:
-            try:
-                if isinstance(call, ValueError):  # it never started: the channel is closed
-                    raise call
-                unknown = call.result().unknown_session_ids
-                if unknown:
-                    log.warning("%s no longer holds %d session(s) of running requests (expired?)", replica.address, len(unknown))
-            except grpc.RpcError as error:
-                log.info("lease renewal on %s failed: %s", replica.address, error.code())
-            except ValueError as error:
-                log.info("lease renewal on %s failed: %s", replica.address, error)
+            reply, failure = _outcome(call)
+            if failure is not None:
+                log.info("lease renewal on %s failed: %s", replica.address, failure)
+            elif reply.unknown_session_ids:
+                log.warning("%s no longer holds %d session(s) of running requests (expired?)", replica.address,
+                            len(reply.unknown_session_ids))
         for retry, call in releases:
             self._settle(retry, _released(call))
 
@@ -196,27 +193,28 @@ class SessionSet:
         self._opened.clear()
 
 
+def _start(method: Any, request: Any, timeout_s: float) -> Any:
+    """A call in flight, or None when it could not start (its channel closed at shutdown)."""
+    try:
+        return method.future(request, timeout=timeout_s)
+    except ValueError:
+        return None
+
+
+def _outcome(call: Any) -> tuple[Any, Optional[grpc.StatusCode]]:
+    """(the reply, None), or (None, why it failed): its status code, UNAVAILABLE for a call that never started."""
+    if call is None:
+        return None, grpc.StatusCode.UNAVAILABLE
+    try:
+        return call.result(), None
+    except grpc.RpcError as error:
+        return None, error.code()
+
+
 def _release(replica: Replica, session_id: str) -> Any:
-    """A Release in flight, or the error that stopped it from starting (a channel closed at shutdown)."""
-    try:
-        return replica.stub.Release.future(common_pb2.ReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S)
-    except ValueError as error:
-        return error
-
-
-def _renew(replica: Replica, session_ids: list[str], timeout_s: float) -> Any:
-    try:
-        return replica.stub.KeepAlive.future(common_pb2.KeepAliveRequest(session_ids=session_ids), timeout=timeout_s)
-    except ValueError as error:
-        return error
+    return _start(replica.stub.Release, common_pb2.ReleaseRequest(session_id=session_id), RELEASE_TIMEOUT_S)
 
 
 def _released(call: Any) -> bool:
     """Whether the service no longer holds the session: released, or NOT_FOUND (expired, never opened)."""
-    if isinstance(call, ValueError):  # it never started (a grpc call future is an Exception too: not that test)
-        return False
-    try:
-        call.result()
-        return True
-    except grpc.RpcError as error:
-        return error.code() == grpc.StatusCode.NOT_FOUND
+    return _outcome(call)[1] in (None, grpc.StatusCode.NOT_FOUND)

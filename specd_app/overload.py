@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Optional, Sequence
 import grpc
 
 from specd.v1 import generate_pb2, generate_pb2_grpc
+from specd_app.bench import machine_facts, percentile
 
 log = logging.getLogger("specd.overload")
 REPO = Path(__file__).resolve().parent.parent
@@ -142,11 +142,8 @@ def run_clients(gateway: str, http_base: str, workload: Workload, grpc_clients: 
     return outcomes
 
 
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+def _percentile(values: Sequence[float], q: float) -> Optional[float]:
+    return percentile(values, q) if values else None  # bench's nearest rank; None for no values
 
 
 def summarize(outcomes: Sequence[Outcome], deadline_s: float) -> dict:
@@ -164,11 +161,11 @@ def summarize(outcomes: Sequence[Outcome], deadline_s: float) -> dict:
         "refused_within_1s": len(fast_refusals),
         "good_share": round((len(ok) + len(fast_refusals)) / max(len(outcomes), 1), 3),
         "completed_tokens": sum(o.tokens for o in ok),
-        "short_first_token_s": {"p50": _round(percentile(short_ttft, 0.5)), "p95": _round(percentile(short_ttft, 0.95)),
+        "short_first_token_s": {"p50": _round(_percentile(short_ttft, 0.5)), "p95": _round(_percentile(short_ttft, 0.95)),
                                 "count": len(short_ttft)},
-        "completed_seconds_p95": {"short": _round(percentile([o.seconds for o in ok if not o.long], 0.95)),
-                                  "long": _round(percentile([o.seconds for o in ok if o.long], 0.95))},
-        "refusal_seconds_p95": _round(percentile([o.seconds for o in outcomes if o.status == "refused"], 0.95)),
+        "completed_seconds_p95": {"short": _round(_percentile([o.seconds for o in ok if not o.long], 0.95)),
+                                  "long": _round(_percentile([o.seconds for o in ok if o.long], 0.95))},
+        "refusal_seconds_p95": _round(_percentile([o.seconds for o in outcomes if o.status == "refused"], 0.95)),
     }
 
 
@@ -267,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = {
         "command": "python -m specd_app.overload " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "machine": machine(),
+        "machine": machine_facts(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"},
         "elapsed_s": round(elapsed, 1),
         **summarize(outcomes, args.deadline),
@@ -281,12 +278,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = {k: v for k, v in report.items() if k != "outcomes"}
     print(json.dumps(summary, indent=1))
     return 0
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    return f"{model}, {os.cpu_count()} vCPUs"
 
 
 if __name__ == "__main__":

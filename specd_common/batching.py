@@ -312,9 +312,8 @@ class ForwardBatcher:
             prefill.future.set_exception(error)
 
     def _prefill_feeds(self, decoding: int, rounds: int) -> list[tuple[Feed, _Prefill]]:
-        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, in the order
-        they would finish alone from their arrival (the module docstring), within PrefillBudget's positions;
-        prompts nobody waits for any more are dropped."""
+        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, within
+        PrefillBudget's positions shared by prefill_shares; prompts nobody waits for any more are dropped."""
         with self._condition:
             waiting = list(self._prefills)
         for prefill in [prefill for prefill in waiting if not prefill.wanted()]:

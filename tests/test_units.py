@@ -572,7 +572,7 @@ def test_the_gateway_caps_speculation_by_its_verify_replicas_measured_batch_cost
     measured = common_pb2.GetModelInfoResponse(runtime_profile=common_pb2.RuntimeProfile(batch_costs=[
         common_pb2.BatchCost(rows=b, positions=n, milliseconds=ms) for b, by_n in EPYC_BATCH_COSTS.items() for n, ms in by_n.items()]))
     one = backends(measured, replicas=1)
-    assert one.verify_batch_costs == EPYC_BATCH_COSTS
+    assert one._verify_batch_costs == EPYC_BATCH_COSTS
     assert one.speculation_cap() == 2  # no rounds measured yet: the smallest measured batch
     for _ in range(POLICY.min_shape_rounds):
         one.observe_round(round(1.75 * POLICY.speculation_margin), 4, 0.1, running=2, speculating=True)

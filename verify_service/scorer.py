@@ -139,7 +139,7 @@ class Scorer:
         request in it. On the model's thread."""
         if not rows:
             return {}
-        prompt = [i % self.lm.vocab_size for i in range(1, min(context, self.lm.max_length // 2) + 1)]  # any ids
+        prompt = self._timing_prompt(context)
         sessions: list[VerifySession] = []  # filled when the runs are made: not at all when the timings are cached
         draft, next_token = 2 % self.lm.vocab_size, 1 % self.lm.vocab_size  # distinct: a commit drops the drafts
 
@@ -174,7 +174,7 @@ class Scorer:
         """Milliseconds per prompt token of one prompt of `tokens` prefilled alone (0.0 when the start-up
         budget left no time): the gateway's first estimate of a new request's time to first token
         (gateway/admission.py), before it has measured prompts of its own."""
-        prompt = [i % self.lm.vocab_size for i in range(1, min(tokens, self.lm.max_length // 2) + 1)]
+        prompt = self._timing_prompt(tokens)
 
         def runs() -> dict:  # keyed (threads, positions), as every timing: the run is timed at its thread count
             return {(self.lm.runtime.threads_for(PREFILL_CHUNK) or threads, len(prompt)): lambda: self.lm.new_session(prompt)}
@@ -183,6 +183,10 @@ class Scorer:
         timed = measure("prefill cost", runs, repeats)
         torch.set_num_threads(threads)
         return round(next(iter(timed.values())) * 1000 / (len(prompt) - 1), 4) if timed else 0.0
+
+    def _timing_prompt(self, tokens: int) -> list[int]:
+        """A prompt of `tokens` ids (at most half the context) for start-up timings: any ids do."""
+        return [i % self.lm.vocab_size for i in range(1, min(tokens, self.lm.max_length // 2) + 1)]
 
     def kv_token_budget(self, requested: int) -> int:
         """Positions all sessions may hold: `requested` when > 0, none when < 0, else derived from the

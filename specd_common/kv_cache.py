@@ -31,7 +31,15 @@ SPARE_COLUMNS = 128
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose appends write into spare buffer columns instead of copying the cache."""
+    """A DynamicLayer whose appends write into spare buffer columns instead of copying the cache.
+
+    `reserve`: columns its first buffer holds at least: a prompt fed in chunks then lands in one
+    buffer instead of growing through ever larger ones, whose freed predecessors fragment the heap
+    (a verify holding 4 × 2,000-token prompts peaked ~150 MiB above its KV without it)."""
+
+    def __init__(self, reserve: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.reserve = reserve
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -64,7 +72,7 @@ class GrowingLayer(DynamicLayer):
 
     def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New buffers with room for `needed` columns and more, holding the first `length` columns."""
-        capacity = needed + needed // 4 + SPARE_COLUMNS
+        capacity = max(needed + needed // 4 + SPARE_COLUMNS, self.reserve)
         keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
         values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
         if length:
@@ -77,11 +85,12 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[..., :length, :]
 
 
-def growing_cache(config) -> DynamicCache:
+def growing_cache(config, reserve: int = 0) -> DynamicCache:
     """A DynamicCache for `config`'s model whose full-attention layers are GrowingLayers (other kinds,
-    e.g. sliding-window layers, stay as transformers makes them)."""
+    e.g. sliding-window layers, stay as transformers makes them), each with room for `reserve`
+    positions at its first append."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 

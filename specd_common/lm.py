@@ -341,7 +341,7 @@ class CausalLM:
         with other sessions: specd_common/batching.py)."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
-        cache = kv_cache.growing_cache(self.loaded.model.config)
+        cache = kv_cache.growing_cache(self.loaded.model.config, reserve=len(prompt) + kv_cache.SPARE_COLUMNS)
         session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
         session.cache = cache
         session.keep_features = keep_features

@@ -166,7 +166,7 @@ class BatchPolicy:
     """How a model service batches: at most `max_batch_size` sessions a pass, waiting at most
     `max_wait_ms` and at most `wait_fraction` of a recent pass for expected sessions."""
 
-    max_batch_size: int = 8  # the defaults of --max-batch-size and --batch-wait-ms (add_model_flags)
+    max_batch_size: int = 32  # the defaults of --max-batch-size and --batch-wait-ms (add_model_flags)
     max_wait_ms: float = 20.0
     wait_fraction: float = 0.25
 

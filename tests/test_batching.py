@@ -416,11 +416,12 @@ def test_a_reply_that_fails_fails_its_caller_alone():
     assert all(isinstance(reply, ValueError) and "bad" in str(reply) for reply in bad)
 
 
-def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
-    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), two waiting
-    prompts get a third of the pass's time (31 ms: 15 positions), and so does one (a fifth by count,
-    raised to MIN_PREFILL_SHARE); seven waiting beside one round of 4 positions most of it
-    (7 × 38 ms / 2 ms = 133); nobody decoding: a whole chunk; unmeasured: the smallest chunk."""
+def test_the_prefill_budget_is_the_prompts_share_of_a_measured_pass():
+    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), one waiting
+    prompt gets a third of the pass's time (31 ms: 15 positions; 1 / (4 + 1) raised to
+    MIN_PREFILL_SHARE), two get half (4 / (4 + 4): 62 ms, 31 positions); two beside one round of 4
+    positions 4 / 5 (4 × 38 ms / 2 ms = 76); seven beside it a whole chunk (49 / 50); nobody
+    decoding: a whole chunk; unmeasured: the smallest chunk."""
     from specd_common.batching import MIN_PREFILL_CHUNK, PassCost, PrefillBudget
     from specd_common.lm import PREFILL_CHUNK
 
@@ -429,8 +430,8 @@ def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
     for positions in (4, 16, 100, 512, 24):
         budget.observe(0.030 + 0.002 * positions, positions)
     assert budget.cost.fit() == pytest.approx((0.030, 0.002))
-    assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 15
-    assert budget.positions(4, 1, 7) == 133
+    assert budget.positions(16, 4, 1) == 15 and budget.positions(16, 4, 2) == 31
+    assert budget.positions(4, 1, 2) == 76 and budget.positions(4, 1, 7) == PREFILL_CHUNK
     assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
     flat = PassCost()
     flat.observe(8, 0.05)

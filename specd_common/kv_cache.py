@@ -94,6 +94,16 @@ def growing_cache(config, reserve: int = 0) -> DynamicCache:
     return cache
 
 
+@torch.inference_mode()
+def copied(cache: DynamicCache, config) -> DynamicCache:
+    """A growing cache holding a copy of every layer's keys and values of `cache` (timing passes
+    over many sessions start from one prefilled prompt instead of prefilling it once each)."""
+    copy = growing_cache(config)
+    for index, layer in enumerate(cache.layers):
+        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    return copy
+
+
 def keep_rows(cache: DynamicCache, first: int, rows: Sequence[int]) -> None:
     """GrowingLayer.keep_rows on every layer (a gather for any other kind of layer)."""
     keep = None

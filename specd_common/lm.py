@@ -351,6 +351,13 @@ class CausalLM:
             self.run_feeds([self.prefill_feed(session, PREFILL_CHUNK)])
         return session
 
+    def copy_session(self, session: KVSession) -> KVSession:
+        """A new session holding what `session` holds (its tokens and a copy of its cache)."""
+        cache = kv_cache.copied(session.cache, self.loaded.model.config)
+        copy = KVSession(tokens=list(session.tokens), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
+        copy.cache, copy.cached, copy.keep_features = cache, session.cached, session.keep_features
+        return copy
+
     @staticmethod
     def unprefilled(session: KVSession) -> int:
         """Prompt positions still to prefill (all but the last token is cached after a prefill)."""

@@ -65,3 +65,18 @@ def test_the_cache_of_a_model_is_made_of_growing_layers(tiny):
     lm = CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
     session = lm.new_session([5, 17, 42, 9])
     assert session.cache.layers and all(isinstance(layer, GrowingLayer) for layer in session.cache.layers)
+
+
+def test_a_copied_session_scores_as_its_original_and_apart_from_it(tiny):
+    """CausalLM.copy_session (the verify's batch timings start many sessions from one prefill): the
+    copy's next logits are the original's, and a round on one leaves the other's cache alone."""
+    from specd_common.lm import CausalLM
+    from specd_common.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
+    original = lm.new_session([5, 17, 42, 9, 11, 3])
+    copy = lm.copy_session(original)
+    assert copy.cache is not original.cache and copy.cached == original.cached == 5
+    expected = lm.forward(original, [7, 8])  # [3, V]; appends 3 positions to the original's cache only
+    assert copy.cache.get_seq_length() == 5 and original.cache.get_seq_length() == 8
+    assert torch.equal(lm.forward(copy, [7, 8]), expected)

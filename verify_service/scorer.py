@@ -158,7 +158,8 @@ class Scorer:
             return run
 
         def runs() -> dict:
-            sessions.extend(VerifySession(self.lm.new_session(prompt), Warp()) for _ in range(max(rows)))  # not via the batcher: this runs on the model thread
+            first = self.lm.new_session(prompt)  # not via the batcher: this runs on the model thread; copied, not prefilled again
+            sessions.extend(VerifySession(self.lm.copy_session(first) if i else first, Warp()) for i in range(max(rows)))
             return {(self.lm.runtime.threads_for(b * n) or threads, b, n): batched_round(b, n) for b in rows for n in positions}
 
         threads = torch.get_num_threads()

@@ -9,16 +9,18 @@ block in `forward(session, extra)` (a chain), `forward(..., parents=...)` (a dra
 
 Prompts are prefilled in chunks that share passes with the running rounds (chunked prefill): each
 pass carries every queued round and as many prompt positions as the prompts' share of the pass's
-time allows: with D sessions decoding and Q prompts waiting for their first token, prefill gets
-Q² / (D + Q²) of a pass (each waiting prompt weighs as much as Q decoding streams; at least
-MIN_PREFILL_SHARE), in seconds priced by the passes' own measured cost (`PassCost`: a base for the
-weights streamed once, plus a cost per position). A lone long prompt beside four decoding streams
-then slows them by at most 1.5x instead of stopping them; a burst (many prompts, few streams yet)
-is prefilled at nearly full speed, so its streams decode together afterwards and share every pass's
-weights, instead of the first ones decoding alone while the last still wait (8 long prompts at
-once, in-process: 1.29x one-at-a-time's throughput with an equal share per request, 1.56x with
-this one, 1.90x prefilling first, which would stop running streams for a whole prompt). With nobody
-decoding a chunk is PREFILL_CHUNK positions. Among waiting prompts (`prefill_shares`) half of a pass's prompt positions
+time allows. Only streams that were already streaming when the oldest waiting prompt arrived are
+protected: with D of them and Q prompts waiting for their first token, prefill gets Q / (D + Q) of
+a pass (each request an equal share; at least MIN_PREFILL_SHARE), in seconds priced by the passes'
+own measured cost (`PassCost`: a base for the weights streamed once, plus a cost per position), and
+a whole PREFILL_CHUNK when none is protected. A lone long prompt beside four decoding streams then
+slows them by at most 1.5x instead of stopping them. Streams that started after a waiting prompt
+arrived (a burst's first answers, short prompts served ahead of it) went ahead of it already and
+hold it back no further: a burst is prefilled at full speed and its streams then decode together,
+sharing every pass's weights, instead of the first ones decoding alone while the last prompts wait
+in small chunks, each pass paying the weights again (8 long prompts at once, in-process: 1.29-1.39x
+one-at-a-time's throughput with every stream protected, 1.90x this way; docs/design/batching.md).
+Among waiting prompts (`prefill_shares`) half of a pass's prompt positions
 go to the one waiting longest, the rest shortest-remaining first: a four-word prompt that arrives
 behind ten long ones gets its first token after its own few positions, not after theirs, and no long
 prompt is starved by a stream of short ones (measured: shortest-first alone left long prompts without
@@ -132,14 +134,15 @@ class PrefillBudget:
         self.cost = PassCost()
 
     def positions(self, decoding: int, rounds: int, waiting: int) -> int:
-        """decoding: positions the pass's `rounds` rounds feed; waiting: prompts being prefilled."""
+        """decoding: positions the pass's rounds feed; rounds: how many of them are protected (the module
+        docstring); waiting: prompts being prefilled."""
         if not rounds:
             return PREFILL_CHUNK
         fitted = self.cost.fit()
         if fitted is None:
             return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures the cost
         base_s, position_s = fitted
-        share = max(waiting * waiting / (rounds + waiting * waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
+        share = max(waiting / (rounds + waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
         budget = share / (1 - share) * (base_s + position_s * decoding) / position_s
         return int(min(max(budget, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
 
@@ -274,7 +277,7 @@ class ForwardBatcher:
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
         decoding = sum(len(feed.tokens) for feed in feeds)  # the rounds' positions
-        prefilling = self._prefill_feeds(decoding, len(feeds))
+        prefilling = self._prefill_feeds(decoding, [feed.session for feed in feeds])
         if not feeds and not prefilling:  # every prompt queued was given up: nothing to run
             return
         try:
@@ -304,6 +307,7 @@ class ForwardBatcher:
                 request.future.set_result(result)
         for _, prefill in prefilling:
             if not self.lm.unprefilled(prefill.session):
+                prefill.session.prefilled_at = self._clock()
                 self._finish_prefill(prefill)
 
     def _finish_prefill(self, prefill: _Prefill, error: Optional[Exception] = None) -> None:
@@ -314,15 +318,20 @@ class ForwardBatcher:
         else:
             prefill.future.set_exception(error)
 
-    def _prefill_feeds(self, decoding: int, rounds: int) -> list[tuple[Feed, _Prefill]]:
-        """The prompts' chunks for this pass beside `rounds` rounds feeding `decoding` positions, within
-        PrefillBudget's positions shared by prefill_shares; prompts nobody waits for any more are dropped."""
+    def _prefill_feeds(self, decoding: int, running: Sequence[KVSession]) -> list[tuple[Feed, _Prefill]]:
+        """The prompts' chunks for this pass beside the rounds of the `running` sessions, which feed
+        `decoding` positions, within PrefillBudget's positions shared by prefill_shares; prompts nobody
+        waits for any more are dropped."""
         with self._condition:
             waiting = list(self._prefills)
         for prefill in [prefill for prefill in waiting if not prefill.wanted()]:
             self._finish_prefill(prefill, Cancelled("the caller went away before its prompt was prefilled"))
             waiting.remove(prefill)
-        budget = self.prefill_budget.positions(decoding, rounds, len(waiting))
+        if not waiting:
+            return []
+        oldest = min(prefill.arrived for prefill in waiting)
+        protected = sum(1 for session in running if session.prefilled_at < oldest)  # streaming before it arrived
+        budget = self.prefill_budget.positions(decoding, protected, len(waiting))
         shares = prefill_shares([self.lm.unprefilled(prefill.session) for prefill in waiting],
                                 [prefill.arrived for prefill in waiting], budget)
         return [(self.lm.prefill_feed(prefill.session, positions), prefill) for prefill, positions in zip(waiting, shares) if positions]

@@ -70,6 +70,7 @@ class KVSession(TokenSequence):
     fed_layers: Optional[torch.Tensor] = None
     prefill_parts: Optional[list] = None  # a chunked prefill's (features, layers) so far, joined once the prompt is cached
     tree: Optional[PendingTree] = None
+    prefilled_at: float = float("-inf")  # the batcher's clock when its prompt was cached (-inf: not by a batcher)
 
     def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
         """TokenSequence.apply_commit, once no tree's nodes sit in the cache past the committed rows."""

@@ -416,12 +416,11 @@ def test_a_reply_that_fails_fails_its_caller_alone():
     assert all(isinstance(reply, ValueError) and "bad" in str(reply) for reply in bad)
 
 
-def test_the_prefill_budget_is_the_prompts_share_of_a_measured_pass():
-    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), one waiting
-    prompt gets a third of the pass's time (31 ms: 15 positions; 1 / (4 + 1) raised to
-    MIN_PREFILL_SHARE), two get half (4 / (4 + 4): 62 ms, 31 positions); two beside one round of 4
-    positions 4 / 5 (4 × 38 ms / 2 ms = 76); seven beside it a whole chunk (49 / 50); nobody
-    decoding: a whole chunk; unmeasured: the smallest chunk."""
+def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
+    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), two waiting
+    prompts get a third of the pass's time (31 ms: 15 positions), and so does one (a fifth by count,
+    raised to MIN_PREFILL_SHARE); seven waiting beside one round of 4 positions most of it
+    (7 × 38 ms / 2 ms = 133); nobody protected: a whole chunk; unmeasured: the smallest chunk."""
     from specd_common.batching import MIN_PREFILL_CHUNK, PassCost, PrefillBudget
     from specd_common.lm import PREFILL_CHUNK
 
@@ -430,9 +429,35 @@ def test_the_prefill_budget_is_the_prompts_share_of_a_measured_pass():
     for positions in (4, 16, 100, 512, 24):
         budget.observe(0.030 + 0.002 * positions, positions)
     assert budget.cost.fit() == pytest.approx((0.030, 0.002))
-    assert budget.positions(16, 4, 1) == 15 and budget.positions(16, 4, 2) == 31
-    assert budget.positions(4, 1, 2) == 76 and budget.positions(4, 1, 7) == PREFILL_CHUNK
+    assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 15
+    assert budget.positions(4, 1, 7) == 133 and budget.positions(16, 0, 1) == PREFILL_CHUNK
     assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
     flat = PassCost()
     flat.observe(8, 0.05)
     assert flat.fit() is None  # one size says nothing of a position's cost
+
+
+def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, monkeypatch):
+    """A stream prefilled before the oldest waiting prompt arrived keeps its share of the pass (the
+    prompt gets what the budget leaves it: the smallest chunk while no pass was measured); streams
+    that started after it (a burst's first answers) do not: it gets a whole chunk."""
+    import specd_common.batching as batching_module
+    import specd_common.lm as lm_module
+    from specd_common.batching import MIN_PREFILL_CHUNK, _Prefill
+
+    monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 64)  # the tiny model holds 512 positions
+    monkeypatch.setattr(batching_module, "PREFILL_CHUNK", 64)
+    batcher = ForwardBatcher(lm, BatchPolicy(max_batch_size=8, max_wait_ms=1))
+    batcher.close()  # no worker: the queue is driven by hand below
+    prompt = lm.new_session([(3 * i) % 300 + 1 for i in range(100)], prefill=False)
+    batcher._prefills.append(_Prefill(prompt, arrived=10.0))
+    before, after = lm.new_session([5, 6, 7]), lm.new_session([8, 9, 10])
+    before.prefilled_at, after.prefilled_at = 9.0, 11.0
+    assert batching_module.PrefillBudget().cost.fit() is None  # unmeasured: a protected stream keeps the chunk small
+
+    def chunk(running) -> int:
+        ((feed, _),) = batcher._prefill_feeds(decoding=len(running), running=running)
+        return len(feed.tokens)
+
+    assert chunk([before, after]) == chunk([before]) == MIN_PREFILL_CHUNK
+    assert chunk([after]) == chunk([]) == 64

@@ -14,12 +14,13 @@ protected: with D of them and Q prompts waiting for their first token, prefill g
 a pass (each request an equal share; at least MIN_PREFILL_SHARE), in seconds priced by the passes'
 own measured cost (`PassCost`: a base for the weights streamed once, plus a cost per position), and
 a whole PREFILL_CHUNK when none is protected. A lone long prompt beside four decoding streams then
-slows them by at most 1.5x instead of stopping them. Streams that started after a waiting prompt
-arrived (a burst's first answers, short prompts served ahead of it) went ahead of it already and
-hold it back no further: a burst is prefilled at full speed and its streams then decode together,
-sharing every pass's weights, instead of the first ones decoding alone while the last prompts wait
-in small chunks, each pass paying the weights again (8 long prompts at once, in-process: 1.29-1.39x
-one-at-a-time's throughput with every stream protected, 1.90x this way; docs/design/batching.md).
+slows them by a third as priced (about 2x measured) instead of stopping them. Streams that started
+after a waiting prompt arrived (a burst's first answers, short prompts served ahead of it) went
+ahead of it already and hold it back no further: a burst is prefilled at full speed and its streams
+then decode together, sharing every pass's weights, instead of the first ones decoding alone while
+the last prompts wait in small chunks, each pass paying the weights again (8 long prompts at once,
+in-process: 1.29-1.39x one-at-a-time's throughput with every stream protected, 1.90x this way;
+docs/design/batching.md).
 Among waiting prompts (`prefill_shares`) half of a pass's prompt positions
 go to the one waiting longest, the rest shortest-remaining first: a four-word prompt that arrives
 behind ten long ones gets its first token after its own few positions, not after theirs, and no long
@@ -65,9 +66,11 @@ from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
 MIN_PREFILL_CHUNK = 8  # a waiting prompt advances at least this many positions a pass, however busy the rest
-# waiting prompts get at least this share of a pass's time beside running rounds: those slow by at most
-# 1 / (1 - share) = 1.5x, and the last prompt of a burst is not starved by the streams started before it
-MIN_PREFILL_SHARE = 1 / 3
+# waiting prompts get at least this share of a pass's time beside protected rounds, which then slow by
+# 1 / (1 - share) = 1.33x as PassCost prices passes, ~2x measured (its linear fit misses the attention a
+# prompt's later chunks pay over its earlier ones: a 2,000-token arrival beside 4 streams measured 2.76x
+# their p95 inter-token latency with a third); no prompt is starved by the streams running before it
+MIN_PREFILL_SHARE = 1 / 4
 
 
 @dataclass

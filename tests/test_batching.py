@@ -418,9 +418,10 @@ def test_a_reply_that_fails_fails_its_caller_alone():
 
 def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
     """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), two waiting
-    prompts get a third of the pass's time (31 ms: 15 positions), and so does one (a fifth by count,
-    raised to MIN_PREFILL_SHARE); seven waiting beside one round of 4 positions most of it
-    (7 × 38 ms / 2 ms = 133); nobody protected: a whole chunk; unmeasured: the smallest chunk."""
+    prompts get a third of the pass's time (31 ms: 15 positions), one a quarter (a fifth by count,
+    raised to MIN_PREFILL_SHARE: 62 / 3 ms, 10 positions); seven waiting beside one round of 4
+    positions most of it (7 × 38 ms / 2 ms = 133); nobody protected: a whole chunk; unmeasured: the
+    smallest chunk."""
     from specd_common.batching import MIN_PREFILL_CHUNK, PassCost, PrefillBudget
     from specd_common.lm import PREFILL_CHUNK
 
@@ -429,7 +430,7 @@ def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
     for positions in (4, 16, 100, 512, 24):
         budget.observe(0.030 + 0.002 * positions, positions)
     assert budget.cost.fit() == pytest.approx((0.030, 0.002))
-    assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 15
+    assert budget.positions(16, 4, 2) == 15 and budget.positions(16, 4, 1) == 10
     assert budget.positions(4, 1, 7) == 133 and budget.positions(16, 0, 1) == PREFILL_CHUNK
     assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
     flat = PassCost()

@@ -174,6 +174,7 @@ class ForwardBatcher:
         self._prefills: collections.deque[_Prefill] = collections.deque()  # prompts being prefilled, in arrival order
         self.prefill_budget = PrefillBudget()
         self._recent: collections.deque[frozenset[int]] = collections.deque(maxlen=2)  # session ids of the last batches
+        self._streaming: list[KVSession] = []  # sessions with a round in the last pass: streams that may be between rounds
         self._pass_seconds: float | None = None  # moving average; None before the first pass
         self._condition = threading.Condition()
         self._closed = False
@@ -280,7 +281,7 @@ class ForwardBatcher:
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
         decoding = sum(len(feed.tokens) for feed in feeds)  # the rounds' positions
-        prefilling = self._prefill_feeds(decoding, [feed.session for feed in feeds])
+        prefilling = self._prefill_feeds(decoding, self._running([feed.session for feed in feeds]))
         if not feeds and not prefilling:  # every prompt queued was given up: nothing to run
             return
         try:
@@ -294,6 +295,9 @@ class ForwardBatcher:
                 self._finish_prefill(prefill, error)
             return
         elapsed = self._clock() - started
+        # a stream of the last pass is waited for by one pass of prompt positions alone, not more: one
+        # whose round did not come back by then (it finished, or drafts elsewhere) protects nothing
+        self._streaming = [request.session for request in requests]
         self.prefill_budget.observe(elapsed, decoding + sum(len(feed.tokens) for feed, _ in prefilling))
         if requests:
             self._pass_seconds = elapsed if self._pass_seconds is None else (
@@ -312,6 +316,13 @@ class ForwardBatcher:
             if not self.lm.unprefilled(prefill.session):
                 prefill.session.prefilled_at = self._clock()
                 self._finish_prefill(prefill)
+
+    def _running(self, sessions: list[KVSession]) -> list[KVSession]:
+        """The streams a pass's prompt chunks must respect: those with a round in it, and those of the
+        last pass whose next round has not come back yet (a pass of prompt positions alone while they
+        are in the gateway would otherwise be a whole chunk they then wait for: 1.26 s gaps seen)."""
+        present = {id(session) for session in sessions}
+        return sessions + [session for session in self._streaming if id(session) not in present]
 
     def _finish_prefill(self, prefill: _Prefill, error: Optional[Exception] = None) -> None:
         with self._condition:

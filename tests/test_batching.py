@@ -462,3 +462,5 @@ def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, 
 
     assert chunk([before, after]) == chunk([before]) == MIN_PREFILL_CHUNK
     assert chunk([after]) == chunk([]) == 64
+    batcher._streaming = [before]  # it had a round in the last pass; its next one is on its way back
+    assert batcher._running([before]) == [before] and chunk(batcher._running([])) == MIN_PREFILL_CHUNK

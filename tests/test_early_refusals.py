@@ -163,7 +163,8 @@ def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch)
         info = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
         assert json.loads(info.runtime_config)["kv_token_budget"] == 100
         # measured at start-up, outside the budget; typed, for the gateway's speculation cap
-        assert {(cost.rows, cost.positions) for cost in info.runtime_profile.batch_costs} == {(b, n) for b in (2, 4, 8) for n in (1, 4, 8)}
+        rows = (2, 4, 8, 16, 32)  # autotune.batch_sizes of the default --max-batch-size (32)
+        assert {(cost.rows, cost.positions) for cost in info.runtime_profile.batch_costs} == {(b, n) for b in rows for n in (1, 4, 8)}
         assert all(cost.milliseconds > 0 for cost in info.runtime_profile.batch_costs)
         stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
         forwards = []

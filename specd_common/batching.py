@@ -22,9 +22,10 @@ the last prompts wait in small chunks, each pass paying the weights again (8 lon
 in-process: 1.29-1.39x one-at-a-time's throughput with every stream protected, 1.90x this way;
 docs/design/batching.md).
 
-Among waiting prompts (`prefill_shares`) half of a pass's prompt positions go to the one waiting longest, the rest shortest-remaining first: a four-word prompt that arrives
-behind ten long ones gets its first token after its own few positions, not after theirs, and no long
-prompt is starved by a stream of short ones (measured: shortest-first alone left long prompts without
+Among waiting prompts (`prefill_shares`) half of a pass's prompt positions go to the one waiting
+longest, the rest shortest-remaining first: a four-word prompt that arrives behind ten long ones
+gets its first token after its own few positions, not after theirs, and no long prompt is starved
+by a stream of short ones (measured: shortest-first alone left long prompts without
 a token for 60 s under overload; arrival order alone made short prompts wait 35 s; docs/design/
 overload.md). A prompt whose caller gives up (deadline, cancel) leaves the queue between chunks
 instead of being prefilled for nobody.

@@ -175,7 +175,9 @@ class ForwardBatcher:
         self._prefills: collections.deque[_Prefill] = collections.deque()  # prompts being prefilled, in arrival order
         self.prefill_budget = PrefillBudget()
         self._recent: collections.deque[frozenset[int]] = collections.deque(maxlen=2)  # session ids of the last batches
-        self._streaming: list[KVSession] = []  # sessions with a round in the last pass: streams that may be between rounds
+        # when each stream with a round in the last pass began (KVSession.prefilled_at, by id: no session is
+        # kept alive by it): streams that may be between rounds
+        self._streaming: dict[int, float] = {}
         self._pass_seconds: float | None = None  # moving average; None before the first pass
         self._condition = threading.Condition()
         self._closed = False
@@ -282,7 +284,7 @@ class ForwardBatcher:
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
         decoding = sum(len(feed.tokens) for feed in feeds)  # the rounds' positions
-        prefilling = self._prefill_feeds(decoding, self._running([feed.session for feed in feeds]))
+        prefilling = self._prefill_feeds(decoding, self._streams_since([feed.session for feed in feeds]))
         if not feeds and not prefilling:  # every prompt queued was given up: nothing to run
             return
         try:
@@ -298,7 +300,7 @@ class ForwardBatcher:
         elapsed = self._clock() - started
         # a stream of the last pass is waited for by one pass of prompt positions alone, not more: one
         # whose round did not come back by then (it finished, or drafts elsewhere) protects nothing
-        self._streaming = [request.session for request in requests]
+        self._streaming = {id(request.session): request.session.prefilled_at for request in requests}
         self.prefill_budget.observe(elapsed, decoding + sum(len(feed.tokens) for feed, _ in prefilling))
         if requests:
             self._pass_seconds = elapsed if self._pass_seconds is None else (
@@ -318,12 +320,11 @@ class ForwardBatcher:
                 prefill.session.prefilled_at = self._clock()
                 self._finish_prefill(prefill)
 
-    def _running(self, sessions: list[KVSession]) -> list[KVSession]:
-        """The streams a pass's prompt chunks must respect: those with a round in it, and those of the
-        last pass whose next round has not come back yet (a pass of prompt positions alone while they
-        are in the gateway would otherwise be a whole chunk they then wait for: 1.26 s gaps seen)."""
-        present = {id(session) for session in sessions}
-        return sessions + [session for session in self._streaming if id(session) not in present]
+    def _streams_since(self, sessions: list[KVSession]) -> list[float]:
+        """When each stream a pass's prompt chunks must respect began: those with a round in it, and those
+        of the last pass whose next round has not come back yet (a pass of prompt positions alone while
+        they are in the gateway would otherwise be a whole chunk they then wait for: 1.26 s gaps seen)."""
+        return list({**self._streaming, **{id(session): session.prefilled_at for session in sessions}}.values())
 
     def _finish_prefill(self, prefill: _Prefill, error: Optional[Exception] = None) -> None:
         with self._condition:
@@ -333,10 +334,10 @@ class ForwardBatcher:
         else:
             prefill.future.set_exception(error)
 
-    def _prefill_feeds(self, decoding: int, running: Sequence[KVSession]) -> list[tuple[Feed, _Prefill]]:
-        """The prompts' chunks for this pass beside the rounds of the `running` sessions, which feed
-        `decoding` positions, within PrefillBudget's positions shared by prefill_shares; prompts nobody
-        waits for any more are dropped."""
+    def _prefill_feeds(self, decoding: int, streaming_since: Sequence[float]) -> list[tuple[Feed, _Prefill]]:
+        """The prompts' chunks for this pass beside streams that began at `streaming_since` (their rounds
+        feed `decoding` positions), within PrefillBudget's positions shared by prefill_shares; prompts
+        nobody waits for any more are dropped."""
         with self._condition:
             waiting = list(self._prefills)
         for prefill in [prefill for prefill in waiting if not prefill.wanted()]:
@@ -345,7 +346,7 @@ class ForwardBatcher:
         if not waiting:
             return []
         oldest = min(prefill.arrived for prefill in waiting)
-        protected = sum(1 for session in running if session.prefilled_at < oldest)  # streaming before it arrived
+        protected = sum(1 for since in streaming_since if since < oldest)  # streaming before it arrived
         budget = self.prefill_budget.positions(decoding, protected, len(waiting))
         shares = prefill_shares([self.lm.unprefilled(prefill.session) for prefill in waiting],
                                 [prefill.arrived for prefill in waiting], budget)

@@ -344,20 +344,23 @@ class CausalLM:
         with other sessions: specd_common/batching.py)."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
-        cache = kv_cache.growing_cache(self.loaded.model.config, reserve=len(prompt) + kv_cache.SPARE_COLUMNS)
-        session = KVSession(tokens=list(prompt), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
-        session.cache = cache
-        session.keep_features = keep_features
+        session = self._session(prompt, kv_cache.growing_cache(self.loaded.model.config, reserve=len(prompt) + kv_cache.SPARE_COLUMNS),
+                                keep_features)
         while prefill and self.unprefilled(session):
             self.run_feeds([self.prefill_feed(session, PREFILL_CHUNK)])
         return session
 
     def copy_session(self, session: KVSession) -> KVSession:
         """A new session holding what `session` holds (its tokens and a copy of its cache)."""
-        cache = kv_cache.copied(session.cache, self.loaded.model.config)
-        copy = KVSession(tokens=list(session.tokens), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
-        copy.cache, copy.cached, copy.keep_features = cache, session.cached, session.keep_features
+        copy = self._session(session.tokens, kv_cache.copied(session.cache, self.loaded.model.config), session.keep_features)
+        copy.cached = session.cached
         return copy
+
+    def _session(self, tokens: Sequence[int], cache: DynamicCache, keep_features: bool) -> KVSession:
+        """A session of `tokens` over `cache` (which a rollback crops)."""
+        session = KVSession(tokens=list(tokens), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
+        session.cache, session.keep_features = cache, keep_features
+        return session
 
     @staticmethod
     def unprefilled(session: KVSession) -> int:

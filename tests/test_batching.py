@@ -164,6 +164,12 @@ def test_batch_over_the_context_limit_is_refused_before_running(lm):
     assert fine.tokens == PROMPTS[2] and fine.cached == len(PROMPTS[2]) - 1
 
 
+class FakeSession:
+    """A session as the batcher sees one: its identity, and when its stream began (KVSession.prefilled_at)."""
+
+    prefilled_at = float("-inf")
+
+
 class FakeLM:
     """Records the batches it is given; answers each request with a [len(extra) + 1, 1] tensor."""
 
@@ -211,7 +217,7 @@ def test_batcher_gathers_the_active_sessions_into_one_pass():
     it waits for the known sessions, and closes the moment they are all in (not at max_wait)."""
     fake = FakeLM()
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000))
-    sessions = [object() for _ in range(4)]
+    sessions = [FakeSession() for _ in range(4)]
     try:
         concurrent_rounds(batcher, sessions, rounds=2)  # the batcher learns who is active
         warm_up = len(fake.batches)
@@ -237,7 +243,7 @@ def test_a_finish_makes_every_callers_reply_from_one_call_per_pass():
         return [f"{tag}:{rows.shape[0]}" for tag, rows in zip(tags, logits)]
 
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=3000, wait_fraction=1000), finish=finish)
-    sessions = [object() for _ in range(3)]
+    sessions = [FakeSession() for _ in range(3)]
     barrier = threading.Barrier(len(sessions))
 
     def drive(index: int) -> list[str]:
@@ -262,7 +268,7 @@ def test_the_window_shrinks_to_a_share_of_a_pass():
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=1000, wait_fraction=0.25))
     try:
         assert batcher.window_s() == 1.0  # nothing measured yet
-        batcher.forward(object(), [1])
+        batcher.forward(FakeSession(), [1])
         assert 0.004 <= batcher.window_s() < 0.1
     finally:
         batcher.close()
@@ -272,7 +278,7 @@ def test_batcher_respects_max_batch_size():
     fake = FakeLM()
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=3, max_wait_ms=20))
     try:
-        concurrent_rounds(batcher, [object() for _ in range(7)], rounds=3)
+        concurrent_rounds(batcher, [FakeSession() for _ in range(7)], rounds=3)
     finally:
         batcher.close()
     assert max(len(batch) for batch in fake.batches) == 3
@@ -283,7 +289,7 @@ def test_a_lone_session_never_waits():
     """One active session: each call goes out at once although max_wait is a full second."""
     fake = FakeLM(seconds_per_pass=0.0)
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=8, max_wait_ms=1000))
-    session = object()
+    session = FakeSession()
     try:
         started = time.monotonic()
         for _ in range(5):
@@ -299,15 +305,15 @@ def test_batcher_errors_reach_the_callers():
     batcher = ForwardBatcher(fake, BatchPolicy(max_batch_size=4, max_wait_ms=1))
     try:
         with pytest.raises(InvalidArgument):
-            batcher.forward(object(), list(range(11)))
+            batcher.forward(FakeSession(), list(range(11)))
         assert fake.batches == []
         fake.fail = True
         with pytest.raises(RuntimeError, match="device lost"):
-            batcher.forward(object(), [1])
+            batcher.forward(FakeSession(), [1])
     finally:
         batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
-        batcher.forward(object(), [1])
+        batcher.forward(FakeSession(), [1])
 
 
 def test_batch_size_one_is_todays_path(lm):
@@ -397,7 +403,7 @@ def test_a_reply_that_fails_fails_its_caller_alone():
     barrier = threading.Barrier(len(tags))
 
     def drive(tag: str) -> list:
-        session, replies = object(), []
+        session, replies = FakeSession(), []
         for _ in range(3):  # the batcher learns who is active: the later passes hold all three
             barrier.wait()
             try:
@@ -457,10 +463,10 @@ def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, 
     assert batching_module.PrefillBudget().cost.fit() is None  # unmeasured: a protected stream keeps the chunk small
 
     def chunk(running) -> int:
-        ((feed, _),) = batcher._prefill_feeds(decoding=len(running), running=running)
+        ((feed, _),) = batcher._prefill_feeds(decoding=len(running), streaming_since=batcher._streams_since(running))
         return len(feed.tokens)
 
     assert chunk([before, after]) == chunk([before]) == MIN_PREFILL_CHUNK
     assert chunk([after]) == chunk([]) == 64
-    batcher._streaming = [before]  # it had a round in the last pass; its next one is on its way back
-    assert batcher._running([before]) == [before] and chunk(batcher._running([])) == MIN_PREFILL_CHUNK
+    batcher._streaming = {id(before): before.prefilled_at}  # it had a round in the last pass; its next one is on its way back
+    assert batcher._streams_since([before]) == [9.0] and chunk([]) == MIN_PREFILL_CHUNK

@@ -12,11 +12,11 @@ pass carries every queued round and as many prompt positions as the prompts' sha
 time allows. Only streams that were already streaming when the oldest waiting prompt arrived are
 protected: with D of them and Q prompts waiting for their first token, prefill gets Q / (D + Q) of
 a pass (each request an equal share; at least MIN_PREFILL_SHARE), in seconds priced by the passes'
-own measured cost (`PassCost`: a base for the weights streamed once, plus a cost per position), and
-a whole PREFILL_CHUNK when none is protected. A lone long prompt beside four decoding streams then
-slows them by a third as priced (about 2x measured) instead of stopping them. Streams that started
-after a waiting prompt arrived (a burst's first answers, short prompts served ahead of it) went
-ahead of it already and hold it back no further: a burst is prefilled at full speed and its streams
+own measured cost (`PassCost`: the rounds' pass alone, plus what a prompt position adds beside
+them), and a whole PREFILL_CHUNK when none is protected. A lone long prompt beside four decoding
+streams then slows them by half as priced (1.4-1.6x their p95 measured) instead of stopping them.
+Streams that started after a waiting prompt arrived (a burst's first answers, short prompts served
+ahead of it) went ahead of it already and hold it back no further: a burst is prefilled at full speed and its streams
 then decode together, sharing every pass's weights, instead of the first ones decoding alone while
 the last prompts wait in small chunks, each pass paying the weights again (8 long prompts at once,
 in-process: 1.29-1.39x one-at-a-time's throughput with every stream protected, 1.90x this way;
@@ -66,12 +66,11 @@ from specd_common.lm import PREFILL_CHUNK, CausalLM, Feed, KVSession
 from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times
-MIN_PREFILL_CHUNK = 8  # a waiting prompt advances at least this many positions a pass, however busy the rest
+MIN_PREFILL_CHUNK = 4  # a waiting prompt advances at least this many positions a pass, however busy the rest
 # waiting prompts get at least this share of a pass's time beside protected rounds, which then slow by
-# 1 / (1 - share) = 1.33x as PassCost prices passes, ~2x measured (its linear fit misses the attention a
-# prompt's later chunks pay over its earlier ones: a 2,000-token arrival beside 4 streams measured 2.76x
-# their p95 inter-token latency with a third); no prompt is starved by the streams running before it
-MIN_PREFILL_SHARE = 1 / 4
+# 1 / (1 - share) = 1.5x as priced, the rest of 2x their p95 inter-token latency left for the passes' spread;
+# no prompt is starved by the streams running before it
+MIN_PREFILL_SHARE = 1 / 3
 
 
 @dataclass
@@ -104,29 +103,70 @@ class _Prefill:
     future: Future = field(default_factory=Future)
 
 
-class PassCost:
-    """A pass's seconds as base_s + position_s × positions (every position it feeds: rounds' and prompts'),
-    fitted by least squares over the passes run, older passes forgotten at PASS_TIME_SMOOTHING a pass.
-    The base is the weights streamed once a pass, the slope a position's compute."""
+class _Line:
+    """seconds ≈ a + b × x, fitted by least squares over the observations, older ones forgotten at
+    PASS_TIME_SMOOTHING an observation; while they were all one size, their mean."""
 
     def __init__(self) -> None:
         self._sums = [0.0] * 5  # weight, Σx, Σy, Σxx, Σxy (forgetting)
 
-    def observe(self, positions: int, seconds: float) -> None:
+    def observe(self, x: float, seconds: float) -> None:
         keep = 1 - PASS_TIME_SMOOTHING
-        terms = (1.0, positions, seconds, positions * positions, positions * seconds)
+        terms = (1.0, x, seconds, x * x, x * seconds)
         self._sums = [keep * total + term for total, term in zip(self._sums, terms)]
 
     def fit(self) -> Optional[tuple[float, float]]:
-        """(base_s, position_s), or None until passes of different sizes were seen."""
+        """(a, b), or None until observations of different sizes were seen (or the slope is not positive)."""
         w, x, y, xx, xy = self._sums
         spread = w * xx - x * x
-        if w <= 0 or spread <= 1e-9 * max(w * xx, 1e-12):
+        if w <= 0 or spread <= 1e-6 * max(w * xx, 1e-12):
             return None
         slope = (w * xy - x * y) / spread
         if slope <= 0:
             return None
         return max((y - slope * x) / w, 0.0), slope
+
+    def at(self, x: float) -> Optional[float]:
+        """The fitted seconds at x; the mean while no line fits; None before any observation."""
+        w, _, y, _, _ = self._sums
+        if w <= 0:
+            return None
+        fitted = self.fit()
+        return y / w if fitted is None else fitted[0] + fitted[1] * x
+
+
+class PassCost:
+    """What a pass costs, learnt from the passes run (older ones forgotten at PASS_TIME_SMOOTHING a pass),
+    in two parts priced apart because they scale differently:
+      * `rounds_s(positions)`: a pass of the running rounds alone, a line over the passes that fed no
+        prompt positions (the weights streamed once, plus their positions; speculation varies them);
+      * `position_s`: what each prompt position adds beside the rounds, measured at the chunk sizes it
+        is served in: the attention over the prompt's earlier positions is in it (late chunks of a long
+        prompt cost more than early ones), and on a CPU a few rows beside the rounds cost more each than
+        a big chunk alone (4 rounds 59 ms, with 8 prompt positions 96 ms: 4.6 ms a position; 2.8 in
+        128-position chunks). A single line over every pass fitted neither: it priced 8 positions at a
+        third of the rounds' pass and they cost two thirds."""
+
+    def __init__(self) -> None:
+        self._rounds = _Line()
+        self.position_s: Optional[float] = None
+
+    def rounds_s(self, positions: int) -> Optional[float]:
+        """Seconds of a pass feeding the rounds' `positions` alone; None before any such pass."""
+        return self._rounds.at(positions)
+
+    def observe(self, seconds: float, decoding: int, prompt: int, priced: bool = True) -> None:
+        """A pass fed `decoding` round positions and `prompt` prompt positions in `seconds`. Only passes whose
+        prompt positions were priced beside rounds teach `position_s` (a whole chunk's are cheaper each)."""
+        if not prompt:
+            self._rounds.observe(decoding, seconds)
+            return
+        rounds = self.rounds_s(decoding)
+        if not (priced and decoding and rounds is not None):
+            return
+        each = max(seconds - rounds, 0.0) / prompt
+        self.position_s = each if self.position_s is None else (
+            PASS_TIME_SMOOTHING * each + (1 - PASS_TIME_SMOOTHING) * self.position_s)
 
 
 class PrefillBudget:
@@ -142,17 +182,17 @@ class PrefillBudget:
         docstring); waiting: prompts being prefilled."""
         if not rounds:
             return PREFILL_CHUNK
-        fitted = self.cost.fit()
-        if fitted is None:
+        rounds_s, position_s = self.cost.rounds_s(decoding), self.cost.position_s
+        if rounds_s is None or not position_s:
             return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures the cost
-        base_s, position_s = fitted
         share = max(waiting / (rounds + waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
-        budget = share / (1 - share) * (base_s + position_s * decoding) / position_s
+        budget = share / (1 - share) * rounds_s / position_s
         return int(min(max(budget, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
 
-    def observe(self, seconds: float, positions: int) -> None:
-        """A pass that fed `positions` positions in all took `seconds`."""
-        self.cost.observe(positions, seconds)
+    def observe(self, seconds: float, decoding: int, prompt: int, priced: bool) -> None:
+        """A pass that fed `decoding` round positions and `prompt` prompt positions (priced: beside protected
+        streams) took `seconds`."""
+        self.cost.observe(seconds, decoding, prompt, priced)
 
 
 # finish(tags, logits) → one reply per caller: tags [b] as the callers passed them, logits [b] of [len(extra) + 1, V];
@@ -284,7 +324,7 @@ class ForwardBatcher:
             except Exception as error:  # this round alone is refused (the context limit, a malformed tree)
                 request.future.set_exception(error)
         decoding = sum(len(feed.tokens) for feed in feeds)  # the rounds' positions
-        prefilling = self._prefill_feeds(decoding, self._streams_since([feed.session for feed in feeds]))
+        prefilling, priced = self._prefill_feeds(decoding, self._streams_since([feed.session for feed in feeds]))
         if not feeds and not prefilling:  # every prompt queued was given up: nothing to run
             return
         try:
@@ -301,7 +341,7 @@ class ForwardBatcher:
         # a stream of the last pass is waited for by one pass of prompt positions alone, not more: one
         # whose round did not come back by then (it finished, or drafts elsewhere) protects nothing
         self._streaming = {id(request.session): request.session.prefilled_at for request in requests}
-        self.prefill_budget.observe(elapsed, decoding + sum(len(feed.tokens) for feed, _ in prefilling))
+        self.prefill_budget.observe(elapsed, decoding, sum(len(feed.tokens) for feed, _ in prefilling), priced)
         if requests:
             self._pass_seconds = elapsed if self._pass_seconds is None else (
                 PASS_TIME_SMOOTHING * elapsed + (1 - PASS_TIME_SMOOTHING) * self._pass_seconds
@@ -334,23 +374,24 @@ class ForwardBatcher:
         else:
             prefill.future.set_exception(error)
 
-    def _prefill_feeds(self, decoding: int, streaming_since: Sequence[float]) -> list[tuple[Feed, _Prefill]]:
+    def _prefill_feeds(self, decoding: int, streaming_since: Sequence[float]) -> tuple[list[tuple[Feed, _Prefill]], bool]:
         """The prompts' chunks for this pass beside streams that began at `streaming_since` (their rounds
-        feed `decoding` positions), within PrefillBudget's positions shared by prefill_shares; prompts
-        nobody waits for any more are dropped."""
+        feed `decoding` positions), within PrefillBudget's positions shared by prefill_shares, and whether
+        that budget was priced (some stream is protected); prompts nobody waits for any more are dropped."""
         with self._condition:
             waiting = list(self._prefills)
         for prefill in [prefill for prefill in waiting if not prefill.wanted()]:
             self._finish_prefill(prefill, Cancelled("the caller went away before its prompt was prefilled"))
             waiting.remove(prefill)
         if not waiting:
-            return []
+            return [], False
         oldest = min(prefill.arrived for prefill in waiting)
         protected = sum(1 for since in streaming_since if since < oldest)  # streaming before it arrived
         budget = self.prefill_budget.positions(decoding, protected, len(waiting))
         shares = prefill_shares([self.lm.unprefilled(prefill.session) for prefill in waiting],
                                 [prefill.arrived for prefill in waiting], budget)
-        return [(self.lm.prefill_feed(prefill.session, positions), prefill) for prefill, positions in zip(waiting, shares) if positions]
+        return [(self.lm.prefill_feed(prefill.session, positions), prefill)
+                for prefill, positions in zip(waiting, shares) if positions], protected > 0
 
     def _fail_queued(self) -> None:
         for queue in (self._queue, self._prefills):

@@ -423,25 +423,36 @@ def test_a_reply_that_fails_fails_its_caller_alone():
 
 
 def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
-    """Passes cost 30 ms + 2 ms a position: beside 4 rounds feeding 16 positions (62 ms), two waiting
-    prompts get a third of the pass's time (31 ms: 15 positions), one a quarter (a fifth by count,
-    raised to MIN_PREFILL_SHARE: 62 / 3 ms, 10 positions); seven waiting beside one round of 4
-    positions most of it (7 × 38 ms / 2 ms = 133); nobody protected: a whole chunk; unmeasured: the
-    smallest chunk."""
-    from specd_common.batching import MIN_PREFILL_CHUNK, PassCost, PrefillBudget
+    """Rounds alone cost 30 ms + 2 ms a position; a prompt position priced beside them costs 4 ms.
+    Beside 4 rounds feeding 16 positions (62 ms), one or two waiting prompts get MIN_PREFILL_SHARE of
+    the pass (a third: 31 ms, 7 positions); seven waiting beside one round of 4 positions most of it
+    (7 × 38 ms / 4 ms = 66); nobody protected: a whole chunk; unmeasured: the smallest chunk. A whole
+    chunk's positions (unpriced) and a pass of prompt positions alone teach nothing of the price;
+    dearer positions (a long prompt's late chunks attend to more) shrink the next chunks."""
+    from specd_common.batching import MIN_PREFILL_CHUNK, MIN_PREFILL_SHARE, PrefillBudget, _Line
     from specd_common.lm import PREFILL_CHUNK
 
+    assert MIN_PREFILL_SHARE == pytest.approx(1 / 3)
     budget = PrefillBudget()
     assert budget.positions(16, 4, 1) == MIN_PREFILL_CHUNK and budget.positions(0, 0, 3) == PREFILL_CHUNK
-    for positions in (4, 16, 100, 512, 24):
-        budget.observe(0.030 + 0.002 * positions, positions)
-    assert budget.cost.fit() == pytest.approx((0.030, 0.002))
-    assert budget.positions(16, 4, 2) == 15 and budget.positions(16, 4, 1) == 10
-    assert budget.positions(4, 1, 7) == 133 and budget.positions(16, 0, 1) == PREFILL_CHUNK
+    for positions in (4, 16, 8, 16):
+        budget.observe(0.030 + 0.002 * positions, positions, 0, priced=False)
+    assert budget.cost.rounds_s(16) == pytest.approx(0.062)
+    assert budget.positions(16, 4, 1) == MIN_PREFILL_CHUNK  # the position price is still unmeasured
+    budget.observe(0.062 + 0.004 * 10, 16, 10, priced=True)
+    assert budget.cost.position_s == pytest.approx(0.004)
+    assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 7
+    assert budget.positions(4, 1, 7) == 66 and budget.positions(16, 0, 1) == PREFILL_CHUNK
     assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
-    flat = PassCost()
+    budget.observe(0.062 + 0.0015 * 512, 16, 512, priced=False)  # a whole chunk beside unprotected streams
+    budget.observe(0.040 + 0.004 * 7, 0, 7, priced=True)  # prompt positions alone: no rounds to price them beside
+    assert budget.cost.position_s == pytest.approx(0.004)
+    for _ in range(30):
+        budget.observe(0.062 + 0.008 * 7, 16, 7, priced=True)
+    assert budget.cost.position_s == pytest.approx(0.008, rel=0.01) and budget.positions(16, 4, 1) == MIN_PREFILL_CHUNK
+    flat = _Line()
     flat.observe(8, 0.05)
-    assert flat.fit() is None  # one size says nothing of a position's cost
+    assert flat.fit() is None and flat.at(20) == pytest.approx(0.05)  # one size: its mean, no slope
 
 
 def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, monkeypatch):
@@ -460,10 +471,10 @@ def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, 
     batcher._prefills.append(_Prefill(prompt, arrived=10.0))
     before, after = lm.new_session([5, 6, 7]), lm.new_session([8, 9, 10])
     before.prefilled_at, after.prefilled_at = 9.0, 11.0
-    assert batching_module.PrefillBudget().cost.fit() is None  # unmeasured: a protected stream keeps the chunk small
+    assert batching_module.PrefillBudget().cost.position_s is None  # unmeasured: a protected stream keeps the chunk small
 
     def chunk(running) -> int:
-        ((feed, _),) = batcher._prefill_feeds(decoding=len(running), streaming_since=batcher._streams_since(running))
+        ((feed, _),), _ = batcher._prefill_feeds(decoding=len(running), streaming_since=batcher._streams_since(running))
         return len(feed.tokens)
 
     assert chunk([before, after]) == chunk([before]) == MIN_PREFILL_CHUNK

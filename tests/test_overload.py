@@ -278,14 +278,14 @@ def test_a_short_prompt_shares_the_first_pass_with_an_older_long_one_and_a_given
     wanted = {"long": True}
     gone, quick = _Prefill(long, lambda: wanted["long"], arrived=0.0), _Prefill(short, arrived=0.001)
     batcher._prefills.extend([gone, quick])
-    first = batcher._prefill_feeds(decoding=0, streaming_since=[])  # a pass with nobody decoding: PREFILL_CHUNK positions
+    first, _ = batcher._prefill_feeds(decoding=0, streaming_since=[])  # a pass with nobody decoding: PREFILL_CHUNK positions
     assert [(prefill, len(feed.tokens)) for feed, prefill in first] == [(gone, 3), (quick, 2)]  # the oldest half, then shortest
     lm.run_feeds([feed for feed, _ in first])
-    lm.run_feeds([feed for feed, _ in batcher._prefill_feeds(decoding=0, streaming_since=[])])  # the short one's last position
+    lm.run_feeds([feed for feed, _ in batcher._prefill_feeds(decoding=0, streaming_since=[])[0]])  # the short one's last position
     assert lm.unprefilled(short) == 0
     batcher._finish_prefill(quick)  # done: its caller gets its first token
     wanted["long"] = False  # its caller's deadline passed
-    assert batcher._prefill_feeds(decoding=0, streaming_since=[]) == [] and not batcher._prefills
+    assert batcher._prefill_feeds(decoding=0, streaming_since=[]) == ([], False) and not batcher._prefills
     with pytest.raises(Cancelled):
         gone.future.result(timeout=1)
     assert lm.unprefilled(long) == 38 - 3 - 4  # two passes' chunks were cached, the rest never run

@@ -18,6 +18,8 @@ from specd_common.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
+HEAD_DRAFTERS = ("feature", "eagle3")  # drafters that read the target's features: specd's own head, EAGLE-3 heads
+
 
 def make_drafter(
     kind: str, model: str = "", device: str = "auto", dtype: str = "auto", batching: BatchPolicy = BatchPolicy(), target: str = "",
@@ -26,25 +28,27 @@ def make_drafter(
     """'ngram' → prompt lookup of suffix n-grams down to `lookup_min_ngram` tokens; 'model' → a
     Hugging Face draft model loaded from `model`, batching concurrent sessions' drafting steps per
     `batching`; 'feature' → a feature head folder (`model`) over its target's embedding and LM head
-    (`target`, default: the target named in the head). startup: where a feature drafter caches its start-up
-    timings and how long they may take (specd_common/runtime_cache.py)."""
+    (`target`, default: the target named in the head); 'eagle3' → an EAGLE-3 head folder in a published
+    layout (draft_service/eagle3_head.py) over `target`'s. startup: where a head drafter caches its
+    start-up timings and how long they may take (specd_common/runtime_cache.py)."""
     if kind == "ngram":
         return NgramDrafter(min_ngram=lookup_min_ngram)
-    if kind == "feature":
-        return load_feature_drafter(model, target, dtype, threads, max_threads, startup, device)
+    if kind in HEAD_DRAFTERS:
+        return load_feature_drafter(model, target, dtype, threads, max_threads, startup, device, kind=kind)
     if kind == "model":
         from specd_common.models import load_causal_lm
 
         return ModelDrafter(load_causal_lm(model, device=device, dtype=dtype), batching)
-    raise ValueError(f"unknown drafter {kind!r}; use 'feature', 'model' or 'ngram'")
+    raise ValueError(f"unknown drafter {kind!r}; use 'eagle3', 'feature', 'model' or 'ngram'")
 
 
 def load_feature_drafter(
     folder: str, target: str = "", dtype: str = "auto", threads: int = 0, max_threads: int = 0,
-    startup: StartupMeasurement = StartupMeasurement(), device: str = "cpu",
+    startup: StartupMeasurement = StartupMeasurement(), device: str = "cpu", kind: str = "feature",
 ) -> Drafter:
-    """A FeatureDrafter: the head from `folder`, bound to its target's embedding and LM head, on `device`
-    ('auto': CUDA when present, as every model service).
+    """A FeatureDrafter: the head from `folder` (kind 'feature': specd's own; 'eagle3': an EAGLE-3
+    checkpoint, which names no target: `target` is required), bound to its target's embedding and LM
+    head, on `device` ('auto': CUDA when present, as every model service).
 
     Of the target only those two matrices are read from its safetensors (its config and tokenizer
     besides, for shapes and the gateway's vocabulary check; the whole target is loaded on the CPU
@@ -54,42 +58,63 @@ def load_feature_drafter(
     where the CPU has no bf16 instructions; drafts never change what the target accepts, so the
     head's precision is a speed choice only."""
     import torch
-    import json
     from pathlib import Path
 
     from draft_service.feature_drafter import FeatureDrafter
-    from draft_service.feature_head import CONFIG_FILE, load_head_over, target_matrices
+    from draft_service.feature_head import load_head_over, target_matrices
     from specd_common.models import (describe_model, load_causal_lm, load_model_shell, max_sequence_length, parse_dtype,
                                      pick_device, read_model_matrices, use_device)
 
-    config = json.loads((Path(folder) / CONFIG_FILE).read_text())
     torch_device = pick_device(device)
     use_device(torch_device)
-    loaded, path = load_model_shell(target or config["target"])
+    config = head_config(kind, folder)
+    target = target or config.get("target", "")
+    if not target:
+        raise ValueError(f"the {kind} head in {folder} names no target: pass the target it drafts for (--target)")
+    loaded, path = load_model_shell(target)
     matrices = read_model_matrices(loaded, path)
     if matrices is None:  # no safetensors to read them from: the whole target, once
-        loaded = load_causal_lm(target or config["target"], device="cpu", dtype="float32")
+        loaded = load_causal_lm(target, device="cpu", dtype="float32")
         matrices = target_matrices(loaded.model)
-    head = load_head_over(Path(folder), *matrices)
+    if kind == "eagle3":
+        from draft_service.eagle3_head import load_eagle3
+
+        head = load_eagle3(Path(folder), matrices[0], loaded.model.config.num_hidden_layers)
+    else:
+        head = load_head_over(Path(folder), *matrices)
     del matrices
     info = describe_model(loaded)
     if config.get("vocab_digest") and config["vocab_digest"] != info.vocab_digest:
         raise ValueError(f"feature head {folder} was trained for a target with another vocabulary than {loaded.name!r}")
-    info.model_name = f"feature-head:{Path(folder).name}"
+    info.model_name = f"{kind}-head:{Path(folder).name}"
     max_length = max_sequence_length(loaded)
     key = {**runtime_cache.machine_key(str(torch_device)), **runtime_cache.model_key(loaded.name, loaded.model),
            "head": runtime_cache.digest(config), "head_device": str(torch_device)}
     del loaded
     dtypes = [torch.float32, torch.bfloat16] if dtype == "auto" else [parse_dtype(dtype, torch_device)]
-    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(device=torch_device, dtype=d), info, max_length)
+    drafters = {str(d).removeprefix("torch."): FeatureDrafter(copy.deepcopy(head).to(device=torch_device, dtype=d), info, max_length, kind)
                 for d in dtypes}
     key.update(dtypes=list(drafters), threads=autotune.threads_to_try(threads, max_threads))
-    timings = runtime_cache.StartupTimings.open("draft-feature", key, startup.cache_dir, startup.remeasure, startup.budget_s)
+    timings = runtime_cache.StartupTimings.open(f"draft-{kind}", key, startup.cache_dir, startup.remeasure, startup.budget_s)
     drafter, runtime = tune_feature_drafter(drafters, threads, max_threads, measure=timings.measure, source=lambda: timings.source)
     timings.finish()
     drafter.info().runtime_config = runtime
-    log.info("draft runtime: feature head %s, %s", folder, runtime)
+    log.info("draft runtime: %s head %s, %s", kind, folder, runtime)
     return drafter
+
+
+def head_config(kind: str, folder: str) -> dict:
+    """A head folder's config as JSON (specd's feature head: feature_head.json; EAGLE-3: config.json), for
+    the target it names, its vocabulary digest and the start-up timings' cache key."""
+    import json
+    from pathlib import Path
+
+    from draft_service.feature_head import CONFIG_FILE
+
+    path = Path(folder) / (CONFIG_FILE if kind == "feature" else "config.json")
+    if not path.exists():
+        raise ValueError(f"{folder} holds no {path.name}: not a {kind} head folder")
+    return json.loads(path.read_text())
 
 
 def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0, repeats: int = 5,
@@ -120,7 +145,7 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     def draft_three(drafter):
         prompt = list(range(1, 33))
         session = drafter.open(prompt, Warp())
-        drafter.add_features(session, encode_features(torch.zeros((len(prompt) - 1, drafter.head.config.hidden_size)), 0))
+        drafter.add_features(session, encode_features(torch.zeros((len(prompt) - 1, drafter.head.config.feature_size)), 0))
         rng = np.random.default_rng(0)
 
         def run() -> None:

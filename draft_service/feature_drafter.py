@@ -1,5 +1,11 @@
 """The feature-head drafter: drafts from the target's hidden states, sent along with each commit.
 
+It serves specd's own feature head (draft_service/feature_head.py: reads the final hidden state, feeds
+back its estimate of it) and EAGLE-3 heads (draft_service/eagle3_head.py: reads a low, a middle and a
+high layer side by side, feeds back its layer's output): both read (x_t, feature f_{t-1}) and score
+x_{t+1} from what they return, so one drafter serves both; a head's `config.feature_size` is the width
+of the target's rows it reads and `config.feature_layers` the layers they come from ((): the final one).
+
 Session state, for a committed sequence x_0..x_{L-1}:
 - `buffer[:held]` [n, H]: every target feature received so far (f_0..f_{n-1}); the gateway keeps n ≥ L - 1;
 - the head's cache: one entry per token x_1..x_{c-1} read with its true preceding feature, where
@@ -37,12 +43,12 @@ class FeatureSession(DraftSession):
     """A DraftSession plus the head's cache and the target features received so far."""
 
     cache: HeadCache = field(default_factory=HeadCache)
-    buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [capacity, H]; rows [0, held) are f_0..
+    buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [capacity, F]; rows [0, held) are f_0..
     held: int = 0  # target features received so far
-    last: Optional[torch.Tensor] = None  # [H] the head's estimate at the last entry's position
+    last: Optional[torch.Tensor] = None  # [H] the head's output at the last entry's position
 
     def store(self, start: int, rows: torch.Tensor) -> None:
-        """Write rows [n, H] at positions start.. (start ≤ held), growing the buffer geometrically so a
+        """Write rows [n, F] at positions start.. (start ≤ held), growing the buffer geometrically so a
         long answer costs amortized O(n) per round, not a copy of everything held."""
         needed = start + rows.shape[0]
         if needed > self.buffer.shape[0]:
@@ -54,18 +60,19 @@ class FeatureSession(DraftSession):
 
 
 class FeatureDrafter:
-    """Drafter backend around a trained FeatureHead (draft_service/feature_head.py)."""
+    """Drafter backend around a trained FeatureHead or an EAGLE-3 head (the module docstring)."""
 
     wants_target_features = True
 
-    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int):
+    def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int, name: str = "feature"):
         """Prompt-lookup copies are the gateway's (lookup rounds, which weigh each copy against the
-        measured costs); this drafter drafts with the head only."""
+        measured costs); this drafter drafts with the head only. `name`: GetModelInfo.drafter."""
         self.head = head
         self.max_length = max_length
         self._info = info
-        self._info.drafter = "feature"
+        self._info.drafter = name
         self._info.wants_target_features = True
+        self._info.target_feature_layers[:] = head.config.feature_layers
         self._lock = threading.Lock()  # one head computation at a time (the device is the bottleneck)
 
     @property
@@ -81,17 +88,17 @@ class FeatureDrafter:
         sequence = TokenSequence(
             tokens=list(prompt), max_length=self.max_length, cached=1, on_crop=lambda n: cache.crop(max(0, cache.length - n))
         )
-        return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.hidden_size), device=self.device))
+        return FeatureSession(sequence=sequence, warp=warp, cache=cache, buffer=torch.zeros((0, self.head.config.feature_size), device=self.device))
 
     def bytes_per_token(self) -> int:
         """A position holds one target feature row (float32) and the head's one-layer keys and values."""
         config = self.head.config
         element = next(self.head.parameters()).element_size()
-        return config.hidden_size * 4 + 2 * config.num_kv_heads * config.head_dim * element
+        return config.feature_size * 4 + 2 * config.num_kv_heads * config.head_dim * element
 
     def add_features(self, session: FeatureSession, message: common_pb2.TargetFeatures) -> None:
         """Store features at their positions (overwriting any re-sent ones); they must extend what is held."""
-        rows = decode_features(message, self.head.config.hidden_size)  # [n, H]
+        rows = decode_features(message, self.head.config.feature_size)  # [n, F]
         if not len(rows):
             return
         held, length = session.held, len(session.sequence.tokens)

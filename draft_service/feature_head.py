@@ -38,8 +38,8 @@ CONFIG_FILE = "feature_head.json"
 
 
 @dataclass
-class FeatureHeadConfig:
-    """Shapes (the target's, so the layer can start from one of its layers) and the target it serves."""
+class DecoderShape:
+    """One Llama decoder layer's shapes: a head's layer (specd's feature head, an EAGLE-3 head)."""
 
     hidden_size: int
     num_heads: int
@@ -48,10 +48,26 @@ class FeatureHeadConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
+
+
+@dataclass
+class FeatureHeadConfig(DecoderShape):
+    """Shapes (the target's, so the layer can start from one of its layers) and the target it serves."""
+
     vocab_size: int  # the target's
     draft_vocab_size: int  # V': ids scored by the head
     target: str = ""  # the target spec it was trained for (embedded name, folder, hub id)
     vocab_digest: str = ""  # the target tokenizer's digest, checked at load
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature rows the head reads: the final hidden state."""
+        return self.hidden_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers those rows come from: () for the final hidden state (common.proto)."""
+        return ()
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, target: str = "", vocab_digest: str = "") -> "FeatureHeadConfig":

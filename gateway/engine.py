@@ -285,7 +285,8 @@ class Generation:
         while (replica := pool.pick(exclude=self._verify.failed)) is not None:
             try:
                 reply = self.sessions.open(self._verify, pool, replica, verify_pb2.VerifyPrefillRequest, self.sequence,
-                                           self._timeout(), return_features=features is not None)
+                                           self._timeout(), return_features=features is not None,
+                                           feature_layers=self.draft.feature_layers() if features is not None else ())
                 if features is not None:
                     features.put(reply.features)
                 return

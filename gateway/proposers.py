@@ -296,6 +296,11 @@ class DraftProposer:
         self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
 
     # --- session --------------------------------------------------------------------------------
+    def feature_layers(self) -> list[int]:
+        """The target layers whose hidden states the drafter reads (an EAGLE-3 head's low, middle and high
+        ones); [] for the final hidden state."""
+        return list(self.backends.draft_info.target_feature_layers) if self.features is not None else []
+
     def stop_if_unfed(self, allowed: bool) -> None:
         """A feature drafter needs the target's features of every committed position, which every Verify
         returns (~1.2 KB a position): while speculation is paused by load they would cost every request

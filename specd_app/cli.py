@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft = serve.add_parser("draft", help="the drafter")
     add_server_flags(draft, "draft")
     add_model_flags(draft, "")
-    add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model), model (a small LM, --model) or feature (a feature head folder, --model)")
-    add_flag(draft, "target", "", "feature drafter: the target whose embedding and LM head it reads (default: the one named in the head)")
+    add_flag(draft, "drafter", "ngram", "drafter backend: ngram (no model), model (a small LM, --model), feature (specd's feature head "
+             "folder, --model) or eagle3 (an EAGLE-3 head folder in the EAGLE authors' or speculators' layout, --model)")
+    add_flag(draft, "target", "", "feature and eagle3 drafters: the target whose embedding and LM head it reads (default: the one "
+             "named in a feature head; an EAGLE-3 head names none)")
     add_flag(draft, "kv-token-budget", 0, "positions all draft sessions may hold before Prefill/Propose get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the drafter's bytes per position, none for ngram; -1 = no budget)")
     add_flag(draft, "lookup-min-ngram", SHORTEST_NGRAM, f"ngram drafter: {LOOKUP_MIN_NGRAM_HELP} (other drafters propose no "
@@ -110,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run verify, gateway and (unless the drafter is heads) draft on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
     add_flag(up, "drafter", "auto", f"auto ({HEADS_ONLY} on a machine without CUDA when the target has shipped Medusa heads, "
-             "else the shipped feature head for the default target, else ngram), ngram, model, feature, "
+             "else the shipped feature head for the default target, else ngram), ngram, model, feature, eagle3, "
              f"or {HEADS_ONLY} (no draft service: the verify's Medusa heads and lookup copies draft)")
-    add_flag(up, "draft-model", "", "draft model (--drafter model) or feature head folder (--drafter feature)")
+    add_flag(up, "draft-model", "", "draft model (--drafter model) or head folder (--drafter feature or eagle3)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
     add_flag(up, "http-port", DEFAULT_HTTP_PORT, "the gateway's OpenAI-compatible HTTP port (0 = off)")
@@ -140,10 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run specd (adaptive k) with these many candidates per position for its trees (1: chains only)")
     bench.add_argument("--gateway", default="", help="a running gateway; default: start one on free ports")
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
-    bench.add_argument("--drafter", default="auto", help=f"auto (as `specd up`), {HEADS_ONLY}, ngram, model or feature (local stack; "
+    bench.add_argument("--drafter", default="auto", help=f"auto (as `specd up`), {HEADS_ONLY}, ngram, model, feature or eagle3 (local stack; "
                        "hf_assisted uses the model, else prompt lookup). With heads, specd runs on a gateway with no draft "
                        "service and the modes that need one (fixed k, trees, overlap) use a draft service of the target's default drafter")
-    bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or feature head folder (--drafter feature)")
+    bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or head folder (--drafter feature or eagle3)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     add_device_flags(bench)
     bench.add_argument("--dtype", default="auto", help="both model services' and transformers' dtype: auto (bf16 on CUDA, fp32 "
@@ -267,10 +269,10 @@ def serve_draft(args: argparse.Namespace) -> None:
     from specd_common.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
-    if args.drafter != "feature":  # a feature drafter measures its own threads (tune_feature_drafter)
+    if args.drafter not in ("feature", "eagle3"):  # a head drafter measures its own threads (tune_feature_drafter)
         _set_threads(args.threads)
-    if args.drafter in ("model", "feature") and not args.model:
-        raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a feature head: its folder)")
+    if args.drafter in ("model", "feature", "eagle3") and not args.model:
+        raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
                            lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads,
                            startup=StartupMeasurement.from_args(args))
@@ -319,7 +321,7 @@ def run_up(args: argparse.Namespace) -> int:
                  "no CUDA device: draft and verify would share one CPU, and the target has Medusa heads"
                  if chosen[0] == HEADS_ONLY else "a draft service")
     args.drafter, args.draft_model = chosen
-    if args.drafter in ("model", "feature") and not args.draft_model:
+    if args.drafter in ("model", "feature", "eagle3") and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     from specd_app.supervise import Child, Supervisor
 

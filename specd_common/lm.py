@@ -239,20 +239,31 @@ class CausalLM:
         self._layer_outputs: list[Optional[torch.Tensor]] = []  # [B, n, H] each, of the last forward
 
     def capture_layers(self, layers: Sequence[int]) -> None:
-        """Keep the outputs of decoder layers `layers` (1-based: hidden_states[l] in transformers'
-        terms) wherever the final features are kept: what Medusa heads that fuse lower layers read
-        (verify_service/medusa.py). Hooks on those layers alone, for the reason _capture_last_hidden gives."""
+        """Also keep the outputs of decoder layers `layers` (1-based: hidden_states[l] in transformers'
+        terms, before the final norm) wherever the final features are kept: what Medusa heads that fuse
+        lower layers and EAGLE-3 heads read (verify_service/medusa.py, a session's feature_layers).
+        Additive, so a session may ask for layers at run time (call it on the model thread); kept in
+        ascending order, the order a pass produces them (`layer_slots` finds them). Hooks on those layers
+        alone, for the reason _capture_last_hidden gives."""
         decoder = self.loaded.model.base_model.layers
         if not all(1 <= layer <= len(decoder) for layer in layers):
             raise ValueError(f"layers {list(layers)} are not all among this model's decoder layers 1..{len(decoder)}")
-        self.captured_layers = tuple(layers)
-        self._layer_outputs = [None] * len(layers)
-        for slot, layer in enumerate(layers):
-            decoder[layer - 1].register_forward_hook(functools.partial(self._capture_layer, slot))
+        new = sorted(set(layers) - set(self.captured_layers))
+        if not new:
+            return
+        self.captured_layers = tuple(sorted(set(self.captured_layers).union(new)))
+        self._layer_outputs = [None] * len(self.captured_layers)
+        for layer in new:
+            decoder[layer - 1].register_forward_hook(functools.partial(self._capture_layer, layer))
 
-    def _capture_layer(self, slot: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def layer_slots(self, layers: Sequence[int]) -> list[int]:
+        """Where captured `layers` sit along the L axis of a session's fed_layers [n, L, H]."""
+        return [self.captured_layers.index(layer) for layer in layers]
+
+    def _capture_layer(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Forward hook on a captured decoder layer: its output (a tensor, or a tuple led by one) [B, n, H]."""
-        self._layer_outputs[slot] = (output[0] if isinstance(output, tuple) else output) if self._keep_hidden else None
+        kept = (output[0] if isinstance(output, tuple) else output) if self._keep_hidden else None
+        self._layer_outputs[self.captured_layers.index(layer)] = kept
 
     def _take_hidden(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """The last forward's kept final hidden state [B, n, H] and captured layers' outputs [B, n, L, H]

@@ -139,7 +139,9 @@ def start_cluster(
                                  medusa_heads=str(medusa_heads or ""))
     draft = None
     if drafter:
-        draft = start_draft_server(make_drafter(drafter, str(draft_model or "")), model_config, interceptors=[calls, *model_interceptors])
+        head_target = str(target) if drafter == "eagle3" else ""  # an EAGLE-3 head names no target; a feature head does
+        draft = start_draft_server(make_drafter(drafter, str(draft_model or ""), target=head_target), model_config,
+                                   interceptors=[calls, *model_interceptors])
     gateway = start_gateway_server(
         f"127.0.0.1:{verify.port}",
         f"127.0.0.1:{draft.port}" if draft else None,

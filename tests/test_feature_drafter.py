@@ -14,7 +14,7 @@ from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_p
 from specd_common.features import decode_features, encode_features
 from specd_common.models import load_causal_lm
 from tests.conftest import start_cluster
-from tests.test_services import FIXED, PROMPTS, generate, hf_greedy, wait_for_no_sessions
+from tests.test_services import FIXED, PROMPTS, assert_greedy_exact_with_drafts, generate, wait_for_no_sessions
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,7 @@ def test_verify_returns_the_targets_features_at_the_positions_it_read(feature_cl
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 def test_greedy_with_a_feature_head_equals_target_only_and_transformers(feature_cluster, tiny, prompt):
-    stub = feature_cluster.stub()
-    speculative = generate(stub, text=prompt, max_new_tokens=30, draft_length_policy=FIXED)
-    target_only = generate(stub, text=prompt, max_new_tokens=30, disable_speculation=True)
-    assert list(speculative.token_ids) == list(target_only.token_ids)
-    assert list(speculative.token_ids) == hf_greedy(tiny.target, list(speculative.prompt_token_ids), 30)
-    # features reached the draft every round: without them it fails and the gateway drafts nothing
-    assert speculative.stats.draft_tokens >= speculative.stats.target_passes - 1
-    assert wait_for_no_sessions(feature_cluster) == {"verify": 0, "draft": 0}
+    assert_greedy_exact_with_drafts(feature_cluster, tiny.target, prompt, 30)
 
 
 def test_propose_without_the_features_it_needs_fails_precondition(feature_cluster):

@@ -34,6 +34,19 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt_ids) :].tolist()
 
 
+def assert_greedy_exact_with_drafts(cluster, target_dir: Path, prompt: str, max_new_tokens: int) -> None:
+    """Greedy speculation through `cluster` equals its target-only decoding and transformers' generate;
+    the draft drafted every round (a feature drafter starved of the target's features fails, and the
+    gateway then drafts nothing); no session is left behind."""
+    stub = cluster.stub()
+    speculative = generate(stub, text=prompt, max_new_tokens=max_new_tokens, draft_length_policy=FIXED)
+    target_only = generate(stub, text=prompt, max_new_tokens=max_new_tokens, disable_speculation=True)
+    assert list(speculative.token_ids) == list(target_only.token_ids)
+    assert list(speculative.token_ids) == hf_greedy(target_dir, list(speculative.prompt_token_ids), max_new_tokens)
+    assert speculative.stats.draft_tokens >= speculative.stats.target_passes - 1
+    assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
+
+
 def wait_for_no_sessions(cluster, timeout_s: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

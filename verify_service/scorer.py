@@ -13,6 +13,7 @@ from specd_common import autotune, runtime_cache, tree
 from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
 from specd_common.config import StartupMeasurement
+from specd_common.errors import require
 from specd_common.features import encode_features
 from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model, synchronize
@@ -30,6 +31,7 @@ class VerifySession:
 
     sequence: KVSession
     warp: Warp
+    feature_layers: tuple[int, ...] = ()  # the layers its feature rows hold side by side; (): the final hidden state
 
 
 @dataclass
@@ -206,13 +208,25 @@ class Scorer:
         return self._info
 
     def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False,
-             wanted: Callable[[], bool] = lambda: True) -> VerifySession:
+             wanted: Callable[[], bool] = lambda: True, feature_layers: Sequence[int] = ()) -> VerifySession:
         """A session holding `prompt`; with batching its prefill shares passes with other sessions' rounds
-        and stops (Cancelled) between chunks once `wanted()` is False (the caller went away)."""
+        and stops (Cancelled) between chunks once `wanted()` is False (the caller went away). With
+        `feature_layers` its features are those layers' outputs side by side (an EAGLE-3 head's)."""
+        layers = self.check_feature_layers(feature_layers)
+        if layers:
+            self.lm.run(self.lm.capture_layers, layers)
         session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None)
         if self.batcher is not None:
             self.batcher.prefill(session, wanted)
-        return VerifySession(session, warp)
+        return VerifySession(session, warp, layers)
+
+    def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """`layers` as a tuple; INVALID_ARGUMENT unless they are all decoder layers of this target."""
+        count = self.lm.loaded.model.config.num_hidden_layers
+        require(all(1 <= layer <= count for layer in layers),
+                f"feature_layers {list(layers)} must be in 1..{count} (this target's decoder layers, transformers' "
+                "hidden_states numbering)")
+        return tuple(layers)
 
     def last_features(self, session: VerifySession) -> Optional[common_pb2.TargetFeatures]:
         """The features of the positions the session's last forward read (None unless it keeps them),
@@ -220,7 +234,10 @@ class Scorer:
         sequence = session.sequence
         if not sequence.keep_features or sequence.fed_features is None:
             return None
-        return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
+        if not session.feature_layers:
+            return self.lm.run(encode_features, sequence.fed_features, sequence.fed_start)
+        layers = sequence.fed_layers[:, self.lm.layer_slots(session.feature_layers)]  # [n, len(feature_layers), H]
+        return self.lm.run(encode_features, layers.flatten(1), sequence.fed_start)  # rows [n, len(feature_layers) × H]
 
     def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int],
                     parents: Sequence[int] = ()) -> Optional[HeadInputs]:
@@ -241,7 +258,8 @@ class Scorer:
         earlier = features.shape[0] - own.shape[0]
         committed = torch.tensor(sequence.tokens[sequence.fed_start + 1 : sequence.fed_start + 1 + earlier], dtype=torch.long)
         next_tokens = torch.cat((committed.to(own.device), own))  # [n]
-        layers = sequence.fed_layers  # [n, L, H] where the heads fuse lower layers, else None
+        fusion = self.medusa.config.fusion_layers
+        layers = sequence.fed_layers[:, self.lm.layer_slots(fusion)] if fusion else None  # [n, L, H] the heads fuse
         if not session.warp.greedy:
             return HeadInputs(0, features, next_tokens, layers)
         if parents:

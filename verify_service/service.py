@@ -33,11 +33,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
+        require(request.return_features or not request.feature_layers, "feature_layers apply only with return_features")
+        self.scorer.check_feature_layers(request.feature_layers)  # before a session is claimed
         prompt_tokens = len(request.prompt_token_ids)
         # id, slot and KV budget claimed before the forward; a caller that goes stops its prefill between chunks
         with self.sessions.opening(request.session_id, prompt_tokens, request.lease_seconds) as keep:
             session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features,
-                                       wanted=context.is_active)
+                                       wanted=context.is_active, feature_layers=request.feature_layers)
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return verify_pb2.VerifyPrefillResponse(

@@ -79,7 +79,7 @@ def load_feature_drafter(
     if kind == "eagle3":
         from draft_service.eagle3_head import load_eagle3
 
-        head = load_eagle3(Path(folder), matrices[0], loaded.model.config.num_hidden_layers)
+        head = load_eagle3(Path(folder), matrices[0], target_num_layers=loaded.model.config.num_hidden_layers)
     else:
         head = load_head_over(Path(folder), *matrices)
     del matrices

@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+import torch.nn.functional as F
 
 from draft_service.eagle3_head import Eagle3Config, write_eagle3_checkpoint
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
@@ -90,3 +91,107 @@ def test_layers_the_target_does_not_have_are_invalid_argument(eagle3_cluster):
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 def test_greedy_with_an_eagle3_head_equals_target_only_and_transformers(eagle3_cluster, deep_target, prompt):
     assert_greedy_exact_with_drafts(eagle3_cluster, deep_target, prompt, 24)
+
+
+# --- the checkpoint, alone ------------------------------------------------------------------------
+def tiny_config(layout: str, layers: tuple = (2, 3, 5), norm_before_residual: bool = False) -> Eagle3Config:
+    return Eagle3Config(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, rope_scaling=None, vocab_size=120, draft_vocab_size=40, target_hidden_size=32,
+                        feature_layers=layers, layout=layout, norm_before_residual=norm_before_residual)
+
+
+def reference_outputs(tensors: dict, config: Eagle3Config, embedding: torch.Tensor, tokens: list[int],
+                      target_rows: torch.Tensor, fed_back_from: int) -> torch.Tensor:
+    """The EAGLE-3 layer's outputs [n, H] written out from the raw tensors, one position at a time over
+    full (uncached) attention: position i reads token tokens[i] with target_rows[i] through fc, or from
+    `fed_back_from` on the previous position's output. An independent restatement of the math."""
+    p = "midlayer." if config.layout == "eagle" else "layers.0."
+    w = {name: t.float() for name, t in tensors.items()}
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * weight
+
+    def rope(x, position):  # x [heads, d]
+        d = x.shape[-1]
+        angles = position / config.rope_theta ** (torch.arange(0, d, 2).float() / d)
+        cos, sin = torch.cat((angles.cos(), angles.cos())), torch.cat((angles.sin(), angles.sin()))
+        return x * cos + torch.cat((-x[:, d // 2 :], x[:, : d // 2]), dim=-1) * sin
+
+    keys, values, outputs = [], [], []
+    for i, token in enumerate(tokens):
+        g = w["fc.weight"] @ target_rows[i] if i < fed_back_from else outputs[-1]  # [H]
+        a = torch.cat((norm(embedding[token].float(), w[f"{p}input_layernorm.weight"]), norm(g, w[f"{p}hidden_norm.weight"])))
+        heads, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        q = rope((w[f"{p}self_attn.q_proj.weight"] @ a).view(heads, d), i)
+        keys.append(rope((w[f"{p}self_attn.k_proj.weight"] @ a).view(kv, d), i))
+        values.append((w[f"{p}self_attn.v_proj.weight"] @ a).view(kv, d))
+        k = torch.stack(keys).repeat_interleave(heads // kv, dim=1)  # [i + 1, heads, d]
+        v = torch.stack(values).repeat_interleave(heads // kv, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q, k) / d ** 0.5, dim=-1)  # [heads, i + 1]
+        x = g + w[f"{p}self_attn.o_proj.weight"] @ torch.einsum("ht,thd->hd", weights, v).reshape(-1)
+        y = norm(x, w[f"{p}post_attention_layernorm.weight"])
+        mlp = w[f"{p}mlp.down_proj.weight"] @ (F.silu(w[f"{p}mlp.gate_proj.weight"] @ y) * (w[f"{p}mlp.up_proj.weight"] @ y))
+        outputs.append(x + mlp)
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_cached_steps_equal_the_math_written_out(tmp_path, layout):
+    """Reading 5 positions with the target's rows in two pieces, then drafting 2 steps from its own
+    output, gives what the formulas give; the draft vocabulary maps through d2t inside t2d."""
+    from safetensors.torch import load_file
+
+    from draft_service.eagle3_head import load_eagle3
+    from draft_service.feature_head import HeadCache
+
+    config = tiny_config(layout)
+    write_eagle3_checkpoint(tmp_path, config, seed=3, dtype=torch.float32)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    embedding = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    head = load_eagle3(tmp_path, embedding, target_num_layers=6)
+    assert torch.equal(head.vocab_ids, torch.arange(config.draft_vocab_size) + tensors["d2t"])
+    assert tensors["t2d"][head.vocab_ids].all() and int(tensors["t2d"].sum()) == config.draft_vocab_size
+    tokens, rows = [5, 17, 3, 99, 42, 7, 11], torch.randn(5, config.feature_size, generator=torch.Generator().manual_seed(2))
+    cache, outputs = HeadCache(), []
+    with torch.inference_mode():
+        for start, stop in ((0, 3), (3, 5)):
+            outputs.append(head(torch.tensor([tokens[start:stop]]), rows[None, start:stop], torch.arange(start, stop), cache)[0])
+        for position in (5, 6):
+            outputs.append(head(torch.tensor([[tokens[position]]]), outputs[-1][None, -1:], torch.tensor([position]), cache)[0])
+    got = torch.cat(outputs)  # [7, H]
+    expected = reference_outputs(tensors, config, embedding, tokens, rows, fed_back_from=5)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    logits = head.logits(got[-1])
+    norm = tensors["norm.weight"] * got[-1] * torch.rsqrt(got[-1].pow(2).mean() + config.rms_norm_eps)
+    assert torch.allclose(logits, tensors["lm_head.weight"] @ norm, atol=1e-4)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_what(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from draft_service.eagle3_head import load_eagle3
+
+    config = tiny_config("eagle")
+    embedding = torch.zeros(config.vocab_size, config.hidden_size)
+    write_eagle3_checkpoint(tmp_path, config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    torch.save(tensors, tmp_path / "pytorch_model.bin")  # the older file format: loads alike
+    (tmp_path / "model.safetensors").rename(tmp_path / "held")
+    assert load_eagle3(tmp_path, embedding, target_num_layers=6).config.feature_layers == (2, 3, 3)  # (2, L // 2, L - 3)
+    (tmp_path / "pytorch_model.bin").unlink()
+    bad = {**tensors, "midlayer.self_attn.q_proj.weight": torch.zeros(32, 32)}
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"midlayer.self_attn.q_proj.weight has shape \[32, 32\], expected \[32, 64\]"):
+        load_eagle3(tmp_path, embedding, target_num_layers=6)
+    save_file({name: t for name, t in tensors.items() if name != "d2t"}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tensor d2t is missing"):
+        load_eagle3(tmp_path, embedding, target_num_layers=6)
+    with pytest.raises(ValueError, match="needs an embedding"):
+        load_eagle3(tmp_path, torch.zeros(7, config.hidden_size), target_num_layers=6)
+    named = tmp_path / "named"
+    write_eagle3_checkpoint(named, tiny_config("speculators", layers=(2, 3, 5)))
+    with pytest.raises(ValueError, match=r"reads target layers \[2, 3, 5\]; this target has 1..4"):
+        load_eagle3(named, embedding, target_num_layers=4)
+    (named / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 32}')
+    with pytest.raises(ValueError, match="neither an EAGLE authors' config"):
+        load_eagle3(named, embedding, target_num_layers=6)

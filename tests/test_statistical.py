@@ -25,7 +25,7 @@ from specd_common.distributions import decode_distribution, encode_distribution,
 from specd_common.params import Warp
 from specd_common.warping import warp_probs
 from tests.conftest import start_cluster
-from tests.tiny_models import build_feature_head, build_model, build_noisy_copy, build_tokenizer
+from tests.tiny_models import build_eagle3_head, build_feature_head, build_model, build_noisy_copy, build_tokenizer
 from tests.test_rejection import SIGNIFICANCE, chi_square_p_value
 
 WARPS = [Warp(temperature=1.0), Warp(temperature=0.6), Warp(temperature=1.0, top_k=20), Warp(temperature=0.9, top_p=0.9)]
@@ -59,7 +59,7 @@ def test_rejection_rule_on_real_model_distributions(default_target, warp):
 
 # --------------------------------------------------------------------------- the whole system
 
-SAMPLES = {"model": 1000, "feature": 2000}  # requests per case: the untrained head overlaps p less
+SAMPLES = {"model": 1000, "feature": 2000, "eagle3": 2000}  # requests per case: the untrained heads overlap p less
 REQUIRED_POWER = 0.99
 HEAD_SCALE, DRAFT_NOISE = 15.0, 0.4  # peaked target; a draft overlapping it by 35-50 % at the first position
 
@@ -69,6 +69,7 @@ class PeakedModels:
     target: object
     draft: object
     feature_head: object
+    eagle3_head: object  # an EAGLE-3 checkpoint (speculators layout) reading the target's layers 1, 2, 2
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def peaked(tmp_path_factory) -> PeakedModels:
     root = tmp_path_factory.mktemp("peaked")
     target = build_model(root / "target", seed=3, tokenizer=build_tokenizer(), head_scale=HEAD_SCALE)
     return PeakedModels(target, build_noisy_copy(target, root / "draft", noise=DRAFT_NOISE),
-                        build_feature_head(target, root / "head", vocab_stride=2))
+                        build_feature_head(target, root / "head", vocab_stride=2), build_eagle3_head(target, root / "eagle3"))
 
 
 # Known-wrong rules, each with the distribution of the first token it emits (draft x ~ q at the
@@ -175,7 +176,7 @@ def run_system(models: PeakedModels, warp: Warp, overlap: bool, drafter: str, ru
         return rule(drafts, q, p, rng)
 
     monkeypatch.setattr(gateway.engine, "rejection_sample", recording)
-    draft_model = models.feature_head if drafter == "feature" else models.draft
+    draft_model = {"feature": models.feature_head, "eagle3": models.eagle3_head}.get(drafter, models.draft)
     running = start_cluster(models.target, drafter, draft_model, num_draft_tokens=2, overlap=overlap)
     try:
         stub = running.stub()
@@ -213,10 +214,11 @@ CASES = [
     (Warp(temperature=0.8, top_k=8), False, "model"),
     (Warp(temperature=1.0, top_p=0.8), True, "model"),
     (Warp(temperature=1.0), False, "feature"),  # q is zero outside the head's vocabulary
+    (Warp(temperature=1.0), False, "eagle3"),  # an EAGLE-3 checkpoint read through the target's layers 1, 2, 2
 ]
 
 
-@pytest.mark.parametrize("warp,overlap,drafter", CASES, ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head"])
+@pytest.mark.parametrize("warp,overlap,drafter", CASES, ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head", "t1-eagle3-head"])
 def test_system_samples_follow_the_target(peaked, warp, overlap, drafter, monkeypatch):
     """Through gateway, draft and verify: the first token's frequencies match the target's p, and the
     second token's, after the most frequent first token, match p given that token; the test has power

@@ -103,3 +103,36 @@ def build_medusa_heads(target: Path, path: Path, heads: int = 3) -> Path:
     vocab = torch.arange(loaded.model.config.vocab_size)
     save_heads(build_heads(loaded, vocab, str(target), MedusaRecipe(num_heads=heads)), path)
     return path
+
+
+def build_eagle3_head(target: Path, path: Path, layers: tuple = (1, 2, 2), seed: int = 0, noise: float = 0.4) -> Path:
+    """An EAGLE-3 checkpoint for `target` in the speculators layout over its whole vocabulary (no
+    d2t/t2d, as speculators writes it then), reading its decoder layers `layers`; fc picks the last
+    of them and the layer adds nothing, so it reaches the target's own final norm and LM head rows
+    plus Gaussian noise (noise × their std): at the first drafted position q is close to the target's
+    p, as a noisy copy's would be, so q and p overlap but differ. With a third of the vocabulary the
+    chi-square test had too little power against wrong rules at 2,000 samples. For a target whose
+    last decoder layer is the last one named."""
+    from safetensors.torch import load_file, save_file
+
+    from draft_service.eagle3_head import Eagle3Config, write_eagle3_checkpoint
+
+    config = LlamaConfig.from_pretrained(target)
+    hidden = config.hidden_size
+    write_eagle3_checkpoint(path, Eagle3Config(
+        hidden_size=hidden, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=hidden // config.num_attention_heads, intermediate_size=config.intermediate_size,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=10000.0, rope_scaling=None, vocab_size=config.vocab_size,
+        draft_vocab_size=config.vocab_size, target_hidden_size=hidden, feature_layers=layers,
+        layout="speculators"), seed=seed, dtype=torch.float32)
+    tensors = load_file(str(path / "model.safetensors"))
+    model = LlamaForCausalLM.from_pretrained(target)
+    rows, generator = model.lm_head.weight.detach(), torch.Generator().manual_seed(seed)  # [V, H]: no d2t, V' = V
+    fc = torch.zeros(hidden, len(layers) * hidden)
+    fc[:, -hidden:] = torch.eye(hidden)
+    tensors.update({"fc.weight": fc, "layers.0.self_attn.o_proj.weight": torch.zeros(hidden, hidden),
+                    "layers.0.mlp.down_proj.weight": torch.zeros(hidden, config.intermediate_size),
+                    "norm.weight": model.model.norm.weight.detach().clone(),
+                    "lm_head.weight": rows + noise * rows.std() * torch.randn(rows.shape, generator=generator)})
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

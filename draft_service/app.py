@@ -10,15 +10,13 @@ from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
 from specd_common import autotune, runtime_cache
 from specd_common.batching import BatchPolicy
-from specd_common.config import ServerConfig, StartupMeasurement
+from specd_common.config import HEAD_DRAFTERS, ServerConfig, StartupMeasurement
 from specd_common.lookup import SHORTEST_NGRAM
 from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
 
 log = logging.getLogger(__name__)
-
-HEAD_DRAFTERS = ("feature", "eagle3")  # drafters that read the target's features: specd's own head, EAGLE-3 heads
 
 
 def make_drafter(

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_service.feature_head import DecoderShape, HeadCache, RMSNorm, rope, rotate_half
+from draft_service.feature_head import DecoderShape, HeadCache, RMSNorm, rotary
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -248,13 +248,6 @@ def inverse_frequencies(config: Eagle3Config, device: Optional[torch.device] = N
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def scaled_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x [..., T, d] at positions [T] with given inverse frequencies [d/2]."""
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
-    emb = torch.cat((angles, angles), dim=-1)  # [T, d]
-    return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)
-
-
 # --- the head -----------------------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Grouped-query attention whose projections read [embedding ; hidden] (2H) instead of H."""
@@ -332,13 +325,11 @@ class Eagle3Layer(nn.Module):
         return self._rotate(q, positions), self._rotate(k, positions), v
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE of x [B, n, T, d]: feature_head's rope when unscaled, else with the scaled frequencies."""
-        if not self.config.rope_scaling:
-            return rope(x, positions, self.config.rope_theta)
+        """RoPE of x [B, n, T, d] at the config's frequencies (scaled or not), computed once per device."""
         key = str(x.device)
         if key not in self._inv_freq:
             self._inv_freq[key] = inverse_frequencies(self.config, x.device)
-        return scaled_rope(x, positions, self._inv_freq[key])
+        return rotary(x, positions, self._inv_freq[key])
 
 
 class Eagle3Head(nn.Module):

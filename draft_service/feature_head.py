@@ -107,7 +107,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (Llama's default form) of x [..., T, d] at positions [T]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))  # [d/2]
+    return rotary(x, positions, 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)))
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [..., T, d] at positions [T] with inverse frequencies inv_freq [d/2]
+    (Llama's, or a scaled set: draft_service/eagle3_head.py)."""
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
     emb = torch.cat((angles, angles), dim=-1)  # [T, d]
     return (x.float() * emb.cos() + rotate_half(x.float()) * emb.sin()).to(x.dtype)

@@ -34,6 +34,7 @@ from specd_common.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PORTS,
     DEFAULT_TARGET,
+    HEAD_DRAFTERS,
     HEADS_ONLY,
     ServerConfig,
     StartupMeasurement,
@@ -269,9 +270,9 @@ def serve_draft(args: argparse.Namespace) -> None:
     from specd_common.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
-    if args.drafter not in ("feature", "eagle3"):  # a head drafter measures its own threads (tune_feature_drafter)
+    if args.drafter not in HEAD_DRAFTERS:  # a head drafter measures its own threads (tune_feature_drafter)
         _set_threads(args.threads)
-    if args.drafter in ("model", "feature", "eagle3") and not args.model:
+    if args.drafter in ("model", *HEAD_DRAFTERS) and not args.model:
         raise SystemExit(f"--drafter {args.drafter} needs --model (a model: hub id, folder or GGUF file; a head: its folder)")
     drafter = make_drafter(args.drafter, args.model, args.device, args.dtype, BatchPolicy.from_args(args), target=args.target,
                            lookup_min_ngram=args.lookup_min_ngram, threads=args.threads, max_threads=args.max_threads,
@@ -321,7 +322,7 @@ def run_up(args: argparse.Namespace) -> int:
                  "no CUDA device: draft and verify would share one CPU, and the target has Medusa heads"
                  if chosen[0] == HEADS_ONLY else "a draft service")
     args.drafter, args.draft_model = chosen
-    if args.drafter in ("model", "feature", "eagle3") and not args.draft_model:
+    if args.drafter in ("model", *HEAD_DRAFTERS) and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
     from specd_app.supervise import Child, Supervisor
 

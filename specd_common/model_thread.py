@@ -21,9 +21,12 @@ hand the whole call over: that deadlocked the concurrent-streams test when tried
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import os
 import queue
 import threading
+from pathlib import Path
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -68,9 +71,60 @@ def shared() -> ModelThread:
 
 def serve_calls(calls: queue.SimpleQueue) -> None:
     """The thread's loop: run each queued call in its caller's context until `stop` queues None."""
+    profiler = CallProfiler.from_environment()
     while (call := calls.get()) is not None:
         future, context, fn, args, kwargs = call
         try:
-            future.set_result(context.run(fn, *args, **kwargs))
+            with profiler.call():
+                result = context.run(fn, *args, **kwargs)
+            future.set_result(result)
         except BaseException as error:  # the caller re-raises it in its own thread
             future.set_exception(error)
+
+
+class CallProfiler:
+    """torch.profiler over a window of the model thread's calls, for a service on a device nobody can
+    watch live (the GPU check's bench): with SPECD_PROFILE_DIR set, calls `skip` .. `skip + count`
+    (SPECD_PROFILE_CALLS, default "100:300": past start-up, into steady decoding) are recorded and
+    their operator table, sorted by host time, is written to DIR/profile-<pid>.txt. Every torch op
+    of a service runs on this thread, so the table holds all of them: kernel launches, copies and
+    synchronisations per pass are what make a small model's pass host-bound on a GPU."""
+
+    def __init__(self, folder: str = "", skip: int = 0, count: int = 0):
+        self.folder, self.skip, self.count = folder, skip, count
+        self.calls = 0
+        self._profile = None
+
+    @classmethod
+    def from_environment(cls) -> "CallProfiler":
+        folder = os.environ.get("SPECD_PROFILE_DIR", "")
+        skip, count = (int(part) for part in os.environ.get("SPECD_PROFILE_CALLS", "100:300").split(":"))
+        return cls(folder, skip, count)
+
+    @contextlib.contextmanager
+    def call(self):
+        if not self.folder or self.calls > self.skip + self.count:
+            yield
+            return
+        if self.calls == self.skip:
+            import torch.profiler
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profile = torch.profiler.profile(activities=activities)
+            self._profile.__enter__()
+        try:
+            yield
+        finally:
+            self.calls += 1
+            if self._profile is not None and self.calls == self.skip + self.count:
+                self._write()
+
+    def _write(self) -> None:
+        profile, self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        path = Path(self.folder) / f"profile-{os.getpid()}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{self.count} model-thread calls after {self.skip}\n{table}\n")

@@ -269,12 +269,24 @@ def start_observed_server(
     return running
 
 
-def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callable[[], None] = lambda: None) -> None:
-    """Block until SIGTERM/SIGINT, then shut down gracefully (shutdown)."""
+SIGNAL_POLL_S = 0.5  # how often the main thread wakes to run a signal's handler (see wait_for_stop_signal)
+
+
+def wait_for_stop_signal(poll_s: float = SIGNAL_POLL_S) -> None:
+    """Block until SIGTERM or SIGINT. Python runs a signal's handler on the main thread, and only
+    once that thread wakes; the kernel may deliver the signal to any thread (CUDA's own threads
+    included), and then an untimed wait never wakes: a draft on CUDA ignored SIGTERM for 60 s until
+    it was killed. Waking every poll_s runs the handler whichever thread caught the signal."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(poll_s):
+        pass
+
+
+def wait_for_termination(running: RunningServer, grace_s: float, on_stop: Callable[[], None] = lambda: None) -> None:
+    """Block until SIGTERM/SIGINT, then shut down gracefully (shutdown)."""
+    wait_for_stop_signal()
     shutdown(running, grace_s)
     on_stop()
 

@@ -4,6 +4,7 @@ OpenMP team in the process slows every multi-threaded pass after it)."""
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 
 import pytest
@@ -70,3 +71,21 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
     assert set(threads) == {"pass", "heads", "encode_features", "warp_probs"}
     assert set().union(*threads.values()) == {model_thread.shared().thread.ident} != {threading.get_ident()}
     scorer.batcher.close()
+
+
+def test_the_profiler_records_its_window_of_calls_and_writes_their_operators(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECD_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECD_PROFILE_CALLS", "2:3")
+    thread = ModelThread(name="profiled")
+    a = torch.ones(8, 8)
+    try:
+        for _ in range(2):  # before the window: not recorded
+            thread.run(torch.add, a, a)
+        for _ in range(3):
+            thread.run(torch.mm, a, a)
+        thread.run(torch.sub, a, a)  # after it
+    finally:
+        thread.stop()
+    table = (tmp_path / f"profile-{os.getpid()}.txt").read_text()
+    assert table.startswith("3 model-thread calls after 2")
+    assert "aten::mm" in table and "aten::add" not in table and "aten::sub" not in table

@@ -18,7 +18,7 @@ from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
-CITATION = re.compile(r"docs/benchmarks/[\w.-]+\.json(?!l)")
+CITATION = re.compile(r"docs/benchmarks/[\w./-]+\.json(?!l)")
 CURRENT = "docs/benchmarks/bench.json"  # what `make bench` writes and the current table cites
 
 

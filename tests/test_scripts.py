@@ -95,3 +95,4 @@ def test_the_gpu_check_runs_its_tests_and_bench_on_the_cpu(tmp_path):
     modes = result["bench"]["report"]["modes"]
     assert {"hf_target", "target_only"} <= set(modes), sorted(modes)
     assert result["machine"]["torch"] and result["machine"]["transformers"]
+    assert any("aten::" in table for table in result["profiles"].values()), sorted(result["profiles"])

@@ -235,3 +235,26 @@ def wait_pid(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+SIGNAL_ON_ANOTHER_THREAD = """
+import signal, threading, time
+from specd_common.server import wait_for_stop_signal
+def deliver():
+    time.sleep(0.3)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # caught here, not on the main thread
+    time.sleep(30)
+threading.Thread(target=deliver, daemon=True).start()
+wait_for_stop_signal()
+print("stopped")
+"""
+
+
+def test_a_service_stops_when_another_thread_catches_sigterm():
+    """The kernel may hand SIGTERM to any thread (on CUDA, the driver's own): the main thread must
+    still wake and stop. An untimed wait there never woke (a draft on a GPU was killed after 60 s)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", SIGNAL_ON_ANOTHER_THREAD], env=repo_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=20)
+    assert done.stdout.strip() == "stopped", done.stderr
+    assert time.monotonic() - started < 10

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -55,10 +55,14 @@ long-prompts: setup  ## rebuild docs/benchmarks/long_prompts.jsonl (summarizatio
 
 # Draft training and evaluation beyond `specd train-draft` (docs/draft-training.md); tests/test_scripts.py
 # runs each of these on a tiny random target.
+OUT ?= .gpu/out
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 
 train-heads-gpu:  ## on a GPU machine: both shipped drafts trained further on the whole corpus (WORK=DIR, SPECD_DATA_DIR; TRAIN_ARGS=train-draft flags)
 	PYTHONPATH=.:protos PYTHON=$(GPU_PY) scripts/gpu_train_heads.sh $(WORK) $(TRAIN_ARGS)
+
+train-eagle3-gpu:  ## on a GPU machine: grow the corpus, train the EAGLE-3 head, three files in OUT (OUT=DIR; EAGLE3_ARGS="--device cpu" runs it on a CPU; docs/draft-training.md)
+	PYTHON=$(GPU_PY) scripts/gpu_train_eagle3.sh --out $(OUT) $(EAGLE3_ARGS)
 
 gpu-check:  ## on a GPU machine, first: the serving path's tests on CUDA and `specd bench` vs transformers there, one JSON in docs/benchmarks/gpu/ (docs/gpu.md; GPU_CHECK_ARGS="--device cpu --out DIR" runs it on a CPU)
 	PYTHON=$(GPU_PY) scripts/gpu_check.sh $(GPU_CHECK_ARGS)

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_service.feature_head import DecoderShape, HeadCache, RMSNorm, rotary
+from draft_service.feature_head import DecoderShape, HeadCache, RMSNorm, rotary, unrolled_mask
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -294,24 +294,45 @@ class Eagle3Layer(nn.Module):
         """embedded [B, T, H] (x_t's embedding), hidden [B, T, H] (fc(f_{t-1}) or the fed-back output),
         positions [T] → the layer's output [B, T, H]. With a cache (B = 1) attends to the cached positions
         too and appends this call's keys/values to it."""
-        c = self.config
-        batch, length, _ = hidden.shape
-        normed = self.hidden_norm(hidden)
-        residual = normed if c.norm_before_residual else hidden
-        joint = torch.cat((self.input_layernorm(embedded), normed), dim=-1)  # [B, T, 2H]
-        q, k, v = self._project(joint, positions)
-        past = 0
+        residual, q, k, v = self._inputs(embedded, hidden, positions)
+        length, past = q.shape[2], 0
         if cache is not None:
             past = cache.length
             if past:
                 k = torch.cat((cache.keys[None].to(k.dtype), k), dim=2)  # [1, nkv, past + T, d]
                 v = torch.cat((cache.values[None].to(v.dtype), v), dim=2)
             cache.keys, cache.values = k[0], v[0]
-        groups = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nh, S, d]
         # new position i sees every cached position and the new positions ≤ i
         mask = None if past == 0 else torch.ones(length, past + length, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0 and length > 1)  # [B, nh, T, d]
+        return self._output(residual, q, k, v, mask, causal=past == 0 and length > 1)
+
+    def forward_after(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      earlier: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One pass of the training-time test (Eagle3Head.unrolled): like forward, over keys/values of
+        `earlier` passes ([B, nkv, T, d] each) followed by this pass's, as mask [T, (passes + 1) T] allows
+        (feature_head.unrolled_mask). Returns the output [B, T, H] and this pass's keys and values."""
+        residual, q, k, v = self._inputs(embedded, hidden, positions)
+        keys = torch.cat([kv[0] for kv in earlier] + [k], dim=2)
+        values = torch.cat([kv[1] for kv in earlier] + [v], dim=2)
+        return self._output(residual, q, keys, values, mask, causal=False), (k, v)
+
+    def _inputs(self, embedded: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual [B, T, H] and the queries, keys and values of [input_layernorm(e) ; hidden_norm(g)]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.config.norm_before_residual else hidden
+        joint = torch.cat((self.input_layernorm(embedded), normed), dim=-1)  # [B, T, 2H]
+        return (residual, *self._project(joint, positions))
+
+    def _output(self, residual: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """Attention of q [B, nh, T, d] over k, v [B, nkv, S, d], then o_proj, the residual and the MLP → [B, T, H]."""
+        c = self.config
+        batch, _, length, _ = q.shape
+        groups = c.num_heads // c.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nh, S, d]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # [B, nh, T, d]
         h = residual + self.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, length, c.num_heads * c.head_dim))
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -374,6 +395,27 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"prev has width {width}; expected the target's features ({self.config.feature_size}) "
                              f"or the head's own output ({self.config.hidden_size})")
         return self.layer(embedded, hidden, positions, cache)
+
+    def unrolled(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, passes: int) -> list[torch.Tensor]:
+        """EAGLE-3's training-time test: what drafting steps 1..passes would output at every position.
+
+        token_ids [B, T] (x_t), features [B, T, F] (the target's fused f_{t-1}), positions [T]. Pass 1 is
+        forward() over the target's features. Pass j reads (x_t, pass j-1's output at t - 1), as drafting
+        step j feeds back the head's own output, and attends like drafting step j at position t: to pass
+        1's keys up to t - j + 1 (the committed context), to pass m's key at t - j + m and to itself
+        (feature_head.unrolled_mask). Returns [o of pass 1, ..., o of pass `passes`], each [B, T, H] before
+        the final norm (logits() reads them); row t of pass j is valid for t ≥ j - 1."""
+        dtype = self.fc.weight.dtype
+        embedded = self.embedding[token_ids].to(dtype)  # [B, T, H]
+        hidden = self.fc(features.to(dtype))  # [B, T, H]
+        earlier, outputs = [], []
+        for step in range(passes):
+            out, kv = self.layer.forward_after(embedded, hidden, positions, earlier,
+                                               unrolled_mask(token_ids.shape[1], step, embedded.device))
+            earlier.append(kv)
+            outputs.append(out)
+            hidden = torch.cat((hidden[:, :1], out[:, :-1]), dim=1)  # o_{t-1} fed at t; row 0 is never read again
+        return outputs
 
     def logits(self, estimate: torch.Tensor) -> torch.Tensor:
         """estimate [..., H] (a forward output) → float scores [..., V'] over the draft vocabulary
@@ -508,29 +550,51 @@ def load_eagle3(folder: Path, embedding: Optional[torch.Tensor], target_num_laye
     return head.to(dtype).eval()
 
 
-# --- writing a random checkpoint (tests) --------------------------------------------------------------------
+# --- writing checkpoints ----------------------------------------------------------------------------------
+def save_eagle3(head: Eagle3Head, folder: Path, dtype: torch.dtype = torch.bfloat16) -> int:
+    """A trained head in its config's published layout (specd's own heads: the EAGLE authors' layout), its
+    draft vocabulary as d2t/t2d; the target's embedding is not written (the loader takes the target's).
+    Returns the bytes written."""
+    layer_prefix = LAYER_PREFIX[head.config.layout]
+    state = {(layer_prefix + name[len("layer."):] if name.startswith("layer.") else name): tensor.detach().cpu().to(dtype)
+             for name, tensor in head.state_dict().items()}
+    ids = head.vocab_ids.cpu()
+    write_checkpoint(folder, head.config, state, None if bool((ids == torch.arange(len(ids))).all()) else ids, dtype)
+    return sum(path.stat().st_size for path in Path(folder).iterdir())
+
+
+def write_checkpoint(folder: Path, config: Eagle3Config, state: dict[str, torch.Tensor], draft_ids: Optional[torch.Tensor],
+                     dtype: torch.dtype) -> None:
+    """config.json as published and model.safetensors: `state` in the layout's names, plus d2t (int64) and t2d
+    (bool) from the sorted target ids draft_ids [V'] (None: the whole vocabulary, written as identity maps in
+    the eagle layout, omitted in speculators')."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = dict(state)
+    if draft_ids is None and config.layout == "eagle":
+        draft_ids = torch.arange(config.draft_vocab_size)
+    if draft_ids is not None:
+        state["d2t"] = draft_ids.long() - torch.arange(config.draft_vocab_size)
+        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        state["t2d"][draft_ids.long()] = True
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(folder / SAFETENSORS_FILE))
+    (folder / CONFIG_FILE).write_text(json.dumps(published_config(config, dtype), indent=2))
+
+
 def write_eagle3_checkpoint(folder: Path, config: Eagle3Config, seed: int = 0, with_embedding: bool = False,
                             dtype: torch.dtype = torch.bfloat16) -> None:
     """A random checkpoint in exactly config.layout's published layout (config.json keys as published, tensor names,
     shapes, dtypes; d2t int64, t2d bool) — what tests write instead of downloading a head. The draft vocabulary is
     a sorted random subset of the target's that holds its lowest ids (the first half), so tests can predict some.
     The eagle layout names no target layers (the EAGLE authors' configs do not): it reads the target's default ones."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     state = {name: _random_tensor(shape, generator).to(dtype) for name, shape in expected_shapes(config).items()}
     if with_embedding:
         state["embed_tokens.weight"] = torch.randn(config.vocab_size, config.hidden_size, generator=generator).to(dtype)
-    if config.layout == "eagle" or config.draft_vocab_size != config.vocab_size:  # speculators omits identity maps
-        ids = _draft_vocabulary(config, generator)  # [V'] sorted target ids
-        state["d2t"] = ids - torch.arange(config.draft_vocab_size)
-        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
-        state["t2d"][ids] = True
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(folder / SAFETENSORS_FILE))
-    raw = published_config(config, dtype)
-    (folder / CONFIG_FILE).write_text(json.dumps(raw, indent=2))
+    draft_ids = _draft_vocabulary(config, generator) if config.draft_vocab_size != config.vocab_size else None
+    write_checkpoint(folder, config, state, draft_ids, dtype)
 
 
 def _random_tensor(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

@@ -16,12 +16,17 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # 
 RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-corpus", "feature-full")  # feature_training.FEATURE_RECIPES
 MEDUSA_RECIPE_NAMES = ("medusa-tiny", "medusa-chain-tiny", "medusa-corpus", "medusa-token-corpus", "medusa-chain-corpus",
                        "medusa-chain2-corpus", "medusa-fusion-corpus", "medusa-fusion-tiny")  # medusa_training.MEDUSA_RECIPES
+EAGLE3_RECIPE_NAMES = ("eagle3-tiny", "eagle3-corpus")  # eagle3_training.EAGLE3_RECIPES
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
 # so scripts written for them keep working.
 RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recipe in EAGLE3_RECIPE_NAMES:
+        from draft_training.eagle3_training import run_eagle3_recipe
+
+        return run_eagle3_recipe(args)
     if args.recipe in MEDUSA_RECIPE_NAMES:
         from draft_training.medusa_training import run_medusa_recipe
 
@@ -36,12 +41,13 @@ def add_train_draft_parser(commands) -> None:
     """Register `specd train-draft` on the top-level sub-command set."""
     parser = commands.add_parser("train-draft", help="distil a small draft model from the target (resumable)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, folder, GGUF or hub id")
-    parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + MEDUSA_RECIPE_NAMES + tuple(RECIPE_ALIASES),
+    parser.add_argument("--recipe", default="feature-cpu", choices=RECIPE_NAMES + MEDUSA_RECIPE_NAMES + EAGLE3_RECIPE_NAMES + tuple(RECIPE_ALIASES),
                         help="an EAGLE-style head reading the target's features: feature-cpu ~70 min on 2 cores, feature-corpus trains on the committed corpus, "
                         "feature-tiny is a test, feature-full is for a GPU (tiny/cpu/full: the same); medusa-corpus / medusa-tiny: "
                         "Medusa heads for the verify service, from the same data (medusa-token-corpus: heads that also read the next token; "
                         "medusa-chain-corpus: and the earlier heads' tokens, Hydra; medusa-chain2-corpus: the same with two blocks a head; "
-                        "medusa-fusion-corpus: and the outputs of a low and a middle layer fused into their input, EAGLE-3)")
+                        "medusa-fusion-corpus: and the outputs of a low and a middle layer fused into their input, EAGLE-3); "
+                        "eagle3-corpus / eagle3-tiny: an EAGLE-3 head in the EAGLE authors' layout (--drafter eagle3)")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")

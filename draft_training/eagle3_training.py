@@ -62,6 +62,9 @@ EAGLE3_RECIPES = {
                                 use_corpus=False, draft_vocab=0, ttt_passes=3, epochs=30, batch_tokens=256, lr=1e-2,
                                 warmup_steps=3),
     "eagle3-corpus": Eagle3Recipe(),
+    # A 2-core CPU runs ~100 answer positions a second (the target's forward dominates): smaller steps, so
+    # an hour's run takes well over a hundred optimizer steps rather than a few dozen.
+    "eagle3-cpu": Eagle3Recipe(batch_tokens=2048, warmup_steps=10, lr=1e-3, ttt_passes=3),
 }
 
 
@@ -136,6 +139,18 @@ def build_head(target, vocab_ids: torch.Tensor):
     head = Eagle3Head(config, embedding, vocab_ids)
     init_from_target(head, target.model, lm_head[vocab_ids.long()])
     return head
+
+
+def starting_head(target, folder: Path):
+    """A saved EAGLE-3 head (this recipe's or a published one for the same target) to train further: its
+    weights, its draft vocabulary and its target layers. A head trained on a GPU goes on on a CPU and back."""
+    from draft_service.eagle3_head import load_eagle3
+    from draft_service.feature_head import target_matrices
+
+    head = load_eagle3(folder, target_matrices(target.model)[0].detach(), target.model.config.num_hidden_layers)
+    log.info("train: starting from the EAGLE-3 head in %s (%d-token draft vocabulary, layers %s)", folder,
+             head.config.draft_vocab_size, list(head.config.feature_layers))
+    return head.train()
 
 
 @torch.no_grad()
@@ -226,11 +241,14 @@ def run_eagle3_recipe(args) -> int:
         target.model.to(torch.bfloat16)  # features as a bfloat16 verify computes them, at the GPU's speed
     target.model.eval()
     records, held_out = training_records(target, recipe, Path(args.data_dir), work)
-    vocab_path = work / "train" / "vocab.pt"
-    if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
-        vocab_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
-    head = build_head(target, torch.load(vocab_path))
+    if args.init_head:
+        head = starting_head(target, Path(args.init_head))
+    else:
+        vocab_path = work / "train" / "vocab.pt"
+        if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
+        head = build_head(target, torch.load(vocab_path))
     lm_head = target.model.get_output_embeddings().weight.detach()
     head_rows = lm_head[head.vocab_ids.to(lm_head.device)]  # [V', H] the target's scores over the draft vocabulary
     loss = partial(eagle3_loss, target_model=target.model, head_rows=head_rows, passes=recipe.ttt_passes)

@@ -107,3 +107,16 @@ def test_every_eagle3_recipe_can_be_named_on_the_command_line():
     from draft_training.eagle3_training import EAGLE3_RECIPES
 
     assert set(EAGLE3_RECIPE_NAMES) == set(EAGLE3_RECIPES)
+
+
+def test_training_goes_on_from_a_saved_head(trained, tmp_path):
+    """--init-head: the saved checkpoint's weights and draft vocabulary, trained further in a new work dir."""
+    from specd_app.cli import main
+
+    argv = [*trained["argv"][:5], "--work-dir", str(tmp_path / "work"), "--data-dir", str(trained["root"] / "data"),
+            "--device", "cpu", "--threads", "1", "--init-head", str(trained["draft"]), "--epochs", "2"]
+    assert main(argv) == 0
+    before = json.loads((trained["draft"] / "eval.json").read_text())["agreement_per_step"]["overall"]
+    after = json.loads((tmp_path / "work" / "draft" / "eval.json").read_text())["agreement_per_step"]["overall"]
+    assert after[0] > before[0] - 0.1  # it went on from the trained head, not from the target's last layer
+    assert not (tmp_path / "work" / "train" / "vocab.pt").exists()

@@ -62,7 +62,7 @@ EAGLE3_RECIPES = {
                                 use_corpus=False, draft_vocab=0, ttt_passes=3, epochs=30, batch_tokens=256, lr=1e-2,
                                 warmup_steps=3),
     "eagle3-corpus": Eagle3Recipe(gen_batch=96),  # a GPU answers the 84 held-out prompts in one batch
-    # A 2-core CPU runs ~100 answer positions a second (the target's forward dominates): smaller steps, so
+    # A 2-core CPU runs ~190 answer positions a second (the target's forward dominates): smaller steps, so
     # an hour's run takes well over a hundred optimizer steps rather than a few dozen.
     "eagle3-cpu": Eagle3Recipe(batch_tokens=2048, warmup_steps=10, lr=1e-3, ttt_passes=3),
 }
@@ -93,7 +93,7 @@ def eagle3_loss(head, batch: list[dict], device: torch.device, *, target_model, 
     """EAGLE-3's objective on a batch: at every answer position t, for drafting steps 1..passes, soft
     cross-entropy between the head's scores for x_{t+1} and the target's distribution there (both over
     the draft vocabulary), step j weighted STEP_DECAY^(j-1), the weights summing to one. Returns (loss,
-    per-step agreement [passes]: the head's top choice equals the target's)."""
+    per-step agreement [passes]: the head's top choice equals the target's best within the draft vocabulary)."""
     layers = head.config.feature_layers
     tokens, fused, target_scores, lengths = target_batch(target_model, batch, layers, head_rows, device)
     width = tokens.shape[1]

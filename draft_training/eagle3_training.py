@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from draft_training import distill_data
+from draft_training.feature_data import right_padded
 from draft_training.distill_data import Budget
 from draft_training.train_prompts import KINDS, load_all_prompts, select_prompts
 
@@ -70,17 +71,12 @@ EAGLE3_RECIPES = {
 
 def target_batch(target_model, batch: Sequence[dict], layers: Sequence[int], head_rows: torch.Tensor, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One right-padded target forward over the batch (causal attention keeps padding out of real rows).
-    Returns tokens [B, T], fused features [B, T, L·H] (hidden_states at `layers`, side by side), the target's
-    scores over the draft vocabulary [B, T, V'] (final hidden state @ head_rows.T, head_rows [V', H]) and
-    lengths [B]."""
-    width = max(len(record["tokens"]) for record in batch)
-    tokens = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, record in enumerate(batch):
-        tokens[row, : len(record["tokens"])] = torch.as_tensor(record["tokens"]).long()
-    lengths = torch.tensor([len(record["tokens"]) for record in batch])
-    tokens, lengths = tokens.to(device), lengths.to(device)
-    attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()  # [B, T]
+    """One right-padded target forward over the batch (feature_data.right_padded; no_grad, not inference
+    mode, since the head's graph reads what it returns). Returns tokens [B, T], fused features [B, T, L·H]
+    (hidden_states at `layers`, side by side), the target's scores over the draft vocabulary [B, T, V']
+    (final hidden state @ head_rows.T, head_rows [V', H]) and lengths [B]."""
+    tokens, attention = right_padded([record["tokens"] for record in batch], device)  # [B, T] each
+    lengths = attention.sum(dim=1)  # [B]
     with torch.no_grad():
         output = target_model.model(input_ids=tokens, attention_mask=attention, output_hidden_states=True)
         fused = torch.cat([output.hidden_states[layer] for layer in layers], dim=-1)  # [B, T, L·H]
@@ -229,9 +225,8 @@ def held_out_agreement(head, target_model, head_rows: torch.Tensor, records: lis
 def run_eagle3_recipe(args) -> int:
     """`specd train-draft --recipe eagle3-*`: data → train (resumable) → held-out agreement → EAGLE-3 checkpoint."""
     from draft_service.eagle3_head import save_eagle3
-    from draft_training.feature_training import choose_vocab
+    from draft_training.feature_training import run_vocab
     from draft_training.loop import start_run, train_draft, write_run_records
-    from specd_common.models import eos_token_ids
 
     overrides = {"gen_minutes": args.gen_minutes, "train_minutes": args.train_minutes, "epochs": args.epochs,
                  "ttt_passes": args.ttt_passes}
@@ -244,11 +239,7 @@ def run_eagle3_recipe(args) -> int:
     if args.init_head:
         head = starting_head(target, Path(args.init_head))
     else:
-        vocab_path = work / "train" / "vocab.pt"
-        if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
-            vocab_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
-        head = build_head(target, torch.load(vocab_path))
+        head = build_head(target, run_vocab(work, records, recipe.draft_vocab, target))
     lm_head = target.model.get_output_embeddings().weight.detach()
     head_rows = lm_head[head.vocab_ids.to(lm_head.device)]  # [V', H] the target's scores over the draft vocabulary
     loss = partial(eagle3_loss, target_model=target.model, head_rows=head_rows, passes=recipe.ttt_passes)

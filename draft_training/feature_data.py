@@ -42,18 +42,24 @@ def layer_prefix(layers: Sequence[int]) -> str:
     return "feat-layers-" + "-".join(map(str, layers))
 
 
-@torch.inference_mode()
-def _padded_forward(model, sequences: Sequence[list[int]], hidden_states: bool = False):
-    """One right-padded forward of the target's decoder over the batch; causal attention makes the
-    padding harmless to real positions. Returns the model's output (hidden_states too when asked)."""
-    device = next(model.parameters()).device
+def right_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask [B, width] for a right-padded forward, on `device`; causal
+    attention makes the padding harmless to real positions."""
     width = max(len(s) for s in sequences)
     input_ids = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, width]
     attention = torch.zeros((len(sequences), width), dtype=torch.long)  # [B, width]
     for row, sequence in enumerate(sequences):
-        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        input_ids[row, : len(sequence)] = torch.as_tensor(sequence)
         attention[row, : len(sequence)] = 1
-    return model.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), output_hidden_states=hidden_states)
+    return input_ids.to(device), attention.to(device)
+
+
+@torch.inference_mode()
+def _padded_forward(model, sequences: Sequence[list[int]], hidden_states: bool = False):
+    """One right-padded forward of the target's decoder over the batch. Returns the model's output
+    (hidden_states too when asked)."""
+    input_ids, attention = right_padded(sequences, next(model.parameters()).device)
+    return model.model(input_ids=input_ids, attention_mask=attention, output_hidden_states=hidden_states)
 
 
 def _final_rows(output, sequences: Sequence[list[int]]) -> list[torch.Tensor]:

@@ -214,6 +214,18 @@ def choose_vocab(records: list[dict], size: int, vocab_size: int, always: list[i
     return torch.sort(torch.topk(counts, size).indices).values
 
 
+def run_vocab(work: Path, records: list[dict], size: int, target) -> torch.Tensor:
+    """The draft vocabulary of the run in `work` (choose_vocab, always holding EOS): chosen once and
+    kept in train/vocab.pt, so a resumed run trains the same head."""
+    from specd_common.models import eos_token_ids
+
+    path = work / "train" / "vocab.pt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(choose_vocab(records, size, target.model.config.vocab_size, eos_token_ids(target)), path)
+    return torch.load(path)
+
+
 def padded(batch: list[dict], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded tokens [B, T] and features [B, T, H] (float32)."""
     width = max(len(r["tokens"]) for r in batch)
@@ -369,7 +381,6 @@ def run_feature_recipe(args) -> int:
 
     from draft_service.feature_head import save_head
     from draft_training.loop import start_run, train_draft, write_run_records
-    from specd_common.models import eos_token_ids
 
     recipe = with_overrides(FEATURE_RECIPES[args.recipe], args, ttt_passes=args.ttt_passes)
     work, device, target = start_run(args, recipe)
@@ -379,11 +390,7 @@ def run_feature_recipe(args) -> int:
     if recipe.init_head:
         head = starting_head(target, Path(recipe.init_head))
     else:
-        vocab_path = work / "train" / "vocab.pt"
-        if not vocab_path.exists():  # chosen once, so a resumed run trains the same head
-            vocab_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(choose_vocab(records, recipe.draft_vocab, target.model.config.vocab_size, eos_token_ids(target)), vocab_path)
-        head = build_head(target, torch.load(vocab_path), args.target)
+        head = build_head(target, run_vocab(work, records, recipe.draft_vocab, target), args.target)
     loss = partial(feature_loss, feature_weight=recipe.feature_loss_weight, token_weight=recipe.token_loss_weight,
                    passes=recipe.ttt_passes)
     state = train_draft(head, records, recipe, work, device, loss_fn=loss)

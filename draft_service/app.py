@@ -174,8 +174,10 @@ def start_draft_server(
     sessions: SessionStore = SessionStore(config.max_sessions, config.session_idle_timeout_s, max_tokens=budget)
     sessions.start_reaper()
     servicer = DraftServicer(drafter, sessions)
-    return start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config,
-                                 [*token_interceptors(auth_token), *interceptors])
+    running = start_observed_server("draft", lambda s: add_to_server(servicer, s), SERVICE_NAME, servicer, sessions, config,
+                                    [*token_interceptors(auth_token), *interceptors])
+    running.cleanups.append(servicer.stop)
+    return running
 
 
 def draft_token_budget(drafter: Drafter, requested: int) -> int:

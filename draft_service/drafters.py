@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from specd_common import tree
 from specd_common.lookup import LONGEST_NGRAM, SHORTEST_NGRAM, prompt_lookup
 from specd.v1 import common_pb2
 from specd_common.autotune import kv_bytes_per_token
@@ -42,6 +43,10 @@ class Proposal:
     token_ids: list[int]
     draft_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [len(token_ids)] or []
     parents: list[int] = field(default_factory=list)  # a tree (specd_common/tree.py); [] for a chain
+
+    def chain(self) -> list[int]:
+        """The drafted chain: every token of a chain, a tree's main chain."""
+        return [self.token_ids[i] for i in tree.main_chain(self.parents)] if self.parents else list(self.token_ids)
 
 
 class Drafter(Protocol):

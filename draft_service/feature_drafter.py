@@ -27,6 +27,7 @@ import torch
 
 from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
+from draft_service.speculation import Outcome, likeliest_outcomes
 from specd.v1 import common_pb2
 from specd_common.distributions import decode_distribution, sample_from
 from specd_common.errors import FailedPrecondition, InvalidArgument
@@ -59,10 +60,21 @@ class FeatureSession(DraftSession):
         self.held = needed
 
 
+@dataclass
+class ChainPlan:
+    """A drafted chain re-read for the speculation cache (draft_service/speculation.py)."""
+
+    kept: int  # the head cache's length before the chain: true entries only
+    start: int  # the chain's first position (the committed length)
+    estimates: torch.Tensor  # [k + 1, H] the head's estimate before each chain token and after the last
+    outcomes: list  # [Outcome] to prepare, most tokens kept first (each crops the cache to its own prefix)
+
+
 class FeatureDrafter:
     """Drafter backend around a trained FeatureHead or an EAGLE-3 head (the module docstring)."""
 
     wants_target_features = True
+    speculation_cache = True
 
     def __init__(self, head: FeatureHead, info: common_pb2.GetModelInfoResponse, max_length: int, name: str = "feature"):
         """Prompt-lookup copies are the gateway's (lookup rounds, which weigh each copy against the
@@ -128,10 +140,51 @@ class FeatureDrafter:
                 return Proposal(token_ids=[])
             return self._draft(session, k, rng, branches)
 
-    def _read_pending(self, session: FeatureSession) -> None:
-        """Give the head true entries for x_c..x_{L-1} (c = sequence.cached), from features f_{c-1}..f_{L-2}."""
+    # --- the speculation cache -----------------------------------------------------------------
+    def speculation_plan(self, session: FeatureSession, chain: Sequence[int], count: int) -> ChainPlan:
+        """Read the committed tokens, then walk the pending chain with the head's own estimates (the
+        target's features of these positions come only with the Verify being run now), and choose the
+        `count` likeliest outcomes from the head's distributions along it."""
+        with self._lock, torch.inference_mode():
+            start = len(session.sequence.tokens) - len(chain)
+            self._read_pending(session, start)
+            kept, estimate = session.cache.length, session.last
+            if estimate is None:  # a one-token sequence: nothing to draft from
+                return ChainPlan(kept, start, torch.zeros(0), [])
+            estimates = [estimate]
+            for i, token in enumerate(chain):
+                estimates.append(self._step(token, estimates[-1], start + i, session.cache))
+            stacked = torch.stack(estimates)  # [k + 1, H]
+            probs = torch.zeros((len(estimates), self._info.vocab_size))  # [k + 1, V]
+            probs[:, self.head.vocab_ids.cpu()] = torch.softmax(self.head.logits(stacked), -1).cpu()
+            outcomes = likeliest_outcomes(probs, chain, count)
+            return ChainPlan(kept, start, stacked, sorted(outcomes, key=lambda o: -o[0]))
+
+    def speculate(self, session: FeatureSession, plan: ChainPlan, outcome: Outcome, k: int, rng: np.random.Generator) -> Proposal:
+        """The next round's k drafts after the chain's first a tokens and t, drafted as a Propose would
+        from there, with the head's estimates in place of the features the Verify will return."""
+        a, token = outcome
+        with self._lock, torch.inference_mode():
+            session.cache.crop(plan.kept + a)
+            estimate = self._step(token, plan.estimates[a], plan.start + a, session.cache)
+            k = min(k, self.max_length - (plan.start + a + 1))
+            return self._draft_steps(session, estimate, plan.start + a + 1, k, rng) if k > 0 else Proposal(token_ids=[])
+
+    def end_speculation(self, session: FeatureSession, plan: ChainPlan) -> None:
+        with self._lock:
+            session.cache.crop(plan.kept)
+
+    def _step(self, token: int, estimate: torch.Tensor, position: int, cache: HeadCache) -> torch.Tensor:
+        """Read one token with the estimate before it; returns the head's estimate after it [H]."""
+        with model_forward(1):
+            return self.head(torch.tensor([[token]], device=self.device), estimate[None, None],
+                             torch.tensor([position], device=self.device), cache)[0, -1]
+
+    def _read_pending(self, session: FeatureSession, length: Optional[int] = None) -> None:
+        """Give the head true entries for x_c..x_{L-1} (c = sequence.cached, L = length: the whole
+        sequence by default), from features f_{c-1}..f_{L-2}."""
         sequence = session.sequence
-        first, length = max(sequence.cached, 1), len(sequence.tokens)
+        first, length = max(sequence.cached, 1), len(sequence.tokens) if length is None else length
         if first >= length:
             return
         if session.held < length - 1:
@@ -153,25 +206,27 @@ class FeatureDrafter:
         With branches > 1 each step's other candidates join as leaves: nodes are ordered chain token,
         its alternatives, next chain token..., each step's under the previous chain token. When
         sampling, an alternative's draft_probs entry is empty: its q is its first sibling's."""
-        sequence, head = session.sequence, self.head
-        kept, position, estimate = session.cache.length, len(sequence.tokens), session.last
+        proposal = self._draft_steps(session, session.last, len(session.sequence.tokens), k, rng, branches)
+        session.sequence.tokens.extend(proposal.chain())  # pending: re-read with true features once accepted
+        return proposal
+
+    def _draft_steps(self, session: FeatureSession, estimate: torch.Tensor, position: int, k: int, rng: np.random.Generator,
+                     branches: int = 1) -> Proposal:
+        """k tokens from `estimate` (the head's estimate before `position`); the head cache ends as it began."""
+        kept = session.cache.length
         proposal, steps = Proposal(token_ids=[]), []  # steps: [chain token, its alternatives...] a position
         for step in range(k):
-            scores = head.logits(estimate)  # [V']
+            scores = self.head.logits(estimate)  # [V']
             token = self._choose(scores, session.warp, rng, proposal)
             steps.append([token] + (self._alternatives(scores, token, branches - 1, session.warp, rng, proposal) if branches > 1 else []))
             if step + 1 < k:
-                with model_forward(1):
-                    estimate = head(torch.tensor([[token]], device=self.device), estimate[None, None],
-                                    torch.tensor([position], device=self.device), session.cache)[0, -1]
+                estimate = self._step(token, estimate, position, session.cache)
                 position += 1
         session.cache.crop(kept)
-        chain = [candidates[0] for candidates in steps]
-        sequence.tokens.extend(chain)  # pending: re-read with true features once accepted
         if branches > 1:
             proposal.token_ids, proposal.parents = tree.chain_with_leaves(steps)
         else:
-            proposal.token_ids = chain
+            proposal.token_ids = [candidates[0] for candidates in steps]
         return proposal
 
     def _alternatives(self, scores: torch.Tensor, chosen: int, count: int, warp: Warp, rng: np.random.Generator,

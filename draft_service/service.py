@@ -7,7 +7,8 @@ import time
 import numpy as np
 import grpc
 
-from draft_service.drafters import DraftSession, Drafter
+from draft_service.drafters import DraftSession, Drafter, Proposal
+from draft_service.speculation import MAX_OUTCOMES, SpeculationCache, SpeculationJob, resolve_or_none
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
@@ -23,11 +24,20 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Prefill / Propose / Release over a bounded session store."""
 
-    def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession]):
+    def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession], speculation: bool = True):
+        """speculation: run the speculation cache (draft_service/speculation.py) where the drafter offers it."""
         self.drafter = drafter
         self.sessions = sessions
         self.vocab_size = drafter.info().vocab_size or None  # None: a model-free drafter takes any id
         self.reads_features = getattr(drafter, "wants_target_features", False)
+        self.speculation = SpeculationCache(drafter).start() if speculation and getattr(drafter, "speculation_cache", False) else None
+        drafter.info().speculation_cache = self.speculation is not None
+        self.cache_hits = self.cache_misses = 0  # Proposes answered from the cache, and those that asked it in vain
+
+    def stop(self) -> None:
+        """Stop the speculation worker (the server is stopping)."""
+        if self.speculation is not None:
+            self.speculation.stop()
 
     def _check_ids(self, token_ids, what: str) -> None:
         if self.vocab_size:
@@ -59,27 +69,45 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         require(0 <= request.branches <= MAX_BRANCHES and k * branches <= MAX_DRAFT_TOKENS,
                 f"branches must be in [0, {MAX_BRANCHES}] with num_draft_tokens × branches ≤ {MAX_DRAFT_TOKENS}, "
                 f"got {request.branches} × {k}")
+        require(0 <= request.speculate_outcomes <= MAX_OUTCOMES,
+                f"speculate_outcomes must be in [0, {MAX_OUTCOMES}], got {request.speculate_outcomes}")
         self._check_ids(request.commit.append_token_ids, "commit.append_token_ids")
+        job = self.speculation.take(request.session_id) if self.speculation is not None else None
         with self.sessions.use(request.session_id) as session:
+            started = time.perf_counter()
+            prepared = resolve_or_none(job, self.drafter, request.commit.prefix_length, request.commit.append_token_ids)
             with kv_rollback(session.sequence):
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
             self.sessions.account(request.session_id, length + k)  # the KV budget, before any drafting work
             if self.reads_features:
                 self.drafter.add_features(session, request.target_features)
-            started = time.perf_counter()
-            proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
+            proposal = usable(prepared, k, branches)
+            hit = proposal is not None
+            if hit:
+                session.sequence.tokens.extend(proposal.token_ids)  # pending, as after a propose
+            else:
+                proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
             model_seconds = time.perf_counter() - started
+            if job is not None:
+                self.cache_hits += hit
+                self.cache_misses += not hit
+            if request.speculate_outcomes and self.speculation is not None and branches == 1 and proposal.token_ids:
+                self.speculation.schedule(request.session_id, SpeculationJob(
+                    session, length, tuple(proposal.token_ids), k, request.speculate_outcomes, request.next_seed))
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             draft_probs=proposal.draft_probs,
             parents=proposal.parents,
             sequence_length=length,
             model_seconds=model_seconds,
+            cache_hit=hit,
         )
 
     @grpc_errors
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):
+        if self.speculation is not None:
+            self.speculation.drop(request.session_id)
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
 
     @grpc_errors
@@ -90,6 +118,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):
         return self.drafter.info()
+
+
+def usable(prepared, k: int, branches: int):
+    """A prepared chain answers a Propose for k drafts in a chain when it holds at least k (its first
+    k are what drafting k would draw: the same generator, consumed in the same order)."""
+    if prepared is None or branches > 1 or len(prepared.token_ids) < k:
+        return None
+    return Proposal(token_ids=list(prepared.token_ids[:k]), draft_probs=list(prepared.draft_probs[:k]))
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.Server) -> None:

@@ -83,8 +83,10 @@ class SpeculationStats:
     model_seconds: float = 0.0  # inside the services' model work
     draft_model_seconds: float = 0.0  # the draft's part of it
     rejected_rounds: int = 0
-    lookahead_rounds: int = 0  # overlap: look-aheads drafted while the target verified
-    lookahead_hits: int = 0  # ... and those whose drafts were used by the next round
+    draft_cache_lookups: int = 0  # Proposes after one that asked the draft to prepare the next round
+    draft_cache_hits: int = 0  # ... answered from what it prepared while the target verified
+    draft_wait_seconds: float = 0.0  # time spent waiting for Proposes
+    draft_cache_hit_wait_seconds: float = 0.0  # ... of which on cache hits
     lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
     tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)
@@ -158,10 +160,10 @@ class Generation:
         self.sessions = SessionSet(self.request_id, spec.warp.to_proto(common_pb2.SamplingParams), backends.keeper)
         self._verify = Link()
         self.draft = DraftProposer(backends, self.sessions, speculate=spec.speculate, adaptive=spec.adaptive,
-                                   num_draft_tokens=spec.num_draft_tokens, branches=spec.branches, overlap=options.overlap,
-                                   timeout_s=options.draft_timeout_s, rpc_timeout=self._timeout, stats=self.stats,
-                                   policy=POLICY)
-        free = spec.speculate and not self.draft.overlap  # a look-ahead assumes every round is the draft's
+                                   num_draft_tokens=spec.num_draft_tokens, branches=spec.branches,
+                                   outcomes=options.speculated_outcomes, timeout_s=options.draft_timeout_s,
+                                   rpc_timeout=self._timeout, stats=self.stats, policy=POLICY)
+        free = spec.speculate
         self.lookup = LookupProposer(options.lookup_tokens if free else 0, options.lookup_min_ngram, spec.adaptive,
                                      spec.num_draft_tokens, POLICY)
         self.heads = HeadProposer(backends.target_info.medusa_heads if free else 0, spec.adaptive, spec.num_draft_tokens,
@@ -212,8 +214,7 @@ class Generation:
         plan = self.planner.plan(ctx)
         draft_probs = self._propose(plan)
         proposed = time.perf_counter()
-        # 3. Verify; with overlap the draft meanwhile drafts the next round, as if all of this one is kept
-        lookahead = self.draft.start_lookahead(plan.drafts, len(self.sequence), self.rng)
+        # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
         scores = self._verify_drafts(plan, self.planner.ask_heads(ctx))
         self._measure_costs(plan, started, proposed)
         # 4. Judge
@@ -221,7 +222,6 @@ class Generation:
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
-        self.draft.finish_lookahead(lookahead, outcome)
         self.stats.count_round(verdict.chain, outcome.accepted)
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)

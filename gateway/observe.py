@@ -88,6 +88,7 @@ class GenerationObserver:
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
         lookups_before, heads_before, trees_before = stats.lookup_rounds, stats.head_rounds, stats.tree_rounds
+        cache_lookups_before, cache_hits_before = stats.draft_cache_lookups, stats.draft_cache_hits
         started = time.perf_counter()
         with telemetry.span("specd.round", {"specd.round.index": self.rounds}) as span, telemetry.timing_rpcs() as rpcs:
             try:
@@ -102,6 +103,9 @@ class GenerationObserver:
             draft_wait = rpcs.seconds.get("Propose", 0.0)
             verify_wait = rpcs.seconds.get("Verify", 0.0)
             accept = max(0.0, now - started - draft_wait - verify_wait)
+            cache = None  # the draft's speculation cache: "hit", "miss", or None when this round asked nothing of it
+            if stats.draft_cache_lookups > cache_lookups_before:
+                cache = "hit" if stats.draft_cache_hits > cache_hits_before else "miss"
             if span.is_recording():
                 span.set_attributes(
                     {
@@ -119,12 +123,16 @@ class GenerationObserver:
                         "specd.time.accept_ms": accept * 1e3,
                     }
                 )
+                if cache:
+                    span.set_attribute("specd.draft.cache", cache)
                 if chunk.finish_reason:
                     span.set_attribute("specd.finish_reason", chunk.finish_reason)
         self.rounds += 1
         self.finish_reason = chunk.finish_reason or self.finish_reason
         if self.metrics is not None:
             self._count(draft_length, accepted, emitted, draft_wait, verify_wait, accept, now)
+            if cache:
+                self.metrics.draft_cache_wait.labels(cache).observe(draft_wait)
         return chunk
 
     def _count(self, draft_length, accepted, emitted, draft_wait, verify_wait, accept, now) -> None:

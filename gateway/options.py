@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SPECULATED_OUTCOMES = 16  # ProposeRequest.speculate_outcomes' limit (draft_service/speculation.py)
 MAX_LOOKUP_TOKENS = 16  # like num_draft_tokens (gateway.service.MAX_DRAFT_TOKENS); a Verify scores at most 32
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 MAX_QUEUE_S = 30.0  # a client without a deadline waits at most about this long for its first token, else is refused
@@ -22,7 +23,7 @@ class GatewayOptions:
     draft_timeout_s: float = DRAFT_TIMEOUT_S
     max_waiting: int = 64  # requests that may queue for a slot beyond the running ones
     max_speculative_requests: int = -1  # above this many running requests, rounds are target-only; 0: no limit; < 0: from measured costs
-    overlap: bool = False  # draft the next round while the target verifies
+    speculated_outcomes: int = 4  # while the target verifies, the draft prepares next round's drafts for this many outcomes; 0: none
     draft_branches: int = 4  # candidates per drafted position a greedy adaptive request may draft a tree with (gateway/engine.py)
     lookup_tokens: int = 8  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none
     lookup_min_ngram: int = 2  # shortest suffix n-gram a copy needs (specd_common.lookup.prompt_lookup's min_ngram)
@@ -35,6 +36,8 @@ class GatewayOptions:
     def __post_init__(self) -> None:
         if self.draft_length_policy not in ("adaptive", "fixed"):
             raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
+        if not 0 <= self.speculated_outcomes <= MAX_SPECULATED_OUTCOMES:
+            raise ValueError(f"speculated outcomes must be in [0, {MAX_SPECULATED_OUTCOMES}], got {self.speculated_outcomes}")
         if not 0 <= self.lookup_tokens <= MAX_LOOKUP_TOKENS or self.lookup_min_ngram < 1:
             raise ValueError(f"lookup tokens must be in [0, {MAX_LOOKUP_TOKENS}] and lookup min n-gram ≥ 1, "
                              f"got {self.lookup_tokens} and {self.lookup_min_ngram}")

@@ -25,7 +25,7 @@ class SpeculationPolicy:
     # --- shared measured costs (StepCosts) ---
     cost_smoothing: float = 0.1  # moving averages of step times follow a change within ~10 passes
     stale_after_verifies: int = 100  # a Verify size unmeasured this long is priced from fresh sizes, not its old average
-    min_draft_s: float = 1e-4  # a Propose answered faster than this was a cached look-ahead, not a measurement
+    min_draft_s: float = 1e-4  # a round with a draft step faster than this measured no draft at all
 
     # --- the draft service as a proposer (faults only cost speed) ---
     draft_backoff_s: float = 1.0  # first pause after a draft fails; doubles on each failure in a row

@@ -27,7 +27,7 @@ from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, 
 from gateway.links import Link, SessionSet
 from gateway.policy import POLICY, SpeculationPolicy
 from gateway.rejection import RoundOutcome
-from specd.v1 import common_pb2, draft_pb2, verify_pb2
+from specd.v1 import draft_pb2, verify_pb2
 from specd_common import tree
 from specd_common.lookup import prompt_lookup
 from specd_common.sequence import common_prefix
@@ -276,16 +276,21 @@ class DraftProposer:
     """The draft service's session for one request: drafts k tokens (a chain, or a tree with
     alternatives beside the first drafts) a round. A draft that errors or is slower than its timeout
     is dropped and re-opened after a back-off (doubling); a draft that failed before is first asked
-    for its health, so a frozen one does not stall the stream for a whole timeout."""
+    for its health, so a frozen one does not stall the stream for a whole timeout.
+
+    With a draft service that has a speculation cache (draft_service/speculation.py), each chain's
+    Propose also asks it to prepare the next round's drafts for `outcomes` likely verification
+    outcomes while the target verifies, drawn with the seed the next Propose will carry (seeds are
+    drawn one Propose ahead), so a hit costs one round trip and seeded output stays reproducible."""
 
     def __init__(self, backends: Any, sessions: SessionSet, *, speculate: bool, adaptive: bool, num_draft_tokens: int,
-                 branches: int, overlap: bool, timeout_s: float, rpc_timeout: Callable[[], float], stats: Any,
+                 branches: int, outcomes: int, timeout_s: float, rpc_timeout: Callable[[], float], stats: Any,
                  policy: SpeculationPolicy = POLICY):
         self.backends, self.sessions, self.stats, self.policy = backends, sessions, stats, policy
         self.enabled = speculate and backends.draft.configured and backends.draft_info is not None
         self.features = FeatureLog() if self.enabled and backends.draft_info.wants_target_features else None
-        self.overlap = overlap and self.features is None  # a look-ahead cannot wait for the target's features
-        self.branches = 1 if self.overlap else branches  # a look-ahead assumes a chain
+        self.outcomes = outcomes if self.enabled and backends.draft_info.speculation_cache else 0
+        self.branches = branches
         self.adaptive, self.num_draft_tokens = adaptive, num_draft_tokens
         self.timeout_s, self._rpc_timeout = timeout_s, rpc_timeout
         self.link = Link()
@@ -293,7 +298,8 @@ class DraftProposer:
         self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy)
         self._retry_at, self._backoff_s = 0.0, policy.draft_backoff_s
         self._idle_rounds = 0  # rounds in a row without drafts (a one-token probe follows)
-        self._lookahead: tuple[list[int], list] = ([], [])  # overlap: next round's drafts, made during this one
+        self._next_seed: Optional[int] = None  # the seed the draft prepared the next round with (None: none prepared)
+        self.last_wait_s, self.last_hit = 0.0, None  # the last Propose: seconds waited, cache hit (None: nothing was prepared)
 
     # --- session --------------------------------------------------------------------------------
     def feature_layers(self) -> list[int]:
@@ -336,7 +342,7 @@ class DraftProposer:
         if mark and replica is not None:
             self.backends.draft.mark_failed(replica)
         self.link.replica = None
-        self._lookahead = ([], [])
+        self._next_seed = None
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, self.policy.draft_max_backoff_s)
 
@@ -360,10 +366,7 @@ class DraftProposer:
         """k for this round and how many drafts get alternatives (the fixed policy: k = the cap, all of
         them); (0, 0) without a live session. A request that has not drafted for probe_every_rounds
         rounds drafts one token, so its estimate stays current."""
-        k, widened = self._shape(ctx)
-        if not k:
-            self._lookahead = ([], [])  # a plain round: the look-ahead's context is gone
-        return k, widened
+        return self._shape(ctx)
 
     def _shape(self, ctx: RoundContext) -> tuple[int, int]:
         if not (self.enabled and ctx.allowed and self.link.open):
@@ -380,27 +383,37 @@ class DraftProposer:
 
     # --- drafting -------------------------------------------------------------------------------
     def propose(self, plan: RoundPlan, sequence: list[int], rng: np.random.Generator) -> tuple[list[int], list, list[int]]:
-        """Drafts, their q (sampling) and a tree's parents ([] for a chain): the last round's look-ahead
-        when it guessed right, else a Propose; nothing when the draft fails. A tree keeps only the
-        alternatives beside its first plan.widened drafts (tree.widened_nodes)."""
-        drafts, probs = self._lookahead
-        self._lookahead = ([], [])
-        if drafts:
-            return drafts[: plan.k], probs[: plan.k], []
+        """Drafts, their q (sampling) and a tree's parents ([] for a chain) from a Propose; nothing when
+        the draft fails. A tree keeps only the alternatives beside its first plan.widened drafts
+        (tree.widened_nodes). A chain's Propose asks for the next round to be prepared."""
+        chain = self.branches <= 1 or not plan.widened
+        seed = self._next_seed if self._next_seed is not None else int(rng.integers(2**63))
         request = draft_pb2.ProposeRequest(
             session_id=self.link.session_id,
             commit=self.link.sync.commit(sequence),
             num_draft_tokens=plan.k,
-            seed=int(rng.integers(2**63)),
-            branches=self.branches if plan.widened else 1,
+            seed=seed,
+            branches=1 if chain else self.branches,
+            speculate_outcomes=self.outcomes if chain else 0,
         )
+        if request.speculate_outcomes:
+            request.next_seed = int(rng.integers(2**63))
         if self.features is not None:
             request.target_features.CopyFrom(self.features.slice(self.link.features_sent, len(sequence) - 1))
+        asked, self._next_seed = self._next_seed is not None, None
+        started = time.perf_counter()
         try:
             proposal = self.link.replica.stub.Propose(request, timeout=self._timeout())
         except grpc.RpcError as error:
             self._down(self.link.replica, str(error.code()))
             return [], [], []
+        self.last_wait_s, self.last_hit = time.perf_counter() - started, proposal.cache_hit if asked else None
+        self.stats.draft_wait_seconds += self.last_wait_s
+        self.stats.draft_cache_lookups += asked
+        self.stats.draft_cache_hits += proposal.cache_hit
+        self.stats.draft_cache_hit_wait_seconds += self.last_wait_s if proposal.cache_hit else 0.0
+        if request.speculate_outcomes and proposal.token_ids:
+            self._next_seed = request.next_seed
         self.link.sync.agreed = len(sequence)
         self.link.features_sent = len(sequence) - 1
         self.stats.account(request, proposal, draft=True)
@@ -410,39 +423,6 @@ class DraftProposer:
             tokens, parents = [tokens[i] for i in kept], tree.reindexed(parents, kept)
             probs = [probs[i] for i in kept] if probs else []
         return tokens, probs, parents
-
-    def start_lookahead(self, drafts: list[int], committed: int, rng: np.random.Generator):
-        """Overlap (PEARL-style): while the target verifies `drafts`, ask for len(drafts) + 1 more tokens
-        after them. The first is the draft's guess of the bonus token; if every draft is accepted and
-        the guess is right, the rest are next round's drafts, drawn from q in exactly the context they
-        will be verified in. None when there is nothing to look ahead of."""
-        if not (self.overlap and drafts and self.link.open):
-            return None
-        request = draft_pb2.ProposeRequest(
-            session_id=self.link.session_id,
-            commit=common_pb2.Commit(prefix_length=committed + len(drafts)),
-            num_draft_tokens=len(drafts) + 1,
-            seed=int(rng.integers(2**63)),
-        )
-        return request, self.link.replica.stub.Propose.future(request, timeout=self._timeout())
-
-    def finish_lookahead(self, lookahead, outcome: RoundOutcome) -> None:
-        """Keep the look-ahead's drafts when it guessed this round's bonus token; drop them otherwise.
-        Waiting for it even when it is useless keeps the RNG order, hence seeded output, deterministic."""
-        if lookahead is None:
-            return
-        request, call = lookahead
-        try:
-            reply = call.result()
-        except grpc.RpcError as error:
-            self._down(self.link.replica, str(error.code()))
-            return
-        self.stats.account(request, reply, draft=True)
-        self.stats.lookahead_rounds += 1
-        if outcome.bonus and reply.token_ids and reply.token_ids[0] == outcome.next_token:
-            self.link.sync.agreed += 1  # the bonus token is the draft's own first look-ahead token
-            self._lookahead = (list(reply.token_ids[1:]), list(reply.draft_probs[1:]))
-            self.stats.lookahead_hits += 1
 
     # --- learning -------------------------------------------------------------------------------
     def learn(self, plan: RoundPlan, verdict: Verdict, outcome: RoundOutcome) -> None:

@@ -11,7 +11,7 @@ Modes (keys of the JSON report):
                 in --branches; specd itself uses the gateway's default, 4; B = 1: chains only): the
                 heads' best chain with their next candidates beside it where the heads draft, else
                 the draft service's
-  specd_overlap / specd_medusa   second gateways: overlapped drafting; no draft service (--medusa)
+  specd_nocache / specd_medusa   second gateways: no speculation cache (--no-cache-too); no draft service (--medusa)
   specd_heads_<NAME>  the default request on a verify serving other Medusa heads (--heads NAME=DIR),
                 behind a gateway with no draft service: heads of different runs through the services
   hf_target     transformers `generate`, the target alone, in this process
@@ -244,9 +244,7 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             head_round_share=round(sum(s.head_rounds for s in stats) / passes, 4),
             tree_round_share=round(sum(s.tree_rounds for s in stats) / passes, 4),
         )
-    lookaheads = sum(s.lookahead_rounds for s in stats)
-    if lookaheads:
-        summary["lookahead_hit_rate"] = round(sum(s.lookahead_hits for s in stats) / lookaheads, 4)
+    summary.update(speculation_cache(stats))
     if any(s.ttft_s for s in samples):
         summary["ttft_ms_p50"] = round(1000 * statistics.median(s.ttft_s for s in samples), 1)
         summary["ttft_ms_p95"] = round(1000 * percentile([s.ttft_s for s in samples], 0.95), 1)
@@ -297,10 +295,6 @@ def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
     for entry in out["modes"].values():  # what a user compares with: transformers generate in-process, same cores
         if hf:
             entry["overall"]["vs_hf_target"] = round(entry["overall"]["tokens_per_s"] / hf["overall"]["tokens_per_s"], 3)
-    overlap = out["modes"].get("specd_overlap", {}).get("overall", {})
-    sequential = out["modes"].get(f"specd_k{k}", out["modes"].get("specd", {})).get("overall", {})
-    if "lookahead_hit_rate" in overlap and "round_ms" in sequential:
-        out["overlap_model"] = overlap_on_separate_devices(sequential, overlap["lookahead_hit_rate"])
     return out
 
 
@@ -318,19 +312,20 @@ def add_repeat_spread(report: dict, tokens_per_s_by_repeat: dict[str, list[float
             entry["overall"]["speedup_by_repeat"] = [round(rate / base, 3) for rate, base in zip(rates, reference)]
 
 
-def overlap_on_separate_devices(sequential: dict, hit_rate: float) -> dict:
-    """What overlap would give with draft and target on their own devices, from measured step times:
-    a round whose look-ahead hit hides the draft's time behind the target's (when the draft is faster),
-    and a round that missed costs what a sequential round costs."""
-    round_ms, draft_ms = sequential["round_ms"], sequential["draft_model_ms_per_round"]
-    hidden_ms = hit_rate * min(draft_ms, sequential["verify_model_ms_per_round"])
-    return {
-        "lookahead_hit_rate": hit_rate,
-        "sequential_round_ms": round_ms,
-        "draft_ms_per_round": draft_ms,
-        "modeled_round_ms": round(round_ms - hidden_ms, 2),
-        "modeled_speedup_over_sequential": round(round_ms / (round_ms - hidden_ms), 3),
-    }
+def speculation_cache(stats: list) -> dict:
+    """The draft's speculation cache over these requests: its hit rate, and the gateway's mean wait for a
+    Propose on a hit and on a miss (a hit's is one round trip; a miss's, a draft's k steps besides)."""
+    lookups, hits = sum(s.draft_cache_lookups for s in stats), sum(s.draft_cache_hits for s in stats)
+    if not lookups:
+        return {}
+    hit_wait = sum(s.draft_cache_hit_wait_seconds for s in stats)
+    miss_wait = sum(s.draft_wait_seconds for s in stats) - hit_wait  # includes Proposes that asked nothing (the first)
+    out = {"draft_cache_hit_rate": round(hits / lookups, 4), "draft_cache_lookups": lookups}
+    if hits:
+        out["draft_wait_ms_per_hit"] = round(1000 * hit_wait / hits, 2)
+    if lookups > hits:
+        out["draft_wait_ms_per_miss"] = round(1000 * miss_wait / (lookups - hits), 2)
+    return out
 
 
 SCALING_KEYS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95")

@@ -5,7 +5,7 @@
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
-  specd bench --prompts FILE.jsonl... [--concurrency C [--sequential-too]] [--fixed-k K...] [--branches B...] [--overlap]   measure
+  specd bench --prompts FILE.jsonl... [--concurrency C [--sequential-too]] [--fixed-k K...] [--branches B...] [--no-cache-too]   measure
   specd bench --prompts SHORT.jsonl --arrival [--arrival-streams K]   running streams' latency while a long prompt prefills
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
@@ -145,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=DEFAULT_TARGET, help="target model (local stack and transformers modes)")
     bench.add_argument("--drafter", default="auto", help=f"auto (as `specd up`), {HEADS_ONLY}, ngram, model, feature or eagle3 (local stack; "
                        "hf_assisted uses the model, else prompt lookup). With heads, specd runs on a gateway with no draft "
-                       "service and the modes that need one (fixed k, trees, overlap) use a draft service of the target's default drafter")
+                       "service and the modes that need one (fixed k, trees, no cache) use a draft service of the target's default drafter")
     bench.add_argument("--draft-model", default="", help="draft model (--drafter model) or head folder (--drafter feature or eagle3)")
     bench.add_argument("--threads", type=int, default=0, help="torch threads per model service of the local stack")
     add_device_flags(bench)
     bench.add_argument("--dtype", default="auto", help="both model services' and transformers' dtype: auto (bf16 on CUDA, fp32 "
                        "on CPU), float32, float16, bfloat16")
-    bench.add_argument("--overlap", action="store_true", help="also run specd_overlap (a second gateway with --overlap, fixed k)")
+    bench.add_argument("--no-cache-too", action="store_true", help="also run the draft service's stack on a second gateway that "
+                       "does not use its speculation cache (--speculated-outcomes 0): the cache's effect side by side")
     bench.add_argument("--cap", type=int, nargs="*", default=[], help="also run specd_capN for each N: the default specd on a "
                        "gateway of its own whose --max-speculative-requests is fixed at N, side by side with the measured cap")
     bench.add_argument("--medusa", action="store_true", help="also run specd_medusa: a second gateway with no draft service, "
@@ -222,7 +223,8 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "lookup-min-ngram", defaults.lookup_min_ngram, f"lookup rounds: {LOOKUP_MIN_NGRAM_HELP}")
     add_flag(parser, "max-speculative-requests", defaults.max_speculative_requests, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
              "the most at which the verify's batch costs, measured at its start-up, and the tokens a round yields here say speculating pays)")
-    add_flag(parser, "overlap", defaults.overlap, "draft the next round while the target verifies (PEARL-style; pays off when draft and target have their own devices)")
+    add_flag(parser, "speculated-outcomes", defaults.speculated_outcomes, "while the target verifies, a draft service with a speculation "
+             "cache prepares the next round's drafts for this many likely outcomes (0 = off; docs/design/speculation-cache.md)")
     add_flag(parser, "connect-timeout", defaults.connect_timeout_s, "seconds to wait for the model services at start")
     add_flag(parser, "max-waiting", defaults.max_waiting, "requests that may wait for a slot (max-sessions run); more get RESOURCE_EXHAUSTED")
     add_flag(parser, "draft-timeout", defaults.draft_timeout_s, "a Propose slower than this drops to target-only rounds for a while")
@@ -301,7 +303,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         draft_timeout_s=args.draft_timeout,
         max_waiting=args.max_waiting,
         max_speculative_requests=args.max_speculative_requests,
-        overlap=args.overlap,
+        speculated_outcomes=args.speculated_outcomes,
         draft_branches=args.draft_branches,
         lookup_tokens=args.lookup_tokens,
         lookup_min_ngram=args.lookup_min_ngram,
@@ -535,10 +537,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd_app import bench
     from specd_common.params import Warp
 
-    if (args.overlap or args.medusa or args.cap) and args.gateway:
-        raise SystemExit("--overlap, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
-                         "there is none to start: run that gateway (--overlap true, --draft-address '' or --max-speculative-requests N) "
-                         "and bench it alone")
+    if (args.no_cache_too or args.medusa or args.cap) and args.gateway:
+        raise SystemExit("--no-cache-too, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
+                         "there is none to start: run that gateway (--speculated-outcomes 0, --draft-address '' or "
+                         "--max-speculative-requests N) and bench it alone")
     if any(cap < 0 for cap in args.cap):
         raise SystemExit("--cap values are speculation caps: 0 (none) or more running requests")
     if not (0 <= args.temperature <= 2 and 0 < args.top_p <= 1):
@@ -554,7 +556,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.medusa = True
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
     service_modes, mode_gateway = bench_service_modes(
-        args.num_draft_tokens, args.fixed_k, args.branches, args.overlap, args.medusa,
+        args.num_draft_tokens, args.fixed_k, args.branches, args.no_cache_too, args.medusa,
         args.drafter if heads_default else "", args.cap, list(heads),
     )
     service_modes = [(mode, {**fields, **sampling.request_fields()}) for mode, fields in service_modes]
@@ -576,7 +578,7 @@ def run_bench(args: argparse.Namespace) -> int:
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
         address, extra_gateways, children, addresses = start_local_stack(
-            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.overlap, args.medusa,
+            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.no_cache_too, args.medusa,
             caps=args.cap, caps_without_draft=heads_default, heads=heads, devices=devices, dtype=args.dtype,
         )
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
@@ -643,7 +645,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "overlap": args.overlap, "medusa": args.medusa, "heads": heads,
+        "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "no_cache_too": args.no_cache_too, "medusa": args.medusa, "heads": heads,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "sequential_too": args.sequential_too,
     }
     if args.arrival:
@@ -662,11 +664,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def bench_service_modes(
-    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], overlap: bool, medusa: bool, heads_beside: str,
+    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], no_cache: bool, medusa: bool, heads_beside: str,
     caps: Sequence[int] = (), heads: Sequence[str] = (),
 ) -> tuple[list, dict]:
     """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
-    mode → the second gateway serving it ("overlap", "medusa", "capN"; the others use the main one).
+    mode → the second gateway serving it ("nocache", "medusa", "capN"; the others use the main one).
+    no_cache: the draft service's stack again on a gateway that does not ask for its speculation cache.
     heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
     specd and its trees run on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
     again on a gateway whose speculation cap is fixed at each N (specd_capN). heads: names of heads
@@ -682,9 +685,10 @@ def bench_service_modes(
         modes.append((f"specd_tree{b}", {**default, "draft_branches": b}))
         if heads_beside:
             gateway[f"specd_tree{b}"] = "medusa"
-    if overlap:
-        modes.append(("specd_overlap", {**default, **fixed}))
-        gateway["specd_overlap"] = "overlap"
+    if no_cache:
+        name = f"specd_{heads_beside}_nocache" if heads_beside else "specd_nocache"
+        modes.append((name, default))
+        gateway[name] = "nocache"
     if medusa and not heads_beside:  # with heads_beside, specd is that mode
         modes.append(("specd_medusa", default))
         gateway["specd_medusa"] = "medusa"
@@ -744,19 +748,19 @@ def stop_children(children: dict, timeout_s: float = 60.0) -> None:
 
 
 def start_local_stack(
-    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, overlap: bool = False, medusa: bool = False,
+    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, no_cache: bool = False, medusa: bool = False,
     caps: Sequence[int] = (), caps_without_draft: bool = False, heads: Optional[dict] = None, devices: Optional[dict] = None,
     dtype: str = "auto",
 ) -> tuple[str, dict, dict, dict]:
     """The three services as child processes on free ports, plus more gateways sharing the draft and
-    verify when asked: "overlap" (--overlap), "medusa" (no draft service: the verify's Medusa heads
+    verify when asked: "nocache" (--speculated-outcomes 0), "medusa" (no draft service: the verify's Medusa heads
     and lookup copies draft) and "capN" for each of `caps` (speculation cap fixed at N; with no draft
     service when caps_without_draft, as the gateway specd runs on then); and for each name → folder of
     `heads`, a verify serving those heads with a gateway "heads-NAME" (no draft service) in front.
     Returns the gateway address, name → extra gateway address, the children and service name → address."""
     import socket
 
-    flags = {"overlap": ("--overlap", "true")} if overlap else {}
+    flags = {"nocache": ("--speculated-outcomes", "0")} if no_cache else {}
     if medusa:
         flags["medusa"] = ("--draft-address", "")
     for cap in caps:

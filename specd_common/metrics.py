@@ -107,6 +107,12 @@ class GatewayMetrics(ServiceMetrics):
         self.verify_wait_seconds = round_seconds.labels("verify_wait")
         self.accept_seconds = round_seconds.labels("accept")
         self.target_passes = Counter(f"{PREFIX}_target_passes", "Target forward passes (rounds).", registry=r)
+        self.draft_cache_wait = Histogram(
+            f"{PREFIX}_draft_cache_propose_seconds",
+            "Time the gateway waited for a Propose after asking the draft to prepare it (result: hit, miss); "
+            "the count per result is the speculation cache's hit rate.",
+            ["result"], buckets=STEP_BUCKETS, registry=r,
+        )
         self.speculation_cap = Gauge(
             f"{PREFIX}_speculation_cap",
             "Running requests above which rounds are plain decoding (0 = no cap): the flag's, or the one measured costs set.",

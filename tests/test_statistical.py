@@ -159,15 +159,17 @@ class SystemRun:
     seconds: dict = field(default_factory=dict)  # first token → the second tokens that followed it
     accepted: int = 0
     rejected_rounds: int = 0
-    lookahead_rounds: int = 0
+    cache_hits: int = 0  # rounds whose drafts the draft's speculation cache had prepared
     p: Optional[np.ndarray] = None  # [V] first position, target
     q: Optional[np.ndarray] = None  # [V] first position, draft
     prompt: list = field(default_factory=list)
 
 
-def run_system(models: PeakedModels, warp: Warp, overlap: bool, drafter: str, rule: Callable, monkeypatch) -> SystemRun:
+def run_system(models: PeakedModels, warp: Warp, drafter: str, rule: Callable, monkeypatch, cached: bool = False) -> SystemRun:
     """SAMPLES seeded requests (2 tokens, 2 drafts a round) through gateway, draft and verify over gRPC,
-    with `rule` as the gateway's sampling rule (the real one, or a wrong one for a control)."""
+    with `rule` as the gateway's sampling rule (the real one, or a wrong one for a control). cached:
+    3 tokens, 1 draft a round, so that after a rejected first draft the second token's round drafts
+    from the draft's speculation cache (draft_service/speculation.py)."""
     recorded: list = []
 
     def recording(drafts, q, p, rng):
@@ -177,11 +179,12 @@ def run_system(models: PeakedModels, warp: Warp, overlap: bool, drafter: str, ru
 
     monkeypatch.setattr(gateway.engine, "rejection_sample", recording)
     draft_model = {"feature": models.feature_head, "eagle3": models.eagle3_head}.get(drafter, models.draft)
-    running = start_cluster(models.target, drafter, draft_model, num_draft_tokens=2, overlap=overlap)
+    running = start_cluster(models.target, drafter, draft_model, num_draft_tokens=1 if cached else 2,
+                            speculated_outcomes=16 if cached else 4)
     try:
         stub = running.stub()
         sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)
-        request = dict(text="hello world", max_new_tokens=2, sampling=sampling,
+        request = dict(text="hello world", max_new_tokens=3 if cached else 2, sampling=sampling,
                        draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)  # always draft: exercise the rule
         run = SystemRun(firsts=np.empty(SAMPLES[drafter], dtype=np.int64))
         for seed in range(SAMPLES[drafter]):
@@ -191,7 +194,7 @@ def run_system(models: PeakedModels, warp: Warp, overlap: bool, drafter: str, ru
                 run.seconds.setdefault(reply.token_ids[0], []).append(reply.token_ids[1])
             run.accepted += reply.stats.accepted_tokens
             run.rejected_rounds += reply.stats.rejected_rounds
-            run.lookahead_rounds += reply.stats.lookahead_rounds
+            run.cache_hits += reply.stats.draft_cache_hits
             run.prompt = list(reply.prompt_token_ids)
         (run.q, run.p), = recorded[:1]
         return run
@@ -210,20 +213,24 @@ def target_distribution(models: PeakedModels, ids: list, warp: Warp) -> np.ndarr
 
 
 CASES = [
-    (Warp(temperature=1.0), False, "model"),
-    (Warp(temperature=0.8, top_k=8), False, "model"),
-    (Warp(temperature=1.0, top_p=0.8), True, "model"),
-    (Warp(temperature=1.0), False, "feature"),  # q is zero outside the head's vocabulary
-    (Warp(temperature=1.0), False, "eagle3"),  # an EAGLE-3 checkpoint read through the target's layers 1, 2, 2
+    (Warp(temperature=1.0), "model"),
+    (Warp(temperature=0.8, top_k=8), "model"),
+    (Warp(temperature=1.0, top_p=0.8), "model"),
+    (Warp(temperature=1.0), "feature"),  # q is zero outside the head's vocabulary
+    (Warp(temperature=1.0), "eagle3"),  # an EAGLE-3 checkpoint read through the target's layers 1, 2, 2
+    (Warp(temperature=1.0), "feature-cached"),  # second tokens drafted from the speculation cache
 ]
 
 
-@pytest.mark.parametrize("warp,overlap,drafter", CASES, ids=["t1", "topk8", "topp0.8-overlap", "t1-feature-head", "t1-eagle3-head"])
-def test_system_samples_follow_the_target(peaked, warp, overlap, drafter, monkeypatch):
+@pytest.mark.parametrize("warp,drafter", CASES, ids=["t1", "topk8", "topp0.8", "t1-feature-head", "t1-eagle3-head",
+                                                     "t1-feature-head-cached"])
+def test_system_samples_follow_the_target(peaked, warp, drafter, monkeypatch):
     """Through gateway, draft and verify: the first token's frequencies match the target's p, and the
     second token's, after the most frequent first token, match p given that token; the test has power
     >= 0.99 against every wrong rule, computed from the p and q the gateway used."""
-    run = run_system(peaked, warp, overlap, drafter, rejection_sample, monkeypatch)
+    cached = drafter.endswith("-cached")
+    drafter = drafter.removesuffix("-cached")
+    run = run_system(peaked, warp, drafter, rejection_sample, monkeypatch, cached)
     p = target_distribution(peaked, run.prompt, warp)
     np.testing.assert_allclose(run.p, p, atol=2e-3)  # the gateway judged with the target's p
     powers = {name: chi_square_power(emitted(p, run.q), p, run.firsts.size) for name, (_, emitted) in WRONG_RULES.items()}
@@ -231,8 +238,8 @@ def test_system_samples_follow_the_target(peaked, warp, overlap, drafter, monkey
           + ", ".join(f"{name} {power:.4f}" for name, power in powers.items()))
     assert min(powers.values()) >= REQUIRED_POWER, powers
     assert run.accepted > 0 and run.rejected_rounds > 0, "drafts must be both accepted and rejected"
-    if overlap:
-        assert run.lookahead_rounds > 0, "overlap is on but no look-ahead round ran"
+    if cached:
+        assert run.cache_hits >= 50, f"{run.cache_hits} cache hits in {run.firsts.size} requests"
     assert chi_square_p_value(run.firsts, p) > SIGNIFICANCE
     first = int(np.bincount(run.firsts).argmax())
     seconds = np.array(run.seconds[first])
@@ -245,7 +252,7 @@ def test_a_wrong_rule_in_the_gateway_fails_the_test(peaked, name, monkeypatch):
     """Controls: each known-wrong rule swapped into the running gateway makes the first-token test fail."""
     rule, _ = WRONG_RULES[name]
     warp = Warp(temperature=1.0)
-    run = run_system(peaked, warp, False, "model", rule, monkeypatch)
+    run = run_system(peaked, warp, "model", rule, monkeypatch)
     assert chi_square_p_value(run.firsts, target_distribution(peaked, run.prompt, warp)) < SIGNIFICANCE
 
 

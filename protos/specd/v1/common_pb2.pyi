@@ -75,7 +75,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config", "medusa_heads", "runtime_profile", "target_feature_layers")
+    __slots__ = ("model_name", "vocab_size", "max_sequence_length", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "vocab_digest", "drafter", "wants_target_features", "hidden_size", "runtime_config", "medusa_heads", "runtime_profile", "target_feature_layers", "speculation_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class GetModelInfoResponse(_message.Message):
     MEDUSA_HEADS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_PROFILE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_sequence_length: int
@@ -108,7 +109,8 @@ class GetModelInfoResponse(_message.Message):
     medusa_heads: int
     runtime_profile: RuntimeProfile
     target_feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ..., runtime_profile: _Optional[_Union[RuntimeProfile, _Mapping]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculation_cache: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ..., runtime_profile: _Optional[_Union[RuntimeProfile, _Mapping]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ..., speculation_cache: _Optional[bool] = ...) -> None: ...
 
 class RuntimeProfile(_message.Message):
     __slots__ = ("batch_costs", "ragged", "prefill_ms_per_token")

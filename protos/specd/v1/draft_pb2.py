@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xb9\x01\n\x13\x44raftPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x31\n\x0ftarget_features\x18\x04 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x15\n\rlease_seconds\x18\x05 \x01(\x02\"/\n\x14\x44raftPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\"\xb3\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x0ftarget_features\x18\x05 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x05\"\x92\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x12\x15\n\rmodel_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x32\xed\x02\n\x0c\x44raftService\x12H\n\x07Prefill\x12\x1d.specd.v1.DraftPrefillRequest\x1a\x1e.specd.v1.DraftPrefillResponse\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x44\n\tKeepAlive\x12\x1a.specd.v1.KeepAliveRequest\x1a\x1b.specd.v1.KeepAliveResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xb9\x01\n\x13\x44raftPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x31\n\x0ftarget_features\x18\x04 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x15\n\rlease_seconds\x18\x05 \x01(\x02\"/\n\x14\x44raftPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\"\xe2\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x0ftarget_features\x18\x05 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x05\x12\x1a\n\x12speculate_outcomes\x18\x07 \x01(\x05\x12\x11\n\tnext_seed\x18\x08 \x01(\x04\"\xa5\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x12\x15\n\rmodel_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x11\n\tcache_hit\x18\x06 \x01(\x08\x32\xed\x02\n\x0c\x44raftService\x12H\n\x07Prefill\x12\x1d.specd.v1.DraftPrefillRequest\x1a\x1e.specd.v1.DraftPrefillResponse\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x44\n\tKeepAlive\x12\x1a.specd.v1.KeepAliveRequest\x1a\x1b.specd.v1.KeepAliveResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTPREFILLRESPONSE']._serialized_start=245
   _globals['_DRAFTPREFILLRESPONSE']._serialized_end=292
   _globals['_PROPOSEREQUEST']._serialized_start=295
-  _globals['_PROPOSEREQUEST']._serialized_end=474
-  _globals['_PROPOSERESPONSE']._serialized_start=477
-  _globals['_PROPOSERESPONSE']._serialized_end=623
-  _globals['_DRAFTSERVICE']._serialized_start=626
-  _globals['_DRAFTSERVICE']._serialized_end=991
+  _globals['_PROPOSEREQUEST']._serialized_end=521
+  _globals['_PROPOSERESPONSE']._serialized_start=524
+  _globals['_PROPOSERESPONSE']._serialized_end=689
+  _globals['_DRAFTSERVICE']._serialized_start=692
+  _globals['_DRAFTSERVICE']._serialized_end=1057
 # @@protoc_insertion_point(module_scope)

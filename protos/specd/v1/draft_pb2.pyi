@@ -28,31 +28,37 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed", "target_features", "branches")
+    __slots__ = ("session_id", "commit", "num_draft_tokens", "seed", "target_features", "branches", "speculate_outcomes", "next_seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     num_draft_tokens: int
     seed: int
     target_features: _common_pb2.TargetFeatures
     branches: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., branches: _Optional[int] = ...) -> None: ...
+    speculate_outcomes: int
+    next_seed: int
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., target_features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., branches: _Optional[int] = ..., speculate_outcomes: _Optional[int] = ..., next_seed: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds", "parents")
+    __slots__ = ("token_ids", "draft_probs", "sequence_length", "model_seconds", "parents", "cache_hit")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
     model_seconds: float
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_hit: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., parents: _Optional[_Iterable[int]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...

@@ -85,7 +85,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "lookahead_rounds", "lookahead_hits", "draft_model_seconds", "lookup_rounds", "head_rounds", "tree_rounds")
+    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "draft_cache_lookups", "draft_cache_hits", "draft_model_seconds", "lookup_rounds", "head_rounds", "tree_rounds", "draft_wait_seconds", "draft_cache_hit_wait_seconds")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -95,12 +95,14 @@ class SpeculationStats(_message.Message):
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    LOOKAHEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    LOOKAHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     HEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CACHE_HIT_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     draft_tokens: int
     accepted_tokens: int
@@ -110,13 +112,15 @@ class SpeculationStats(_message.Message):
     round_seconds: float
     model_seconds: float
     rejected_rounds: int
-    lookahead_rounds: int
-    lookahead_hits: int
+    draft_cache_lookups: int
+    draft_cache_hits: int
     draft_model_seconds: float
     lookup_rounds: int
     head_rounds: int
     tree_rounds: int
-    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., lookahead_rounds: _Optional[int] = ..., lookahead_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ...) -> None: ...
+    draft_wait_seconds: float
+    draft_cache_hit_wait_seconds: float
+    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., draft_cache_lookups: _Optional[int] = ..., draft_cache_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., draft_wait_seconds: _Optional[float] = ..., draft_cache_hit_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats")

@@ -53,6 +53,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             f"prompt has {len(request.prompt_token_ids)} tokens; this drafter's model takes at most {limit - 1}",
         )
         warp = Warp.from_proto(request.sampling)
+        if self.speculation is not None:  # a re-opened session starts afresh: nothing prepared for the old one
+            self.speculation.drop(request.session_id)
         # id, slot and KV budget claimed before any drafting work
         with self.sessions.opening(request.session_id, len(request.prompt_token_ids), request.lease_seconds) as keep:
             session = self.drafter.open(list(request.prompt_token_ids), warp)

@@ -104,23 +104,33 @@ class SpeculationJob:
         return a, int(append[0])
 
     def run_all(self, drafter: Speculator) -> None:
-        """The worker: every outcome (one at a time, so other sessions' Proposes interleave)."""
+        """The worker: the plan, then one outcome per hold of the job's lock, so the next Propose waits
+        for one outcome at most and then takes over; the worker stops when it has."""
         with self.lock:
             if self.done or self.cancelled:
                 return
             try:
                 self._plan(drafter)
-                for outcome in self.plan.outcomes:
-                    if self.cancelled:
-                        break
-                    self._answer(drafter, outcome)
-            finally:
+            except BaseException:
                 self._finish(drafter)
+                raise
+        for outcome in self.plan.outcomes:
+            with self.lock:
+                if self.done or self.cancelled:
+                    return
+                try:
+                    self._answer(drafter, outcome)
+                except BaseException:
+                    self._finish(drafter)
+                    raise
+        with self.lock:
+            self._finish(drafter)
 
     def resolve(self, drafter: Speculator, outcome: Optional[Outcome]):
-        """The next Propose: the prepared answer for its outcome, or None (a miss). Waits while the worker
-        runs this job; if it has not started, prepares just this outcome by the same code (the same answer
-        the worker would have made), so a hit never depends on how busy the worker was."""
+        """The next Propose: the prepared answer for its outcome, or None (a miss). When the worker has not
+        reached this outcome yet, prepares it now by the same code (the answer the worker would have made;
+        outcomes are prepared most kept tokens first, so the head's cache still holds its prefix), so a hit
+        never depends on how busy the worker was. Ends the job either way."""
         with self.lock:
             try:
                 if outcome is None or self.cancelled:

@@ -87,6 +87,7 @@ class SpeculationStats:
     draft_cache_hits: int = 0  # ... answered from what it prepared while the target verified
     draft_wait_seconds: float = 0.0  # time spent waiting for Proposes
     draft_cache_hit_wait_seconds: float = 0.0  # ... of which on cache hits
+    draft_cache_lookup_wait_seconds: float = 0.0  # ... on the lookups (hits and misses)
     lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
     tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)

@@ -412,6 +412,7 @@ class DraftProposer:
         self.stats.draft_cache_lookups += asked
         self.stats.draft_cache_hits += proposal.cache_hit
         self.stats.draft_cache_hit_wait_seconds += self.last_wait_s if proposal.cache_hit else 0.0
+        self.stats.draft_cache_lookup_wait_seconds += self.last_wait_s if asked else 0.0
         if request.speculate_outcomes and proposal.token_ids:
             self._next_seed = request.next_seed
         self.link.sync.agreed = len(sequence)

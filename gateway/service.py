@@ -211,6 +211,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         draft_cache_hits=stats.draft_cache_hits,
         draft_wait_seconds=stats.draft_wait_seconds,
         draft_cache_hit_wait_seconds=stats.draft_cache_hit_wait_seconds,
+        draft_cache_lookup_wait_seconds=stats.draft_cache_lookup_wait_seconds,
         draft_model_seconds=stats.draft_model_seconds,
         lookup_rounds=stats.lookup_rounds,
         head_rounds=stats.head_rounds,

@@ -11,7 +11,8 @@ Modes (keys of the JSON report):
                 in --branches; specd itself uses the gateway's default, 4; B = 1: chains only): the
                 heads' best chain with their next candidates beside it where the heads draft, else
                 the draft service's
-  specd_nocache / specd_medusa   second gateways: no speculation cache (--no-cache-too); no draft service (--medusa)
+  <mode>_cache / <mode>_nocache   the draft service's modes with its speculation cache switched (--cache-ab)
+  specd_medusa  a second gateway with no draft service (--medusa)
   specd_heads_<NAME>  the default request on a verify serving other Medusa heads (--heads NAME=DIR),
                 behind a gateway with no draft service: heads of different runs through the services
   hf_target     transformers `generate`, the target alone, in this process
@@ -319,7 +320,7 @@ def speculation_cache(stats: list) -> dict:
     if not lookups:
         return {}
     hit_wait = sum(s.draft_cache_hit_wait_seconds for s in stats)
-    miss_wait = sum(s.draft_wait_seconds for s in stats) - hit_wait  # includes Proposes that asked nothing (the first)
+    miss_wait = sum(s.draft_cache_lookup_wait_seconds for s in stats) - hit_wait
     out = {"draft_cache_hit_rate": round(hits / lookups, 4), "draft_cache_lookups": lookups}
     if hits:
         out["draft_wait_ms_per_hit"] = round(1000 * hit_wait / hits, 2)

@@ -5,7 +5,7 @@
   specd generate --gateway HOST:PORT --prompt TEXT [--json]   one request
       [--tls-ca CA.pem [--tls-client-cert C --tls-client-key K]] [--token T]   over TLS, with a bearer token
   specd train-draft --work-dir DIR [--recipe feature-cpu|...]   train a draft (feature head) for the target
-  specd bench --prompts FILE.jsonl... [--concurrency C [--sequential-too]] [--fixed-k K...] [--branches B...] [--no-cache-too]   measure
+  specd bench --prompts FILE.jsonl... [--concurrency C [--sequential-too]] [--fixed-k K...] [--branches B...] [--cache-ab]   measure
   specd bench --prompts SHORT.jsonl --arrival [--arrival-streams K]   running streams' latency while a long prompt prefills
 
 Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serve`, --tls-ca and
@@ -112,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run verify, gateway and (unless the drafter is heads) draft on localhost")
     add_flag(up, "target", DEFAULT_TARGET, "target model")
-    add_flag(up, "drafter", "auto", f"auto ({HEADS_ONLY} on a machine without CUDA when the target has shipped Medusa heads, "
-             "else the shipped feature head for the default target, else ngram), ngram, model, feature, eagle3, "
-             f"or {HEADS_ONLY} (no draft service: the verify's Medusa heads and lookup copies draft)")
+    add_flag(up, "drafter", "auto", "auto (when the target has shipped Medusa heads: the draft service's stack or heads-only, "
+             "whichever measured faster on this machine at the first start, cached; else the shipped feature head for the "
+             f"default target, else ngram), ngram, model, feature, eagle3, or {HEADS_ONLY} (no draft service: the verify's "
+             "Medusa heads and lookup copies draft)")
+    up.add_argument("--remeasure", action="store_true", help="--drafter auto: measure both stacks again, ignoring the cached choice")
     add_flag(up, "draft-model", "", "draft model (--drafter model) or head folder (--drafter feature or eagle3)")
     add_flag(up, "host", "127.0.0.1", "address all three bind")
     add_flag(up, "gateway-port", DEFAULT_PORTS["gateway"], "gateway port")
@@ -151,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_flags(bench)
     bench.add_argument("--dtype", default="auto", help="both model services' and transformers' dtype: auto (bf16 on CUDA, fp32 "
                        "on CPU), float32, float16, bfloat16")
-    bench.add_argument("--no-cache-too", action="store_true", help="also run the draft service's stack on a second gateway that "
-                       "does not use its speculation cache (--speculated-outcomes 0): the cache's effect side by side")
+    bench.add_argument("--cache-ab", action="store_true", help="also run each mode of the draft service's gateway on a second "
+                       "gateway with its speculation cache switched the other way (<mode>_cache where the local stack runs without "
+                       "it, as on shared cores; <mode>_nocache where it runs with it): the cache's effect side by side")
     bench.add_argument("--cap", type=int, nargs="*", default=[], help="also run specd_capN for each N: the default specd on a "
                        "gateway of its own whose --max-speculative-requests is fixed at N, side by side with the measured cap")
     bench.add_argument("--medusa", action="store_true", help="also run specd_medusa: a second gateway with no draft service, "
@@ -317,12 +320,23 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
 
 def run_up(args: argparse.Namespace) -> int:
     """Start the three services (two with --drafter heads) as child processes, wait until the gateway is
-    healthy, optionally demo."""
-    chosen = resolve_drafter(args.drafter, args.draft_model, args.target)
-    if args.drafter == "auto":
-        log.info("drafter auto → %s (%s)", " ".join(filter(None, chosen)),
-                 "no CUDA device: draft and verify would share one CPU, and the target has Medusa heads"
-                 if chosen[0] == HEADS_ONLY else "a draft service")
+    healthy, optionally demo. --drafter auto with shipped Medusa heads measures both stacks at the first
+    start (specd_app/stack_choice.py) before the gateway takes its port."""
+    from specd_app import stack_choice
+
+    devices = service_devices(args.verify_device, args.draft_device)
+    calibrate, key = False, {}
+    if args.drafter == "auto" and resolve_medusa_heads("auto", args.target):
+        key = up_choice_key(args, devices)
+        record = None if args.remeasure else stack_choice.cached_choice(key)
+        calibrate = record is None
+        chosen = draft_service_default(args.target) if calibrate or record["choice"] == stack_choice.SPLIT else (HEADS_ONLY, "")
+        log.info("drafter auto → %s", "measuring the draft service's stack against heads-only first" if calibrate else
+                 f"{' '.join(filter(None, chosen))} (measured {record['measured_at']}: {record['tokens_per_s']} tok/s; --remeasure to measure again)")
+    else:
+        chosen = resolve_drafter(args.drafter, args.draft_model, args.target)
+        if args.drafter == "auto":
+            log.info("drafter auto → %s (a draft service)", " ".join(filter(None, chosen)))
     args.drafter, args.draft_model = chosen
     if args.drafter in ("model", *HEAD_DRAFTERS) and not args.draft_model:
         raise SystemExit(f"--drafter {args.drafter} needs --draft-model")
@@ -330,8 +344,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     token = share_stack_token(os.environ, args.auth_token, args.auth_token_file)  # children (and restarts) inherit it
     ports = {"gateway": args.gateway_port, "draft": args.draft_port, "verify": args.verify_port, "http": args.http_port}
-    commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens,
-                                service_devices(args.verify_device, args.draft_device))
+    commands = service_commands(args.host, ports, args.target, args.drafter, args.draft_model, args.threads, args.num_draft_tokens, devices)
     gateway_address = f"{args.host}:{args.gateway_port}"
     stop = {"requested": False, "demo": False}
 
@@ -348,7 +361,10 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(sig, request_stop)
     children: dict = {}
     try:
-        children.update(start_in_order(commands, args.host, ports, stop, spawn=spawn_in_own_session))
+        if calibrate:
+            commands = measure_and_choose(args, ports, commands, children, stop, key, token)
+        else:
+            children.update(start_in_order(commands, args.host, ports, stop, spawn=spawn_in_own_session))
         if not wait_until_serving(gateway_address, children, stop):
             return 0 if stop["requested"] else 1
         draft = "no draft service" if args.drafter == HEADS_ONLY else f"draft {args.host}:{args.draft_port}"
@@ -374,6 +390,71 @@ def run_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stop_children(children, timeout_s=30)
+
+
+def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
+    """What `specd up --drafter auto`'s measured choice depends on: the machine and its software, the
+    target, the draft service's and the verify's default heads, the services' devices and threads."""
+    from specd_common import runtime_cache
+
+    drafter, head = draft_service_default(args.target)
+    device = devices.get("verify", "cpu")
+    return {"machine": runtime_cache.machine_key("cuda" if device == "auto" and cuda_visible() else str(device).replace("auto", "cpu")),
+            "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
+            "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
+
+
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def measure_and_choose(args: argparse.Namespace, ports: dict, commands: dict, children: dict, stop: dict, key: dict,
+                       token: str) -> dict:
+    """Start verify and draft, put a gateway of each stack in front of them on free ports, measure both
+    (stack_choice.measure_stacks), cache the choice, stop both gateways and the draft service if it lost;
+    then start the chosen gateway on its own port, so clients reach it only once the choice is made.
+    Returns the commands of what runs (the supervisor restarts from them)."""
+    import functools
+    import socket
+
+    from specd_app import stack_choice
+
+    models = {name: command for name, command in commands.items() if name != "gateway"}
+    children.update(start_in_order(models, args.host, ports, stop, spawn=spawn_in_own_session))
+    if stop["requested"] or len(children) < len(models):
+        return commands
+    spare = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind((args.host, 0))
+            spare.append(sock.getsockname()[1])
+    addresses = {stack_choice.SPLIT: f"{args.host}:{spare[0]}", stack_choice.HEADS: f"{args.host}:{spare[1]}"}
+    devices = service_devices(args.verify_device, args.draft_device)
+    trial = {"split": gateway_command(args.host, {**ports, "gateway": spare[0], "http": 0}, args.num_draft_tokens,
+                                      *split_gateway_flags(devices), "--metrics-port", "-1"),
+             "heads": gateway_command(args.host, {**ports, "gateway": spare[1], "http": 0}, args.num_draft_tokens,
+                                      "--draft-address", "", "--metrics-port", "-1")}
+    trials = {f"gateway-trial-{name}": spawn_in_own_session(command) for name, command in trial.items()}
+    children.update(trials)
+    try:
+        rates = {}
+        if all(wait_until_serving(address, children, stop) for address in addresses.values()):
+            rates = stack_choice.measure_stacks(addresses, functools.partial(stack_choice.grpc_generate, token=token))
+    finally:
+        stop_children({name: children.pop(name) for name in trials})
+    if not rates:  # stopped, or a trial gateway did not start: serve the split stack, measure at the next start
+        children["gateway"] = spawn_in_own_session(commands["gateway"])
+        return commands
+    record = stack_choice.save_choice(key, rates)
+    log.info("drafter auto: %s tok/s → %s (cached in %s)", record["tokens_per_s"], record["choice"], stack_choice.choice_path(key))
+    if record["choice"] == stack_choice.HEADS:
+        stop_children({"draft": children.pop("draft")})
+        commands = service_commands(args.host, ports, args.target, HEADS_ONLY, "", args.threads, args.num_draft_tokens, devices)
+        args.drafter, args.draft_model = HEADS_ONLY, ""
+    children["gateway"] = spawn_in_own_session(commands["gateway"])
+    return commands
 
 
 def run_demo(args: argparse.Namespace, stop: dict) -> None:
@@ -426,7 +507,7 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 def service_devices(verify: str = "auto", draft: str = "auto", count: Optional[int] = None) -> dict:
     """Each model service's device: the named one, or for 'auto' spread over the `count` CUDA devices
     visible (default: counted now). Why spread: the draft and the verify on one GPU take turns on it,
-    and the draft's work between verify passes (overlap) needs a device of its own."""
+    and the draft's work while the target verifies (its speculation cache) needs a device of its own."""
     if count is None:
         from specd_common.models import visible_cuda_devices
 
@@ -455,9 +536,24 @@ def service_commands(
         return commands
     commands["draft"] = serve + ["draft", *common, *device.get("draft", []), "--max-threads", str(caps["draft"]), "--port", str(ports["draft"]),
                                  "--drafter", drafter, "--model", draft_model, "--target", target]
-    commands["gateway"] = gateway_command(host, ports, num_draft_tokens)
+    commands["gateway"] = gateway_command(host, ports, num_draft_tokens, *split_gateway_flags(devices))
     return commands
 
+
+def split_gateway_flags(devices: Optional[dict]) -> tuple[str, ...]:
+    """The gateway flags of a one-machine split stack: the draft's speculation cache only where the draft
+    has a device of its own. On shared cores its work during a Verify slows that Verify more than it
+    saves: on a 2-core EPYC VM the verify's 4-position pass takes 40 ms on 2 threads and 59 ms on 1,
+    and with the cache drafting beside it a fixed k = 3 round took 111 ms against 70 without
+    (docs/benchmarks/split/greedy_2.json; sampled, 143 ms against 79: sampled_a.json)."""
+    return () if draft_has_own_device(devices) else ("--speculated-outcomes", "0")
+
+
+def draft_has_own_device(devices: Optional[dict]) -> bool:
+    """Draft and verify on different devices: two GPUs, or one GPU and the CPU (not the CPU twice: the same cores)."""
+    devices = devices or {}
+    draft, verify = str(devices.get("draft", "cpu")), str(devices.get("verify", "cpu"))
+    return draft != verify and "cuda" in (draft[:4], verify[:4])
 
 def start_in_order(commands: dict, host: str, ports: dict, stop: Optional[dict] = None,
                    spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen) -> dict:
@@ -537,8 +633,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from specd_app import bench
     from specd_common.params import Warp
 
-    if (args.no_cache_too or args.medusa or args.cap) and args.gateway:
-        raise SystemExit("--no-cache-too, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
+    if (args.cache_ab or args.medusa or args.cap) and args.gateway:
+        raise SystemExit("--cache-ab, --medusa and --cap start more gateways next to the local stack they start; with --gateway "
                          "there is none to start: run that gateway (--speculated-outcomes 0, --draft-address '' or "
                          "--max-speculative-requests N) and bench it alone")
     if any(cap < 0 for cap in args.cap):
@@ -555,8 +651,10 @@ def run_bench(args: argparse.Namespace) -> int:
         args.drafter, args.draft_model = draft_service_default(args.target)
         args.medusa = True
     rows = [row for path in args.prompts for row in bench.load_prompts(path, args.limit)]
+    devices = service_devices(args.verify_device, args.draft_device)  # transformers runs where the verify does
+    cache_ab = ("nocache" if draft_has_own_device(devices) else "cache") if args.cache_ab else ""
     service_modes, mode_gateway = bench_service_modes(
-        args.num_draft_tokens, args.fixed_k, args.branches, args.no_cache_too, args.medusa,
+        args.num_draft_tokens, args.fixed_k, args.branches, cache_ab, args.medusa,
         args.drafter if heads_default else "", args.cap, list(heads),
     )
     service_modes = [(mode, {**fields, **sampling.request_fields()}) for mode, fields in service_modes]
@@ -573,12 +671,11 @@ def run_bench(args: argparse.Namespace) -> int:
     levels = [1, args.concurrency] if args.sequential_too else [args.concurrency]  # streams at a time, each service mode
     per_mode = args.arrival_streams + 1 if args.arrival else len(rows) * len(levels)
     progress = bench.Progress(len(service_modes) * repeats * per_mode + len(rows) * len(hf_modes))
-    devices = service_devices(args.verify_device, args.draft_device)  # transformers runs where the verify does
     children: dict = {}
     address, extra_gateways, runtime = args.gateway, {}, {}
     if not address:
         address, extra_gateways, children, addresses = start_local_stack(
-            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, args.no_cache_too, args.medusa,
+            args.target, args.num_draft_tokens, args.drafter, args.draft_model, args.threads, cache_ab, args.medusa,
             caps=args.cap, caps_without_draft=heads_default, heads=heads, devices=devices, dtype=args.dtype,
         )
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
@@ -645,7 +742,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
         "drafter": args.drafter, "draft_model": args.draft_model,
-        "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "no_cache_too": args.no_cache_too, "medusa": args.medusa, "heads": heads,
+        "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "cache_ab": cache_ab, "medusa": args.medusa, "heads": heads,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "sequential_too": args.sequential_too,
     }
     if args.arrival:
@@ -664,12 +761,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def bench_service_modes(
-    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], no_cache: bool, medusa: bool, heads_beside: str,
+    num_draft_tokens: int, fixed_k: Sequence[int], branches: Sequence[int], cache_ab: str, medusa: bool, heads_beside: str,
     caps: Sequence[int] = (), heads: Sequence[str] = (),
 ) -> tuple[list, dict]:
     """`specd bench`'s modes through the services, in order: [(mode, GenerateRequest fields)], and
-    mode → the second gateway serving it ("nocache", "medusa", "capN"; the others use the main one).
-    no_cache: the draft service's stack again on a gateway that does not ask for its speculation cache.
+    mode → the second gateway serving it ("cache"/"nocache", "medusa", "capN"; the others use the main one).
+    cache_ab: "cache" or "nocache" to run each mode of the draft service's gateway again (<mode>_<cache_ab>)
+    on a gateway with the speculation cache on or off; "" for none.
     heads_beside: the draft service's drafter when specd's own drafter is the verify's heads (then
     specd and its trees run on the "medusa" gateway and specd_<drafter> on the main one), else ''. caps: specd
     again on a gateway whose speculation cap is fixed at each N (specd_capN). heads: names of heads
@@ -685,10 +783,10 @@ def bench_service_modes(
         modes.append((f"specd_tree{b}", {**default, "draft_branches": b}))
         if heads_beside:
             gateway[f"specd_tree{b}"] = "medusa"
-    if no_cache:
-        name = f"specd_{heads_beside}_nocache" if heads_beside else "specd_nocache"
-        modes.append((name, default))
-        gateway[name] = "nocache"
+    if cache_ab:  # each mode of the draft service's gateway again, its speculation cache switched
+        for mode, fields in [(m, f) for m, f in modes if m != "target_only" and m not in gateway]:
+            modes.append((f"{mode}_{cache_ab}", fields))
+            gateway[f"{mode}_{cache_ab}"] = cache_ab
     if medusa and not heads_beside:  # with heads_beside, specd is that mode
         modes.append(("specd_medusa", default))
         gateway["specd_medusa"] = "medusa"
@@ -748,19 +846,20 @@ def stop_children(children: dict, timeout_s: float = 60.0) -> None:
 
 
 def start_local_stack(
-    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, no_cache: bool = False, medusa: bool = False,
+    target: str, num_draft_tokens: int, drafter: str, draft_model: str, threads: int, cache_ab: str = "", medusa: bool = False,
     caps: Sequence[int] = (), caps_without_draft: bool = False, heads: Optional[dict] = None, devices: Optional[dict] = None,
     dtype: str = "auto",
 ) -> tuple[str, dict, dict, dict]:
     """The three services as child processes on free ports, plus more gateways sharing the draft and
-    verify when asked: "nocache" (--speculated-outcomes 0), "medusa" (no draft service: the verify's Medusa heads
+    verify when asked: cache_ab ("cache" or "nocache": --speculated-outcomes on or 0), "medusa" (no draft service: the verify's Medusa heads
     and lookup copies draft) and "capN" for each of `caps` (speculation cap fixed at N; with no draft
     service when caps_without_draft, as the gateway specd runs on then); and for each name → folder of
     `heads`, a verify serving those heads with a gateway "heads-NAME" (no draft service) in front.
     Returns the gateway address, name → extra gateway address, the children and service name → address."""
     import socket
 
-    flags = {"nocache": ("--speculated-outcomes", "0")} if no_cache else {}
+    outcomes = {"cache": str(GatewayOptions().speculated_outcomes), "nocache": "0"}
+    flags = {cache_ab: ("--speculated-outcomes", outcomes[cache_ab])} if cache_ab else {}
     if medusa:
         flags["medusa"] = ("--draft-address", "")
     for cap in caps:

@@ -162,12 +162,15 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
 
 
 def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_drafts_accepted(specd_up, up_ports, default_target):
-    """`specd up`'s drafter: without CUDA (draft and verify on one CPU) no draft service runs and the
-    verify serves its Medusa heads; with CUDA the draft service runs the shipped feature head. Then,
-    with prompt lookup switched off (so every draft is the head's own), the feature head's greedy
-    drafts are accepted and the answer is the target's."""
+    """`specd up`'s drafter: the verify serves its Medusa heads, and the draft service runs the shipped
+    feature head exactly when the split stack measured at least as fast as heads-only at the first start
+    (the cached choice, with both stacks' measured tokens per second). Then, with prompt lookup switched
+    off (so every draft is the head's own), the feature head's greedy drafts are accepted and the answer
+    is the target's."""
     from draft_service.app import load_feature_drafter, start_draft_server
     from gateway.app import start_gateway_server
+    from specd_app import stack_choice
+    from specd_app.cli import build_parser, service_devices, up_choice_key
     from gateway.options import GatewayOptions
     from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verify_pb2_grpc
     from specd_common.config import DEFAULT_FEATURE_HEAD, ServerConfig
@@ -177,8 +180,12 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
     with grpc.insecure_channel(f"127.0.0.1:{up_ports['verify']}") as channel:
         verify_info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
     assert verify_info.medusa_heads == 3  # the shipped heads, loaded whatever the drafter
-    if not torch.cuda.is_available():
-        assert not serving(f"127.0.0.1:{up_ports['draft']}"), "a draft service runs beside the verify on one CPU"
+    args = build_parser().parse_args(["up"])
+    record = stack_choice.cached_choice(up_choice_key(args, service_devices(args.verify_device, args.draft_device)))
+    assert record is not None and sorted(record["tokens_per_s"]) == ["heads", "split"]
+    assert all(rate > 0 for rate in record["tokens_per_s"].values())
+    if record["choice"] == stack_choice.HEADS:
+        assert not serving(f"127.0.0.1:{up_ports['draft']}"), "the draft service runs though heads-only measured faster"
     else:
         with grpc.insecure_channel(f"127.0.0.1:{up_ports['draft']}") as channel:
             info = draft_pb2_grpc.DraftServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)

@@ -39,10 +39,12 @@ def models(tiny):
     return tiny
 
 
-def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tmp_path):
+@pytest.mark.parametrize("drafter", ["model", "feature"])  # the feature head's draft prepares rounds in its speculation cache
+def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tmp_path, drafter):
     verify_port, draft_port, gateway_port = free_ports(3)
+    head = str(models.draft_same if drafter == "model" else models.feature_head)
     with serve("verify", verify_port, tmp_path, "--model", str(models.target), "--threads", "1"), serve(
-        "draft", draft_port, tmp_path, "--drafter", "model", "--model", str(models.draft_same), "--threads", "1"
+        "draft", draft_port, tmp_path, "--drafter", drafter, "--model", head, "--threads", "1"
     ) as draft:
         wait_serving(verify_port, draft_port)
         # no lookup rounds: every round after the kill must be target-only for the count below
@@ -59,8 +61,8 @@ def test_killing_the_draft_mid_stream_falls_back_to_exact_target_only(models, tm
             assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert received == target_only(address)  # exact, despite losing the draft
             assert stats.draft_tokens > 0, "speculation never ran before the kill"
-            # with an identical draft every speculative round emits 4 tokens; target-only rounds emit 1
-            assert stats.target_passes > MAX_NEW // 4 + 10, "no round ran without the draft: the kill came too late"
+            if drafter == "model":  # with an identical draft every speculative round emits 4 tokens; target-only rounds 1
+                assert stats.target_passes > MAX_NEW // 4 + 10, "no round ran without the draft: the kill came too late"
 
 
 @pytest.mark.parametrize("drafter", ["model", "feature"])  # a feature drafter also needs the new replica's features
@@ -114,10 +116,11 @@ def test_losing_the_only_verify_gives_unavailable_with_the_partial_output(models
 
 
 class TroubledPropose(grpc.ServerInterceptor):
-    """The draft's first `times` Propose calls fail with `code`, or first sleep `delay_s`; later ones behave."""
+    """After the draft's first `after` Propose calls, the next `times` fail with `code` or first sleep
+    `delay_s`; the others behave."""
 
-    def __init__(self, times: int, code: grpc.StatusCode | None = None, delay_s: float = 0.0):
-        self.left, self.code, self.delay_s = times, code, delay_s
+    def __init__(self, times: int, code: grpc.StatusCode | None = None, delay_s: float = 0.0, after: int = 0):
+        self.left, self.code, self.delay_s, self.after = times, code, delay_s, after
         self.troubled = 0
 
     def intercept_service(self, continuation, handler_call_details):
@@ -126,7 +129,9 @@ class TroubledPropose(grpc.ServerInterceptor):
             return handler
 
         def propose(request, context):
-            if self.left > 0:
+            if self.after > 0:
+                self.after -= 1
+            elif self.left > 0:
                 self.left -= 1
                 self.troubled += 1
                 if self.code is not None:
@@ -135,6 +140,28 @@ class TroubledPropose(grpc.ServerInterceptor):
             return handler.unary_unary(request, context)
 
         return handler._replace(unary_unary=propose)
+
+
+def test_a_frozen_draft_with_its_cache_mid_stream_costs_speed_only(tiny, monkeypatch):
+    """The feature head's draft answers from its speculation cache, then freezes (every Propose stalls past
+    --draft-timeout): the answer is still exactly target-only's."""
+    import dataclasses
+
+    import gateway.engine
+    from gateway.policy import POLICY
+    from tests.conftest import start_cluster
+
+    frozen = TroubledPropose(1000, delay_s=1.0, after=4)
+    monkeypatch.setattr(gateway.engine, "POLICY", dataclasses.replace(POLICY, draft_backoff_s=0.05))
+    cluster = start_cluster(tiny.target, "feature", tiny.feature_head, model_interceptors=(frozen,), draft_timeout_s=0.3)
+    try:
+        request = dict(text="hello world", max_new_tokens=60, draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)
+        expected = cluster.stub().Generate(generate_pb2.GenerateRequest(**request, disable_speculation=True), timeout=60)
+        reply = cluster.stub().Generate(generate_pb2.GenerateRequest(**request), timeout=60)
+    finally:
+        cluster.stop()
+    assert frozen.troubled > 0 and reply.stats.draft_cache_lookups > 0
+    assert list(reply.token_ids) == list(expected.token_ids)
 
 
 @pytest.mark.parametrize(

@@ -770,25 +770,25 @@ def test_bench_runs_specd_on_the_heads_gateway_when_they_are_the_default():
     on its gateway); otherwise specd is the main gateway's and --medusa adds specd_medusa."""
     from specd_app.cli import bench_service_modes
 
-    modes, gateways = bench_service_modes(3, [3], [2], no_cache=False, medusa=True, heads_beside="feature")
+    modes, gateways = bench_service_modes(3, [3], [2], cache_ab="", medusa=True, heads_beside="feature")
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_k3", "specd_tree2"]
     assert gateways == {"specd": "medusa", "specd_tree2": "medusa"}
     assert dict(modes)["specd_k3"] == {"num_draft_tokens": 3, "draft_length_policy": 1}
     assert dict(modes)["specd_tree2"] == {"num_draft_tokens": 3, "draft_branches": 2}
-    modes, gateways = bench_service_modes(3, [], [], no_cache=True, medusa=True, heads_beside="")
+    modes, gateways = bench_service_modes(3, [], [], cache_ab="nocache", medusa=True, heads_beside="")
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_nocache", "specd_medusa"]
     assert gateways == {"specd_nocache": "nocache", "specd_medusa": "medusa"}
-    modes, gateways = bench_service_modes(3, [], [], no_cache=True, medusa=True, heads_beside="feature")
-    assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_feature_nocache"]
-    assert gateways == {"specd": "medusa", "specd_feature_nocache": "nocache"}
-    assert dict(modes)["specd_feature_nocache"] == dict(modes)["specd_feature"]
+    modes, gateways = bench_service_modes(3, [3], [], cache_ab="nocache", medusa=True, heads_beside="feature")
+    assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_k3", "specd_feature_nocache", "specd_k3_nocache"]
+    assert gateways == {"specd": "medusa", "specd_feature_nocache": "nocache", "specd_k3_nocache": "nocache"}
+    assert dict(modes)["specd_k3_nocache"] == dict(modes)["specd_k3"]
     # fixed speculation caps beside the measured one: the default request on gateways of their own
-    modes, gateways = bench_service_modes(3, [], [], no_cache=False, medusa=True, heads_beside="feature", caps=[0, 4])
+    modes, gateways = bench_service_modes(3, [], [], cache_ab="", medusa=True, heads_beside="feature", caps=[0, 4])
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_cap0", "specd_cap4"]
     assert gateways == {"specd": "medusa", "specd_cap0": "cap0", "specd_cap4": "cap4"}
     assert dict(modes)["specd_cap4"] == dict(modes)["specd"]
     # heads from other runs, each on a verify and gateway of its own, with the default request
-    modes, gateways = bench_service_modes(3, [], [], no_cache=False, medusa=True, heads_beside="feature", heads=["old", "new"])
+    modes, gateways = bench_service_modes(3, [], [], cache_ab="", medusa=True, heads_beside="feature", heads=["old", "new"])
     assert [m for m, _ in modes] == ["target_only", "specd", "specd_feature", "specd_heads_old", "specd_heads_new"]
     assert gateways == {"specd": "medusa", "specd_heads_old": "heads-old", "specd_heads_new": "heads-new"}
     assert dict(modes)["specd_heads_new"] == dict(modes)["specd"]

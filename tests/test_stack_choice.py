@@ -1,0 +1,50 @@
+"""`specd up --drafter auto`'s measured choice between the split stack and heads-only (specd_app/stack_choice.py)."""
+
+from __future__ import annotations
+
+from specd_app import stack_choice
+
+
+def test_both_stacks_are_measured_interleaved_and_the_faster_is_chosen():
+    calls = []
+    speed = {"a:1": 20.0, "b:2": 25.0}  # tokens a second of each gateway
+
+    def generate(address: str, prompt: str, tokens: int) -> int:
+        calls.append((address, prompt))
+        import time
+
+        time.sleep(tokens / speed[address] / 100)  # scaled down: 0.01 × the real time
+        return tokens
+
+    rates = stack_choice.measure_stacks({"split": "a:1", "heads": "b:2"}, generate, prompts=("p", "q"), tokens=4, passes=2)
+    assert calls == [("a:1", "p"), ("b:2", "p"), ("a:1", "q"), ("b:2", "q"),  # A B
+                     ("b:2", "p"), ("a:1", "p"), ("b:2", "q"), ("a:1", "q")]  # then B A
+    assert rates["heads"] > rates["split"] > 0
+    assert stack_choice.choose(rates) == "heads"
+    assert stack_choice.choose({"split": 25.0, "heads": 25.0}) == "split"  # a tie keeps the draft service
+
+
+def test_the_choice_is_cached_for_exactly_its_key(tmp_path):
+    key = {"machine": {"cpu": "x", "cores": 2}, "target": "t"}
+    assert stack_choice.cached_choice(key, str(tmp_path)) is None
+    record = stack_choice.save_choice(key, {"split": 19.0, "heads": 21.5}, str(tmp_path))
+    assert record["choice"] == "heads"
+    assert stack_choice.cached_choice(key, str(tmp_path))["tokens_per_s"] == {"split": 19.0, "heads": 21.5}
+    assert stack_choice.cached_choice({**key, "target": "other"}, str(tmp_path)) is None
+    stack_choice.choice_path(key, str(tmp_path)).write_text("{not json")
+    assert stack_choice.cached_choice(key, str(tmp_path)) is None
+
+
+def test_the_split_gateway_asks_for_the_cache_only_where_the_draft_has_a_device_of_its_own():
+    from specd_app.cli import draft_has_own_device, service_commands, split_gateway_flags
+
+    assert draft_has_own_device({"verify": "cuda:0", "draft": "cuda:1"})
+    assert not draft_has_own_device({"verify": "cuda:0", "draft": "cuda:0"})  # one GPU: they take turns on it
+    assert draft_has_own_device({"verify": "cuda:0", "draft": "cpu"})
+    assert not draft_has_own_device({"verify": "cpu", "draft": "cpu"}) and not draft_has_own_device(None)
+    assert split_gateway_flags({"verify": "cpu", "draft": "cpu"}) == ("--speculated-outcomes", "0")
+    ports = {"gateway": 1, "draft": 2, "verify": 3}
+    two_gpus = service_commands("127.0.0.1", ports, "t", "feature", "h", 0, 3, {"verify": "cuda:0", "draft": "cuda:1"})
+    one_cpu = service_commands("127.0.0.1", ports, "t", "feature", "h", 0, 3, {"verify": "cpu", "draft": "cpu"})
+    assert "--speculated-outcomes" not in two_gpus["gateway"]
+    assert one_cpu["gateway"][-2:] == ["--speculated-outcomes", "0"]

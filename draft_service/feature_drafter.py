@@ -29,14 +29,14 @@ from draft_service.drafters import DraftSession, Proposal
 from draft_service.feature_head import FeatureHead, HeadCache
 from draft_service.speculation import Outcome, likeliest_outcomes
 from specd.v1 import common_pb2
-from specd_common.distributions import decode_distribution, sample_from
+from specd_common.distributions import decode_distribution, encode_over, sample_from, sample_sparse
 from specd_common.errors import FailedPrecondition, InvalidArgument
 from specd_common.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
 from specd_common import tree
-from specd_common.warping import encode_rows, warp_probs
+from specd_common.warping import warp_probs
 
 
 @dataclass
@@ -86,6 +86,7 @@ class FeatureDrafter:
         self._info.wants_target_features = True
         self._info.target_feature_layers[:] = head.config.feature_layers
         self._lock = threading.Lock()  # one head computation at a time (the device is the bottleneck)
+        self._vocab_ids_np = head.vocab_ids.cpu().numpy()  # [V'] the head's token ids, for its sparse q
 
     @property
     def device(self) -> torch.device:
@@ -248,12 +249,13 @@ class FeatureDrafter:
 
     def _choose(self, scores: torch.Tensor, warp: Warp, rng: np.random.Generator, proposal: Proposal) -> int:
         """scores [V'] over the head's vocabulary → a token id; when sampling, records the q it came from
-        (zero outside the head's vocabulary, which the rejection rule handles exactly)."""
+        (zero outside the head's vocabulary, which the rejection rule handles exactly). Warping the V'
+        scores alone gives the full-vocabulary warp's values (the rest would be -inf: no mass, never in
+        top-k or top-p), and the draw reads the very float32 values sent (sample_sparse)."""
         vocab_ids = self.head.vocab_ids
         if warp.greedy:
             return int(vocab_ids[int(torch.argmax(scores))])
-        full = torch.full((self._info.vocab_size,), float("-inf"), device=scores.device)  # [V]
-        full[vocab_ids] = scores.float()
-        q = encode_rows(warp_probs(full[None], warp))[0]
+        probs = warp_probs(scores[None], warp)[0].cpu().numpy()  # [V']
+        q = encode_over(self._vocab_ids_np, probs, self._info.vocab_size)
         proposal.draft_probs.append(q)
-        return sample_from(decode_distribution(q), rng)
+        return sample_sparse(q, rng)

@@ -289,7 +289,7 @@ class DraftProposer:
         self.backends, self.sessions, self.stats, self.policy = backends, sessions, stats, policy
         self.enabled = speculate and backends.draft.configured and backends.draft_info is not None
         self.features = FeatureLog() if self.enabled and backends.draft_info.wants_target_features else None
-        self.outcomes = outcomes if self.enabled and backends.draft_info.speculation_cache else 0
+        self.outcomes = outcomes if self.enabled and getattr(backends.draft_info, "speculation_cache", False) else 0
         self.branches = branches
         self.adaptive, self.num_draft_tokens = adaptive, num_draft_tokens
         self.timeout_s, self._rpc_timeout = timeout_s, rpc_timeout

@@ -5,7 +5,7 @@ its drafts beat the verify's Medusa heads; the heads-only stack (no draft servic
 and verify would share cores the verify needs. Which holds depends on the machine and the heads, so
 `specd up` measures it on the first start. Both gateways run in front of one verify and one draft,
 the calibration prompts go through them in turn (A B, then B A), and the faster stack in greedy
-tokens per second is kept. The choice is cached per machine, target and heads, like the services'
+tokens per second is kept (a tie keeps heads-only). The choice is cached per machine, target and heads, like the services'
 start-up timings (specd_common/runtime_cache.py); `specd up --remeasure` measures again.
 """
 
@@ -51,9 +51,9 @@ def measure_stacks(addresses: dict[str, str], generate: Generate, prompts: Seque
 
 
 def choose(rates: dict[str, float]) -> str:
-    """The split stack when it is at least as fast as heads-only (it is the architecture's default:
-    a tie keeps the draft service), else heads-only."""
-    return SPLIT if rates.get(SPLIT, 0.0) >= rates.get(HEADS, 0.0) else HEADS
+    """The split stack only when it measured faster: a draft service must pay for its process, its
+    memory and its round trips (a tie, which on a 2-core CPU it is, keeps heads-only)."""
+    return SPLIT if rates.get(SPLIT, 0.0) > rates.get(HEADS, 0.0) else HEADS
 
 
 def choice_path(key: dict, folder: Optional[str] = None) -> Path:

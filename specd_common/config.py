@@ -44,7 +44,9 @@ HEADS_ONLY = "heads"  # `specd up --drafter heads`: no draft service; the verify
 def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Optional[bool] = None) -> tuple[str, str]:
     """'auto' → HEADS_ONLY where the draft and the verify would share one CPU (no CUDA device; pass
     one_cpu to decide for another machine) and the target has shipped Medusa heads, else the draft
-    service's own default (draft_service_default). Any other choice is returned as given.
+    service's own default (draft_service_default). Any other choice is returned as given. This is
+    `specd bench`'s rule (which runs both stacks anyway) and `specd up`'s for targets without
+    Medusa heads; with them, `specd up` measures both stacks (specd_app/stack_choice.py).
 
     Why heads on one CPU: a draft service there runs on the cores the target needs, and every round
     pays its gRPC hop, its own step and the verify's feature shipping; the heads cost ~3 ms inside

@@ -88,6 +88,21 @@ def normalize(weights: np.ndarray) -> np.ndarray:
     return weights / total
 
 
+def encode_over(ids: np.ndarray, probs: np.ndarray, vocab_size: int) -> common_pb2.Distribution:
+    """A distribution that is zero outside `ids` [n] (a head's reduced vocabulary), from its values there
+    `probs` [n]: sparse float32 over the nonzero ones, never the dense [vocab_size] row."""
+    support = np.flatnonzero(probs)  # [S]
+    return common_pb2.Distribution(token_ids=ids[support].tolist(), probs=probs[support].astype("<f4").tobytes(),
+                                   encoding=common_pb2.PROB_ENCODING_FLOAT32, vocab_size=vocab_size)
+
+
+def sample_sparse(message: common_pb2.Distribution, rng: np.random.Generator) -> int:
+    """One draw from a sparse float32 distribution (encode_over) as decode_distribution reads it,
+    without building the dense row: the same values, the same normalization, the same one uniform."""
+    values = np.frombuffer(message.probs, dtype="<f4").astype(np.float64)  # [S]
+    return int(message.token_ids[sample_from(normalize(values), rng)])
+
+
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from a normalized distribution [V] by inverse CDF (one uniform per draw)."""
     cdf = np.cumsum(probs)

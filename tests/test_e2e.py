@@ -163,7 +163,7 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
 
 def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_drafts_accepted(specd_up, up_ports, default_target):
     """`specd up`'s drafter: the verify serves its Medusa heads, and the draft service runs the shipped
-    feature head exactly when the split stack measured at least as fast as heads-only at the first start
+    feature head exactly when the split stack measured faster than heads-only at the first start
     (the cached choice, with both stacks' measured tokens per second). Then, with prompt lookup switched
     off (so every draft is the head's own), the feature head's greedy drafts are accepted and the answer
     is the target's."""

@@ -25,8 +25,10 @@ REPEATING = "one two three four one two three four one two three four one two th
 
 @pytest.fixture(scope="module")
 def lookup_cluster(tiny):
-    """The feature drafter (needs features kept in sync across lookup rounds) and copies up to 8 long."""
-    running = start_cluster(tiny.target, "feature", tiny.feature_head, lookup_tokens=8)
+    """The feature drafter (needs features kept in sync across lookup rounds) and copies up to 8 long.
+    No speculation cache: its hits answer a Propose in about a round trip, and with drafts that cheap
+    the tiny models' requests would choose the draft's rounds over the copies."""
+    running = start_cluster(tiny.target, "feature", tiny.feature_head, lookup_tokens=8, speculated_outcomes=0)
     yield running
     running.stop()
 

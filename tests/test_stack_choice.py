@@ -21,7 +21,8 @@ def test_both_stacks_are_measured_interleaved_and_the_faster_is_chosen():
                      ("b:2", "p"), ("a:1", "p"), ("b:2", "q"), ("a:1", "q")]  # then B A
     assert rates["heads"] > rates["split"] > 0
     assert stack_choice.choose(rates) == "heads"
-    assert stack_choice.choose({"split": 25.0, "heads": 25.0}) == "split"  # a tie keeps the draft service
+    assert stack_choice.choose({"split": 25.0, "heads": 25.0}) == "heads"  # a tie: no draft service to pay for
+    assert stack_choice.choose({"split": 25.5, "heads": 25.0}) == "split"
 
 
 def test_the_choice_is_cached_for_exactly_its_key(tmp_path):

@@ -91,12 +91,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             else:
                 proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
             model_seconds = time.perf_counter() - started
-            if job is not None:
-                self.cache_hits += hit
-                self.cache_misses += not hit
-            if request.speculate_outcomes and self.speculation is not None and branches == 1 and proposal.token_ids:
-                self.speculation.schedule(request.session_id, SpeculationJob(
-                    session, length, tuple(proposal.token_ids), k, request.speculate_outcomes, request.next_seed))
+            self._prepare_next(request, session, length, proposal, job, hit)
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             draft_probs=proposal.draft_probs,
@@ -105,6 +100,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model_seconds=model_seconds,
             cache_hit=hit,
         )
+
+    def _prepare_next(self, request: draft_pb2.ProposeRequest, session: DraftSession, length: int, proposal: Proposal,
+                      job, hit: bool) -> None:
+        """Count the cache's answer to this Propose, and queue the preparation of the next round's
+        drafts when the request asks for it (a chain that drafted something)."""
+        if job is not None:
+            self.cache_hits += hit
+            self.cache_misses += not hit
+        if request.speculate_outcomes and self.speculation is not None and not proposal.parents and proposal.token_ids:
+            self.speculation.schedule(request.session_id, SpeculationJob(
+                session, length, tuple(proposal.token_ids), request.num_draft_tokens, request.speculate_outcomes,
+                request.next_seed))
 
     @grpc_errors
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):

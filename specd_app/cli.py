@@ -441,11 +441,13 @@ def measure_and_choose(args: argparse.Namespace, ports: dict, commands: dict, ch
     try:
         rates = {}
         if all(wait_until_serving(address, children, stop) for address in addresses.values()):
-            rates = stack_choice.measure_stacks(addresses, functools.partial(stack_choice.grpc_generate, token=token))
+            rates = stack_choice.measure_stacks(addresses, functools.partial(stack_choice.grpc_generate, token=token),
+                                                stopped=lambda: stop["requested"])
     finally:
         stop_children({name: children.pop(name) for name in trials})
     if not rates:  # stopped, or a trial gateway did not start: serve the split stack, measure at the next start
-        children["gateway"] = spawn_in_own_session(commands["gateway"])
+        if not stop["requested"]:
+            children["gateway"] = spawn_in_own_session(commands["gateway"])
         return commands
     record = stack_choice.save_choice(key, rates)
     log.info("drafter auto: %s tok/s → %s (cached in %s)", record["tokens_per_s"], record["choice"], stack_choice.choice_path(key))

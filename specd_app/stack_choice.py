@@ -36,14 +36,18 @@ Generate = Callable[[str, str, int], int]  # (gateway address, prompt, max new t
 
 
 def measure_stacks(addresses: dict[str, str], generate: Generate, prompts: Sequence[str] = CALIBRATION_PROMPTS,
-                   tokens: int = CALIBRATION_TOKENS, passes: int = CALIBRATION_PASSES) -> dict[str, float]:
+                   tokens: int = CALIBRATION_TOKENS, passes: int = CALIBRATION_PASSES,
+                   stopped: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """Greedy tokens per second of each stack (name → gateway address), its prompts interleaved with
-    the others' in alternating order."""
+    the others' in alternating order; {} when `stopped()` turns true between requests (Ctrl-C while
+    measuring ends the start-up within one request, and nothing is cached)."""
     seconds, generated = {name: 0.0 for name in addresses}, {name: 0 for name in addresses}
     names = list(addresses)
     for number in range(passes):
         for prompt in prompts:
             for name in names if number % 2 == 0 else names[::-1]:
+                if stopped():
+                    return {}
                 started = time.perf_counter()
                 generated[name] += generate(addresses[name], prompt, tokens)
                 seconds[name] += time.perf_counter() - started

@@ -23,6 +23,10 @@ def test_both_stacks_are_measured_interleaved_and_the_faster_is_chosen():
     assert stack_choice.choose(rates) == "heads"
     assert stack_choice.choose({"split": 25.0, "heads": 25.0}) == "heads"  # a tie: no draft service to pay for
     assert stack_choice.choose({"split": 25.5, "heads": 25.0}) == "split"
+    calls.clear()
+    assert stack_choice.measure_stacks({"split": "a:1", "heads": "b:2"}, generate, prompts=("p",), tokens=4,
+                                       stopped=lambda: len(calls) >= 1) == {}  # stopped after the first request
+    assert len(calls) == 1
 
 
 def test_the_choice_is_cached_for_exactly_its_key(tmp_path):

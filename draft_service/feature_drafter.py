@@ -86,7 +86,7 @@ class FeatureDrafter:
         self._info.wants_target_features = True
         self._info.target_feature_layers[:] = head.config.feature_layers
         self._lock = threading.Lock()  # one head computation at a time (the device is the bottleneck)
-        self._vocab_ids_np = head.vocab_ids.cpu().numpy()  # [V'] the head's token ids, for its sparse q
+        self._vocab_ids_cpu = head.vocab_ids.cpu()  # [V'] the head's token ids: its sparse q, its outcomes' rows
 
     @property
     def device(self) -> torch.device:
@@ -157,7 +157,7 @@ class FeatureDrafter:
                 estimates.append(self._step(token, estimates[-1], start + i, session.cache))
             stacked = torch.stack(estimates)  # [k + 1, H]
             probs = torch.zeros((len(estimates), self._info.vocab_size))  # [k + 1, V]
-            probs[:, self.head.vocab_ids.cpu()] = torch.softmax(self.head.logits(stacked), -1).cpu()
+            probs[:, self._vocab_ids_cpu] = torch.softmax(self.head.logits(stacked), -1).cpu()
             outcomes = likeliest_outcomes(probs, chain, count)
             return ChainPlan(kept, start, stacked, sorted(outcomes, key=lambda o: -o[0]))
 
@@ -256,6 +256,6 @@ class FeatureDrafter:
         if warp.greedy:
             return int(vocab_ids[int(torch.argmax(scores))])
         probs = warp_probs(scores[None], warp)[0].cpu().numpy()  # [V']
-        q = encode_over(self._vocab_ids_np, probs, self._info.vocab_size)
+        q = encode_over(self._vocab_ids_cpu.numpy(), probs, self._info.vocab_size)
         proposal.draft_probs.append(q)
         return sample_sparse(q, rng)

@@ -24,15 +24,15 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     """Prefill / Propose / Release over a bounded session store."""
 
-    def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession], speculation: bool = True):
-        """speculation: run the speculation cache (draft_service/speculation.py) where the drafter offers it."""
+    def __init__(self, drafter: Drafter, sessions: SessionStore[DraftSession]):
         self.drafter = drafter
         self.sessions = sessions
         self.vocab_size = drafter.info().vocab_size or None  # None: a model-free drafter takes any id
         self.reads_features = getattr(drafter, "wants_target_features", False)
-        self.speculation = SpeculationCache(drafter).start() if speculation and getattr(drafter, "speculation_cache", False) else None
+        # the speculation cache (draft_service/speculation.py), where the drafter offers it
+        self.speculation = SpeculationCache(drafter).start() if getattr(drafter, "speculation_cache", False) else None
         drafter.info().speculation_cache = self.speculation is not None
-        self.cache_hits = self.cache_misses = 0  # Proposes answered from the cache, and those that asked it in vain
+        self.cache_hits = 0  # Proposes answered from the cache
 
     def stop(self) -> None:
         """Stop the speculation worker (the server is stopping)."""
@@ -91,7 +91,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             else:
                 proposal = self.drafter.propose(session, k, np.random.default_rng(request.seed), branches)
             model_seconds = time.perf_counter() - started
-            self._prepare_next(request, session, length, proposal, job, hit)
+            self._prepare_next(request, session, length, proposal, hit)
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
             draft_probs=proposal.draft_probs,
@@ -102,12 +102,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     def _prepare_next(self, request: draft_pb2.ProposeRequest, session: DraftSession, length: int, proposal: Proposal,
-                      job, hit: bool) -> None:
-        """Count the cache's answer to this Propose, and queue the preparation of the next round's
-        drafts when the request asks for it (a chain that drafted something)."""
-        if job is not None:
-            self.cache_hits += hit
-            self.cache_misses += not hit
+                      hit: bool) -> None:
+        """Count a cache hit, and queue the preparation of the next round's drafts when the request asks
+        for it (a chain that drafted something)."""
+        self.cache_hits += hit
         if request.speculate_outcomes and self.speculation is not None and not proposal.parents and proposal.token_ids:
             self.speculation.schedule(request.session_id, SpeculationJob(
                 session, length, tuple(proposal.token_ids), request.num_draft_tokens, request.speculate_outcomes,

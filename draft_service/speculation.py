@@ -167,7 +167,6 @@ class SpeculationCache:
         self._lock = threading.Lock()
         self._queue: "queue.Queue[Optional[SpeculationJob]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
-        self.prepared = 0  # outcomes prepared in all (for the metrics)
 
     def start(self) -> "SpeculationCache":
         if self._worker is None:
@@ -210,7 +209,6 @@ class SpeculationCache:
         while (job := self._queue.get()) is not None:
             try:
                 job.run_all(self.drafter)
-                self.prepared += len(job.answers)
             except Exception:  # a failed preparation is a miss; the next Propose drafts as usual
                 log.exception("speculation for a session failed")
                 job.cancelled = True

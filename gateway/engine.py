@@ -164,10 +164,9 @@ class Generation:
                                    num_draft_tokens=spec.num_draft_tokens, branches=spec.branches,
                                    outcomes=options.speculated_outcomes, timeout_s=options.draft_timeout_s,
                                    rpc_timeout=self._timeout, stats=self.stats, policy=POLICY)
-        free = spec.speculate
-        self.lookup = LookupProposer(options.lookup_tokens if free else 0, options.lookup_min_ngram, spec.adaptive,
+        self.lookup = LookupProposer(options.lookup_tokens if spec.speculate else 0, options.lookup_min_ngram, spec.adaptive,
                                      spec.num_draft_tokens, POLICY)
-        self.heads = HeadProposer(backends.target_info.medusa_heads if free else 0, spec.adaptive, spec.num_draft_tokens,
+        self.heads = HeadProposer(backends.target_info.medusa_heads if spec.speculate else 0, spec.adaptive, spec.num_draft_tokens,
                                   self.draft.branches, POLICY)
         self.planner = RoundPlanner(self.lookup, self.heads, self.draft)
 

@@ -299,7 +299,6 @@ class DraftProposer:
         self._retry_at, self._backoff_s = 0.0, policy.draft_backoff_s
         self._idle_rounds = 0  # rounds in a row without drafts (a one-token probe follows)
         self._next_seed: Optional[int] = None  # the seed the draft prepared the next round with (None: none prepared)
-        self.last_wait_s, self.last_hit = 0.0, None  # the last Propose: seconds waited, cache hit (None: nothing was prepared)
 
     # --- session --------------------------------------------------------------------------------
     def feature_layers(self) -> list[int]:
@@ -407,12 +406,12 @@ class DraftProposer:
         except grpc.RpcError as error:
             self._down(self.link.replica, str(error.code()))
             return [], [], []
-        self.last_wait_s, self.last_hit = time.perf_counter() - started, proposal.cache_hit if asked else None
-        self.stats.draft_wait_seconds += self.last_wait_s
+        waited = time.perf_counter() - started
+        self.stats.draft_wait_seconds += waited
         self.stats.draft_cache_lookups += asked
         self.stats.draft_cache_hits += proposal.cache_hit
-        self.stats.draft_cache_hit_wait_seconds += self.last_wait_s if proposal.cache_hit else 0.0
-        self.stats.draft_cache_lookup_wait_seconds += self.last_wait_s if asked else 0.0
+        self.stats.draft_cache_hit_wait_seconds += waited if proposal.cache_hit else 0.0
+        self.stats.draft_cache_lookup_wait_seconds += waited if asked else 0.0
         if request.speculate_outcomes and proposal.token_ids:
             self._next_seed = request.next_seed
         self.link.sync.agreed = len(sequence)

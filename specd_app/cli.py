@@ -362,7 +362,7 @@ def run_up(args: argparse.Namespace) -> int:
     children: dict = {}
     try:
         if calibrate:
-            commands = measure_and_choose(args, ports, commands, children, stop, key, token)
+            commands = measure_and_choose(args, ports, devices, commands, children, stop, key, token)
         else:
             children.update(start_in_order(commands, args.host, ports, stop, spawn=spawn_in_own_session))
         if not wait_until_serving(gateway_address, children, stop):
@@ -398,26 +398,18 @@ def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
     from specd_common import runtime_cache
 
     drafter, head = draft_service_default(args.target)
-    device = devices.get("verify", "cpu")
-    return {"machine": runtime_cache.machine_key("cuda" if device == "auto" and cuda_visible() else str(device).replace("auto", "cpu")),
+    return {"machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
             "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
             "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
 
 
-def cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def measure_and_choose(args: argparse.Namespace, ports: dict, commands: dict, children: dict, stop: dict, key: dict,
-                       token: str) -> dict:
+def measure_and_choose(args: argparse.Namespace, ports: dict, devices: dict, commands: dict, children: dict, stop: dict,
+                       key: dict, token: str) -> dict:
     """Start verify and draft, put a gateway of each stack in front of them on free ports, measure both
     (stack_choice.measure_stacks), cache the choice, stop both gateways and the draft service if it lost;
     then start the chosen gateway on its own port, so clients reach it only once the choice is made.
     Returns the commands of what runs (the supervisor restarts from them)."""
     import functools
-    import socket
 
     from specd_app import stack_choice
 
@@ -425,13 +417,8 @@ def measure_and_choose(args: argparse.Namespace, ports: dict, commands: dict, ch
     children.update(start_in_order(models, args.host, ports, stop, spawn=spawn_in_own_session))
     if stop["requested"] or len(children) < len(models):
         return commands
-    spare = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind((args.host, 0))
-            spare.append(sock.getsockname()[1])
+    spare = free_ports(args.host, 2)
     addresses = {stack_choice.SPLIT: f"{args.host}:{spare[0]}", stack_choice.HEADS: f"{args.host}:{spare[1]}"}
-    devices = service_devices(args.verify_device, args.draft_device)
     trial = {"split": gateway_command(args.host, {**ports, "gateway": spare[0], "http": 0}, args.num_draft_tokens,
                                       *split_gateway_flags(devices), "--metrics-port", "-1"),
              "heads": gateway_command(args.host, {**ports, "gateway": spare[1], "http": 0}, args.num_draft_tokens,
@@ -858,8 +845,6 @@ def start_local_stack(
     service when caps_without_draft, as the gateway specd runs on then); and for each name → folder of
     `heads`, a verify serving those heads with a gateway "heads-NAME" (no draft service) in front.
     Returns the gateway address, name → extra gateway address, the children and service name → address."""
-    import socket
-
     outcomes = {"cache": str(GatewayOptions().speculated_outcomes), "nocache": "0"}
     flags = {cache_ab: ("--speculated-outcomes", outcomes[cache_ab])} if cache_ab else {}
     if medusa:
@@ -867,11 +852,7 @@ def start_local_stack(
     for cap in caps:
         flags[f"cap{cap}"] = ("--max-speculative-requests", str(cap)) + (("--draft-address", "") if caps_without_draft else ())
     heads = heads or {}
-    ports = []
-    for _ in range(3 + len(flags) + 2 * len(heads)):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+    ports = free_ports("127.0.0.1", 3 + len(flags) + 2 * len(heads))
     named = dict(zip(("gateway", "draft", "verify"), ports))
     children = spawn_services("127.0.0.1", named, target, drafter, draft_model, threads, num_draft_tokens, devices, dtype)
     address, extra = f"127.0.0.1:{ports[0]}", {}
@@ -895,6 +876,18 @@ def start_local_stack(
         if not wait_until_serving(gateway, children, {"requested": False}):
             abandon_stack(children)
     return address, extra, children, {name: f"127.0.0.1:{port}" for name, port in named.items()}
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free on `host` a moment ago (all bound at once, so none repeats)."""
+    import contextlib
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def abandon_stack(children: dict) -> None:

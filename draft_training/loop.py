@@ -49,12 +49,29 @@ def make_batches(records: list[dict], batch_tokens: int, seed: int) -> list[list
     return batches
 
 
-def learning_rate(step: int, total: int, recipe) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def learning_rate(step: int, total: int, recipe, start: int = 0) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak, over the segment of steps [start, total)."""
+    step, total = step - start, total - start
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
     progress = min(1.0, (step - recipe.warmup_steps) / max(1, total - recipe.warmup_steps))
     return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def steps_added(state: dict, asked: dict, planned: int) -> int:
+    """Steps a finished run trains on when rerun with a larger budget (--train-minutes, the run's total,
+    or --epochs) than it finished under: what the added minutes afford at its measured pace, capped by the
+    planned epochs. The next batches in the run's order are ones it has not seen yet. Zero otherwise, so a
+    rerun with the same arguments redoes nothing."""
+    had = state["budget"]
+    more_minutes = bool(asked["minutes"]) and asked["minutes"] > (had["minutes"] or math.inf)
+    if not (more_minutes or asked["epochs"] > had["epochs"]) or state["step"] == 0:
+        return 0
+    affordable = planned - state["step"]
+    if asked["minutes"]:
+        seconds_per_step = state["train_seconds"] / state["step"]
+        affordable = min(affordable, int((asked["minutes"] * 60 - state["train_seconds"]) / seconds_per_step))
+    return max(0, affordable)
 
 
 def save_checkpoint(path: Path, draft, optimizer, state: dict) -> None:
@@ -73,17 +90,22 @@ def train_draft(draft, records: list[dict], recipe, work: Path, device: torch.de
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     draft.to(device).train()
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    state = {"step": 0, "total_steps": 0, "history": [], "train_seconds": 0.0, "done": False}
+    budget_asked = {"minutes": recipe.train_minutes, "epochs": recipe.epochs}
+    state = {"step": 0, "total_steps": 0, "segment_start": 0, "budget": budget_asked, "history": [], "train_seconds": 0.0, "done": False}
     if ckpt_path.exists():
         checkpoint = torch.load(ckpt_path, weights_only=False)
         draft.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        state = checkpoint["state"]
+        state = {"segment_start": 0, "budget": budget_asked, **checkpoint["state"]}
         log.info("train: resumed at step %d of %d", state["step"], state["total_steps"])
-    if state["done"]:
-        return state
     epoch_batches = len(make_batches(records, recipe.batch_tokens, 0))
     planned = recipe.epochs * epoch_batches
+    if state["done"]:
+        added = steps_added(state, budget_asked, planned)
+        if added <= 0:
+            return state
+        state.update(done=False, segment_start=state["step"], total_steps=state["step"] + added, budget=budget_asked)
+        log.info("train: the larger budget adds %d steps after step %d, under a new warmup and cosine", added, state["step"])
     state["total_steps"] = state["total_steps"] or planned
     log.info("train: %d records, %d answer tokens, %d steps per epoch, %d planned", len(records),
              sum(answer_length(r) for r in records), epoch_batches, planned)
@@ -96,7 +118,7 @@ def train_draft(draft, records: list[dict], recipe, work: Path, device: torch.de
             batches = {epoch: make_batches(records, recipe.batch_tokens, recipe.seed + epoch)}
         batch = [records[i] for i in batches[epoch][index]]
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(state["step"], state["total_steps"], recipe)
+            group["lr"] = learning_rate(state["step"], state["total_steps"], recipe, state["segment_start"])
         loss, agreement = loss_fn(draft, batch, device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

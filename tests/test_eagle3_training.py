@@ -120,3 +120,33 @@ def test_training_goes_on_from_a_saved_head(trained, tmp_path):
     after = json.loads((tmp_path / "work" / "draft" / "eval.json").read_text())["agreement_per_step"]["overall"]
     assert after[0] > before[0] - 0.1  # it went on from the trained head, not from the target's last layer
     assert not (tmp_path / "work" / "train" / "vocab.pt").exists()
+
+
+def test_a_larger_budget_trains_a_finished_run_on_into_unseen_batches(trained, tmp_path):
+    """Rerun with more epochs than it finished under, a finished work dir goes on from its step under a new
+    warmup (the rate starts low again), and ends at the new plan."""
+    import shutil
+
+    from specd_app.cli import main
+
+    work = tmp_path / "work"
+    shutil.copytree(trained["root"] / "work", work)
+    before = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]
+    argv = [*trained["argv"][:5], "--work-dir", str(work), *trained["argv"][7:], "--epochs", "31"]
+    assert main(argv) == 0
+    after = torch.load(work / "train" / "ckpt.pt", weights_only=False)["state"]
+    per_epoch = before["step"] // 30
+    assert after["segment_start"] == before["step"] and after["step"] == before["step"] + per_epoch
+    assert after["budget"]["epochs"] == 31 and after["done"]
+
+
+def test_steps_added_only_for_a_larger_budget():
+    from draft_training.loop import steps_added
+
+    state = {"step": 100, "train_seconds": 600.0, "budget": {"minutes": 10.0, "epochs": 2}}
+    assert steps_added(state, {"minutes": 10.0, "epochs": 2}, planned=1000) == 0  # the same arguments redo nothing
+    assert steps_added(state, {"minutes": 15.0, "epochs": 2}, planned=1000) == 50  # 5 more minutes at 6 s a step
+    assert steps_added(state, {"minutes": 60.0, "epochs": 2}, planned=300) == 200  # capped by the planned epochs
+    assert steps_added(state, {"minutes": 10.0, "epochs": 3}, planned=1500) == 0  # more epochs, but no minutes left
+    unlimited = {**state, "budget": {"minutes": 0.0, "epochs": 2}}
+    assert steps_added(unlimited, {"minutes": 0.0, "epochs": 3}, planned=150) == 50

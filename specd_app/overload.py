@@ -202,7 +202,7 @@ def start_stack(target: str, threads: int) -> tuple[dict, dict, dict]:
     """The default `specd up` stack on free ports: (name → Popen, name → port, service → metrics port)."""
     import socket
 
-    from specd_app.cli import service_commands, start_in_order, wait_until_serving
+    from specd_app.stack import service_commands, start_in_order, wait_until_serving
     from specd_common.config import resolve_drafter
 
     drafter, draft_model = resolve_drafter("auto", "", target)
@@ -258,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         time.sleep(3)  # the reaper's last heap trim after the final releases
         rss_after = rss_mb(verify_pid)
     finally:
-        from specd_app.cli import stop_children
+        from specd_app.stack import stop_children
 
         stop_children(children, timeout_s=30)
     report = {

@@ -11,13 +11,18 @@ start-up timings (specd_common/runtime_cache.py); `specd up --remeasure` measure
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import logging
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from specd_app.stack import (free_ports, gateway_command, service_commands, spawn_in_own_session, split_gateway_flags,
+                             start_in_order, stop_children, wait_until_serving)
 from specd_common import runtime_cache
+from specd_common.config import HEADS_ONLY, draft_service_default, resolve_medusa_heads
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +100,51 @@ def grpc_generate(address: str, prompt: str, tokens: int, token: str = "") -> in
         reply = generate_pb2_grpc.GenerateServiceStub(channel).Generate(
             generate_pb2.GenerateRequest(text=prompt, max_new_tokens=tokens), timeout=300, metadata=bearer_metadata(token))
     return len(reply.token_ids)
+
+
+def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
+    """What `specd up --drafter auto`'s measured choice depends on: the machine and its software, the
+    target, the draft service's and the verify's default heads, the services' devices and threads."""
+    drafter, head = draft_service_default(args.target)
+    return {"machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
+            "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
+            "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
+
+
+def measure_and_choose(args: argparse.Namespace, ports: dict, devices: dict, commands: dict, children: dict, stop: dict,
+                       key: dict, token: str) -> dict:
+    """Start verify and draft, put a gateway of each stack in front of them on free ports, measure both
+    (measure_stacks), cache the choice, stop both gateways and the draft service if it lost;
+    then start the chosen gateway on its own port, so clients reach it only once the choice is made.
+    Returns the commands of what runs (the supervisor restarts from them)."""
+    models = {name: command for name, command in commands.items() if name != "gateway"}
+    children.update(start_in_order(models, args.host, ports, stop, spawn=spawn_in_own_session))
+    if stop["requested"] or len(children) < len(models):
+        return commands
+    spare = free_ports(args.host, 2)
+    addresses = {SPLIT: f"{args.host}:{spare[0]}", HEADS: f"{args.host}:{spare[1]}"}
+    trial = {"split": gateway_command(args.host, {**ports, "gateway": spare[0], "http": 0}, args.num_draft_tokens,
+                                      *split_gateway_flags(devices), "--metrics-port", "-1"),
+             "heads": gateway_command(args.host, {**ports, "gateway": spare[1], "http": 0}, args.num_draft_tokens,
+                                      "--draft-address", "", "--metrics-port", "-1")}
+    trials = {f"gateway-trial-{name}": spawn_in_own_session(command) for name, command in trial.items()}
+    children.update(trials)
+    try:
+        rates = {}
+        if all(wait_until_serving(address, children, stop) for address in addresses.values()):
+            rates = measure_stacks(addresses, functools.partial(grpc_generate, token=token),
+                                                stopped=lambda: stop["requested"])
+    finally:
+        stop_children({name: children.pop(name) for name in trials})
+    if not rates:  # stopped, or a trial gateway did not start: serve the split stack, measure at the next start
+        if not stop["requested"]:
+            children["gateway"] = spawn_in_own_session(commands["gateway"])
+        return commands
+    record = save_choice(key, rates)
+    log.info("drafter auto: %s tok/s → %s (cached in %s)", record["tokens_per_s"], record["choice"], choice_path(key))
+    if record["choice"] == HEADS:
+        stop_children({"draft": children.pop("draft")})
+        commands = service_commands(args.host, ports, args.target, HEADS_ONLY, "", args.threads, args.num_draft_tokens, devices)
+        args.drafter, args.draft_model = HEADS_ONLY, ""
+    children["gateway"] = spawn_in_own_session(commands["gateway"])
+    return commands

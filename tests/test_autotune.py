@@ -160,7 +160,7 @@ def test_batch_sizes_timed_at_start_up():
 
 
 def test_thread_caps_of_the_stack_and_the_candidates_within_them():
-    from specd_app.cli import stack_thread_caps
+    from specd_app.stack import stack_thread_caps
     from specd_common.autotune import threads_to_try
 
     assert stack_thread_caps(1) == {"verify": 1, "draft": 1} and stack_thread_caps(16)["verify"] == 16

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from specd_app import cli
+from specd_app import cli, stack
 
 REPO = Path(__file__).resolve().parents[1]
 PORTS = {"gateway": 1, "draft": 2, "verify": 3}
@@ -26,19 +26,19 @@ def flag(command: list[str], name: str) -> str | None:
 @pytest.mark.parametrize("count, verify, draft", [(0, "cpu", "cpu"), (1, "cuda:0", "cuda:0"), (2, "cuda:0", "cuda:1"), (4, "cuda:0", "cuda:1")])
 def test_auto_spreads_draft_and_verify_over_the_visible_gpus(monkeypatch, count, verify, draft):
     monkeypatch.setattr("specd_common.models.visible_cuda_devices", lambda: count)
-    assert cli.service_devices() == {"verify": verify, "draft": draft}
-    assert cli.service_devices("cuda:3", "auto", count=count) == {"verify": "cuda:3", "draft": draft}
+    assert stack.service_devices() == {"verify": verify, "draft": draft}
+    assert stack.service_devices("cuda:3", "auto", count=count) == {"verify": "cuda:3", "draft": draft}
 
 
 def test_up_passes_each_service_its_device_and_dtype_on_its_command_line(monkeypatch):
     monkeypatch.setattr("specd_common.models.visible_cuda_devices", lambda: 2)
     args = cli.build_parser().parse_args(["up", "--drafter", "ngram"])
     assert (args.verify_device, args.draft_device) == ("auto", "auto")
-    commands = cli.service_commands("127.0.0.1", PORTS, "t", "ngram", "", 0, 3, cli.service_devices(args.verify_device, args.draft_device))
+    commands = stack.service_commands("127.0.0.1", PORTS, "t", "ngram", "", 0, 3, stack.service_devices(args.verify_device, args.draft_device))
     assert flag(commands["verify"], "--device") == "cuda:0" and flag(commands["draft"], "--device") == "cuda:1"
     assert "--device" not in commands["gateway"] and "--dtype" not in commands["verify"]
     args = cli.build_parser().parse_args(["up", "--verify-device", "cuda:1", "--draft-device", "cpu"])
-    commands = cli.service_commands("127.0.0.1", PORTS, "t", "ngram", "", 0, 3, cli.service_devices(args.verify_device, args.draft_device),
+    commands = stack.service_commands("127.0.0.1", PORTS, "t", "ngram", "", 0, 3, stack.service_devices(args.verify_device, args.draft_device),
                                     dtype="float32")
     assert flag(commands["verify"], "--device") == "cuda:1" and flag(commands["draft"], "--device") == "cpu"
     assert flag(commands["verify"], "--dtype") == flag(commands["draft"], "--dtype") == "float32"

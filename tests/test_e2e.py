@@ -170,7 +170,9 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
     from draft_service.app import load_feature_drafter, start_draft_server
     from gateway.app import start_gateway_server
     from specd_app import stack_choice
-    from specd_app.cli import build_parser, service_devices, up_choice_key
+    from specd_app.cli import build_parser
+    from specd_app.stack import service_devices
+    from specd_app.stack_choice import up_choice_key
     from gateway.options import GatewayOptions
     from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc, verify_pb2_grpc
     from specd_common.config import DEFAULT_FEATURE_HEAD, ServerConfig

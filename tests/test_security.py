@@ -555,7 +555,8 @@ def test_bearer_client_channel_keeps_the_calls_own_metadata():
 def test_specd_up_shares_the_token_through_the_environment_only(tmp_path, monkeypatch):
     """`specd up --auth-token-file F`: the children's command lines carry no token (`ps` shows them),
     their environment carries the file, and each child's flags read it back as the same token."""
-    from specd_app.cli import build_parser, service_commands, share_stack_token
+    from specd_app.cli import build_parser
+    from specd_app.stack import service_commands, share_stack_token
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")

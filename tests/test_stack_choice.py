@@ -41,7 +41,7 @@ def test_the_choice_is_cached_for_exactly_its_key(tmp_path):
 
 
 def test_the_split_gateway_asks_for_the_cache_only_where_the_draft_has_a_device_of_its_own():
-    from specd_app.cli import draft_has_own_device, service_commands, split_gateway_flags
+    from specd_app.stack import draft_has_own_device, service_commands, split_gateway_flags
 
     assert draft_has_own_device({"verify": "cuda:0", "draft": "cuda:1"})
     assert not draft_has_own_device({"verify": "cuda:0", "draft": "cuda:0"})  # one GPU: they take turns on it

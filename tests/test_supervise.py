@@ -161,7 +161,7 @@ def test_a_verify_killed_under_specd_up_serves_again_within_15_s_on_a_warm_cache
     import subprocess
 
     from gateway.options import GatewayOptions
-    from specd_app.cli import service_commands
+    from specd_app.stack import service_commands
     from specd_common.config import DEFAULT_TARGET
     from tests.specd_stack import REPO, free_ports, repo_env, serving
 

@@ -751,7 +751,8 @@ def test_a_closing_health_watch_never_waits_for_the_servicers_lock():
 def test_specd_up_with_heads_starts_no_draft_service():
     """`specd up --drafter heads`: the verify and a gateway told there is no draft service (its
     Medusa heads and lookup copies draft); any other drafter: all three, the gateway pointed at it."""
-    from specd_app.cli import HEADS_ONLY, build_parser, service_commands
+    from specd_app.cli import HEADS_ONLY, build_parser
+    from specd_app.stack import service_commands
 
     ports = {"gateway": 1, "draft": 2, "verify": 3, "http": 0}
     heads_only = service_commands("127.0.0.1", ports, "target", HEADS_ONLY, "", 0, 3)

@@ -19,10 +19,13 @@ _NUMPY_DTYPES = {
 
 
 def encode_distribution(probs: np.ndarray, half: np.ndarray | None = None) -> common_pb2.Distribution:
-    """probs: [V] float. Sparse float32 when the support is small (top-k / top-p), else dense float16:
-    `half`, probs already in float16 (warping.encode_rows converts a pass's rows with torch, bitwise
+    """probs: [V] float. Sparse float32 when the support is small (top-k / top-p); else the float16
+    row: `half`, probs already in float16 (warping.encode_rows converts a pass's rows with torch, bitwise
     the same as numpy's conversion, which took 3.2 ms for one 49,152-token row on the EPYC VM), or
-    converted here."""
+    converted here. Only its nonzero entries are sent (encode_half_support) when that is smaller than
+    the dense row: a warped row at T = 0.8 is ~90% float16 zeros, so a 98 KB row becomes ~15 KB on
+    the wire, which a split stack pays per position per round between machines. The decoded values
+    are the dense row's, bit for bit."""
     vocab_size = probs.shape[0]
     support = np.flatnonzero(probs)  # [S]
     if support.size * 8 < vocab_size * 2:  # ids (4 B) + float32 (4 B) beat dense float16 (2 B a token)
@@ -32,9 +35,32 @@ def encode_distribution(probs: np.ndarray, half: np.ndarray | None = None) -> co
             encoding=common_pb2.PROB_ENCODING_FLOAT32,
             vocab_size=vocab_size,
         )
-    half = probs.astype("<f2") if half is None else half
-    return common_pb2.Distribution(probs=half.astype("<f2", copy=False).tobytes(), encoding=common_pb2.PROB_ENCODING_FLOAT16,
-                                   vocab_size=vocab_size)
+    half = probs.astype("<f2") if half is None else half.astype("<f2", copy=False)
+    kept = np.flatnonzero(half)  # [S'] the entries float16 does not round to zero
+    if bitmap_bytes(vocab_size) + 2 * kept.size < 2 * vocab_size:
+        return encode_half_support(kept, half[kept], vocab_size)
+    return common_pb2.Distribution(probs=half.tobytes(), encoding=common_pb2.PROB_ENCODING_FLOAT16, vocab_size=vocab_size)
+
+
+SPARSE_HALF_ENTRY_BYTES = 5  # a token id as a packed varint (3 bytes below 2^21) and its float16 value
+
+
+def bitmap_bytes(vocab_size: int) -> int:
+    return (vocab_size + 7) // 8
+
+
+def encode_half_support(tokens: np.ndarray, values: np.ndarray, vocab_size: int) -> common_pb2.Distribution:
+    """float16 `values` [S] of ascending token ids `tokens` [S] (zero elsewhere), with the support as ids
+    or as a bitmap (Distribution.support_bitmap), whichever is smaller: ids below ~1/24 of the vocabulary."""
+    message = common_pb2.Distribution(probs=values.astype("<f2").tobytes(), encoding=common_pb2.PROB_ENCODING_FLOAT16,
+                                      vocab_size=vocab_size)
+    if SPARSE_HALF_ENTRY_BYTES * tokens.size <= bitmap_bytes(vocab_size) + 2 * tokens.size:
+        message.token_ids.extend(tokens.tolist())
+    else:
+        mask = np.zeros(vocab_size, dtype=bool)  # [V]
+        mask[tokens] = True
+        message.support_bitmap = np.packbits(mask, bitorder="little").tobytes()
+    return message
 
 
 def decode_distribution(message: common_pb2.Distribution, vocab_size: int | None = None) -> np.ndarray:
@@ -43,24 +69,40 @@ def decode_distribution(message: common_pb2.Distribution, vocab_size: int | None
     vocab_size, when given, overrides the message's for sparse distributions (a model-free drafter
     does not know the vocabulary size; its one-hot proposals are padded to the target's).
     """
-    if message.encoding not in _NUMPY_DTYPES:
-        raise InvalidArgument(f"distribution encoding {message.encoding} is not supported")
-    if message.encoding == common_pb2.PROB_ENCODING_FLOAT16:
-        values = float16_values(message.probs)
-    else:
-        values = np.frombuffer(message.probs, dtype=_NUMPY_DTYPES[message.encoding]).astype(np.float64)
-    size = vocab_size if (vocab_size and message.token_ids) else message.vocab_size
+    values = entry_values(message)
+    sparse = bool(message.token_ids or message.support_bitmap)
+    size = vocab_size if (vocab_size and sparse) else message.vocab_size
     dense = np.zeros(size, dtype=np.float64)
-    if message.token_ids:
-        ids = np.asarray(message.token_ids, dtype=np.int64)
-        if ids.shape != values.shape or ids.min() < 0 or ids.max() >= size:
-            raise InvalidArgument("sparse distribution has mismatched ids and probabilities")
-        dense[ids] = values
+    if sparse:
+        dense[support_ids(message, values, size)] = values
     else:
         if values.shape[0] != size:
             raise InvalidArgument(f"dense distribution has {values.shape[0]} entries, expected {size}")
         dense[:] = values
     return normalize(dense)
+
+
+def entry_values(message: common_pb2.Distribution) -> np.ndarray:
+    """The message's probs as float64 [n] (the support's values, or the dense row), unnormalized."""
+    if message.encoding not in _NUMPY_DTYPES:
+        raise InvalidArgument(f"distribution encoding {message.encoding} is not supported")
+    if message.encoding == common_pb2.PROB_ENCODING_FLOAT16:
+        return float16_values(message.probs)
+    return np.frombuffer(message.probs, dtype=_NUMPY_DTYPES[message.encoding]).astype(np.float64)
+
+
+def support_ids(message: common_pb2.Distribution, values: np.ndarray, size: int) -> np.ndarray:
+    """The token ids [S] a sparse message's values belong to (token_ids, or the set bits of
+    support_bitmap in id order), checked against the values and the vocabulary size."""
+    if message.token_ids and message.support_bitmap:
+        raise InvalidArgument("a distribution sets token_ids or support_bitmap, not both")
+    if message.support_bitmap:
+        ids = np.flatnonzero(np.unpackbits(np.frombuffer(message.support_bitmap, dtype=np.uint8), bitorder="little"))
+    else:
+        ids = np.asarray(message.token_ids, dtype=np.int64)
+    if ids.shape != values.shape or not ids.size or ids.min() < 0 or ids.max() >= size:
+        raise InvalidArgument("sparse distribution has mismatched ids and probabilities")
+    return ids
 
 
 FLOAT16_NOT_FINITE_OR_NEGATIVE = 0x7C00  # the float16 bit patterns from here up: infinities, NaNs, the sign bit set
@@ -90,17 +132,20 @@ def normalize(weights: np.ndarray) -> np.ndarray:
 
 def encode_over(ids: np.ndarray, probs: np.ndarray, vocab_size: int) -> common_pb2.Distribution:
     """A distribution that is zero outside `ids` [n] (a head's reduced vocabulary), from its values there
-    `probs` [n]: sparse float32 over the nonzero ones, never the dense [vocab_size] row."""
-    support = np.flatnonzero(probs)  # [S]
-    return common_pb2.Distribution(token_ids=ids[support].tolist(), probs=probs[support].astype("<f4").tobytes(),
-                                   encoding=common_pb2.PROB_ENCODING_FLOAT32, vocab_size=vocab_size)
+    `probs` [n]: float16 over the entries that stay nonzero in float16 (encode_half_support), never the
+    dense [vocab_size] row. A draft draws from exactly this (sample_sparse), so the float16 rounding
+    changes which q it reports, never whether the rejection rule is exact."""
+    half = probs.astype("<f2")  # [n]
+    support = np.flatnonzero(half)
+    order = support[np.argsort(ids[support], kind="stable")]  # ascending token ids, as both sparse forms need
+    return encode_half_support(ids[order], half[order], vocab_size)
 
 
 def sample_sparse(message: common_pb2.Distribution, rng: np.random.Generator) -> int:
-    """One draw from a sparse float32 distribution (encode_over) as decode_distribution reads it,
-    without building the dense row: the same values, the same normalization, the same one uniform."""
-    values = np.frombuffer(message.probs, dtype="<f4").astype(np.float64)  # [S]
-    return int(message.token_ids[sample_from(normalize(values), rng)])
+    """One draw from a sparse distribution (encode_over) as decode_distribution reads it, without
+    building the dense row: the same values in the same order, the same normalization, one uniform."""
+    values = entry_values(message)  # [S]
+    return int(support_ids(message, values, message.vocab_size)[sample_from(normalize(values), rng)])
 
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:

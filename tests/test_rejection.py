@@ -140,8 +140,8 @@ def test_a_sampler_that_ignores_the_residual_is_caught():
 @pytest.mark.parametrize("warp", [Warp(temperature=0.7), Warp(temperature=0.3), Warp(temperature=1.0, top_k=50)])
 def test_a_pass_encoded_at_once_is_what_each_row_encodes_to(warp: Warp):
     """encode_rows (torch's float16 conversion for the whole pass) puts the same bytes on the wire as
-    encode_distribution row by row (numpy's): dense rows full of float16 subnormals and zeros (low
-    temperature) and sparse top-k rows alike, so the speed-up cannot move a sampled token."""
+    encode_distribution row by row (numpy's): rows full of float16 subnormals and zeros (low
+    temperature: only the nonzeros are sent) and sparse top-k rows alike, so the speed-up cannot move a sampled token."""
     from specd_common.distributions import encode_distribution
     from specd_common.warping import encode_rows
 
@@ -149,4 +149,7 @@ def test_a_pass_encoded_at_once_is_what_each_row_encodes_to(warp: Warp):
     probs = warp_probs(torch.randn(4, 49152, generator=generator) * 4, warp)  # [4, V]
     encoded = encode_rows(probs)
     assert [m.SerializeToString() for m in encoded] == [encode_distribution(row).SerializeToString() for row in probs.numpy()]
-    assert bool(encoded[0].token_ids) == (warp.top_k > 0)  # both encodings were exercised
+    from specd.v1 import common_pb2
+
+    sparse_float32 = encoded[0].encoding == common_pb2.PROB_ENCODING_FLOAT32  # top-k: float32 at ids; else float16 nonzeros
+    assert sparse_float32 == (warp.top_k > 0) and (sparse_float32 or encoded[0].token_ids or encoded[0].support_bitmap)

@@ -104,6 +104,57 @@ def test_sparse_distribution_is_exact_and_small():
     np.testing.assert_array_equal(decode_distribution(message), probs)
 
 
+def peaked_row(vocab: int, scale: float, seed: int = 0) -> np.ndarray:
+    """A softmax row [V] whose tail rounds to zero in float16, as a warped LM row's does."""
+    logits = np.random.default_rng(seed).standard_normal(vocab) * scale
+    row = np.exp(logits - logits.max())
+    return (row / row.sum()).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale, form", [(4.0, "support_bitmap"), (12.0, "token_ids")])
+def test_a_full_row_sends_only_its_float16_nonzeros_and_decodes_bit_for_bit(scale, form):
+    """Every float32 entry is nonzero, but most round to zero in float16: the message carries the rest
+    (as a bitmap, or as ids when very few), and decodes to exactly what the dense float16 row decodes to."""
+    probs = peaked_row(49152, scale)
+    half = probs.astype("<f2")
+    message = encode_distribution(probs)
+    from specd.v1 import common_pb2
+
+    assert message.encoding == common_pb2.PROB_ENCODING_FLOAT16
+    assert bool(message.support_bitmap) == (form == "support_bitmap") and bool(message.token_ids) == (form == "token_ids")
+    assert message.ByteSize() < 0.5 * 2 * len(probs), message.ByteSize()
+    expected = half.astype(np.float64) / half.astype(np.float64).sum()
+    np.testing.assert_array_equal(decode_distribution(message), expected)
+
+
+def test_a_head_vocabulary_q_is_sparse_float16_and_sampled_as_decoded():
+    """encode_over: a q over a reduced vocabulary in any id order; sample_sparse draws from the decoded q."""
+    from specd_common.distributions import encode_over, sample_sparse
+
+    vocab, rng = 1000, np.random.default_rng(3)
+    ids = rng.permutation(vocab)[:200]  # [200] unsorted
+    values = peaked_row(200, 1.0, seed=4)
+    message = encode_over(ids, values, vocab)
+    q = decode_distribution(message)
+    assert q.shape == (vocab,) and set(np.flatnonzero(q)) <= set(ids.tolist())
+    np.testing.assert_allclose(q[ids], values / values.sum(), rtol=2e-3, atol=1e-6)
+    draws = np.bincount([sample_sparse(message, rng) for _ in range(20000)], minlength=vocab) / 20000
+    assert np.abs(draws - q).max() < 0.01
+
+
+def test_a_distribution_with_both_sparse_forms_or_a_short_bitmap_is_invalid_argument():
+    message = encode_distribution(peaked_row(4096, 5.0))
+    assert message.support_bitmap
+    both, short = type(message)(), type(message)()
+    both.CopyFrom(message)
+    both.token_ids.extend([1])
+    short.CopyFrom(message)
+    short.probs = short.probs[:-2]  # one value fewer than the bitmap's set bits
+    for bad in (both, short):
+        with pytest.raises(InvalidArgument):
+            decode_distribution(bad)
+
+
 def test_one_hot_takes_the_receivers_vocabulary():
     dense = decode_distribution(one_hot(4), vocab_size=10)
     assert dense.shape == (10,) and dense[4] == 1.0

@@ -27,16 +27,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
 
 class Distribution(_message.Message):
-    __slots__ = ("token_ids", "probs", "encoding", "vocab_size")
+    __slots__ = ("token_ids", "probs", "encoding", "vocab_size", "support_bitmap")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_BITMAP_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: bytes
     encoding: ProbEncoding
     vocab_size: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., encoding: _Optional[_Union[ProbEncoding, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    support_bitmap: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[bytes] = ..., encoding: _Optional[_Union[ProbEncoding, str]] = ..., vocab_size: _Optional[int] = ..., support_bitmap: _Optional[bytes] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("prefix_length", "append_token_ids")

@@ -73,6 +73,9 @@ eval-feature-heads: setup  ## feature heads against the target on a train-draft 
 eval-medusa-heads: setup  ## Medusa heads side by side on a train-draft work dir's held-out answers (WORK=DIR HEADS="NAME=DIR ..."; EVAL_ARGS="--leak-free")
 	$(PY) scripts/medusa_compare.py --work-dir $(WORK) $(foreach head,$(HEADS),--heads $(head)) $(EVAL_ARGS)
 
+wire-bytes: setup  ## bytes a sampled round's distributions take on the wire, as sent against dense (WIRE_ARGS="--limit 14 --tokens 32"; docs/design/sampling.md)
+	$(PY) scripts/wire_bytes.py $(WIRE_ARGS)
+
 tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)
 	$(PY) scripts/tracing_overhead.py $(TRACING_ARGS)
 

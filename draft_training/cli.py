@@ -55,8 +55,10 @@ def add_train_draft_parser(commands) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--gen-minutes", type=float, default=None, help="override the recipe's generation budget")
     parser.add_argument("--tf-minutes", type=float, default=None, help="override the feature-extraction budget")
-    parser.add_argument("--train-minutes", type=float, default=None, help="override the training budget")
-    parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
+    parser.add_argument("--train-minutes", type=float, default=None, help="override the training budget: the run's total minutes; "
+                        "more than a finished run had trains it on from its step (draft_training/loop.py steps_added)")
+    parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs (more than a finished run had "
+                        "trains it on)")
     parser.add_argument("--reference-rows", type=int, default=None, help="override how many public reference answers the run "
                         "extracts and trains on besides the target's own (0: the target's answers alone)")
     parser.add_argument("--corpus-from", type=int, default=None, help="train on the corpus's records from this one on, in the order "

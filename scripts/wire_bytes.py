@@ -2,7 +2,7 @@
 target's warped p) and float32 ids (a head's q), over the first 32 greedy tokens of each held-out prompt.
 The head's q is stood in for by the target's own scores over the shipped feature head's vocabulary.
 
-    .venv/bin/python scripts/wire_bytes.py [--limit 14] [--tokens 32]
+    make wire-bytes WIRE_ARGS="--limit 14 --tokens 32"
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from tests.tiny_models import build_model, build_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
-                "train-eagle3-gpu": "gpu_train_eagle3.sh"}
+                "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -77,6 +77,18 @@ def test_eval_medusa_heads_reports_each_heads_chains(gpu_recipe_run, tmp_path):
     report = json.loads(output.read_text())
     assert report["command"] and report["machine"]
     assert len(report["heads"]["tiny"]["top1_by_head"]) >= 1
+
+
+def test_wire_bytes_reports_what_a_round_sends_below_the_dense_rows():
+    """The default target and the shipped feature head, one prompt, a few tokens: every temperature's row
+    and q are sent in fewer bytes than the dense float16 row and float32 ids."""
+    import re
+
+    lines = [line for line in make("wire-bytes", WIRE_ARGS="--limit 1 --tokens 4").splitlines() if line.startswith("T = ")]
+    assert len(lines) == 3
+    for line in lines:
+        dense, sent, q_ids, q_sent = (float(x) for x in re.findall(r"([0-9.]+) KB", line))
+        assert 0 < sent < dense and 0 < q_sent < q_ids, line
 
 
 def test_tracing_overhead_times_the_three_stacks():

@@ -31,21 +31,20 @@ def main() -> None:
     target = load_causal_lm("embedded:smollm2-135m-instruct", device="cpu", dtype="float32")
     head_vocab = make_drafter("feature", HEAD, device="cpu", dtype="float32", threads=1).head.vocab_ids.cpu().numpy()
     rows = [json.loads(line) for line in open(args.prompts)][: args.limit]
-    states = []  # (logits [T, V], hidden [T, H]) of each answer's positions
+    head_rows = target.model.get_output_embeddings().weight.detach()[head_vocab]  # [V', H]
+    states = []  # (logits [T, V], the head's stand-in scores [T, V']) of each answer's positions
     for row in rows:
         ids = target.tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
                                                    return_dict=True)["input_ids"]
         with torch.inference_mode():
             answer = target.model.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False)
             out = target.model(answer, output_hidden_states=True)
-        states.append((out.logits[0, len(ids) - 1 :], out.hidden_states[-1][0, len(ids) - 1 :]))
+        states.append((out.logits[0, len(ids) - 1 :], out.hidden_states[-1][0, len(ids) - 1 :] @ head_rows.T))
     vocab = states[0][0].shape[-1]
-    head_rows = target.model.get_output_embeddings().weight.detach()[head_vocab]  # [V', H]
     for temperature in (0.7, 0.8, 1.0):
         warp, sent, q_sent, positions, q_float32 = Warp(temperature=temperature), 0, 0, 0, 0
-        for logits, hidden in states:
+        for logits, head_scores in states:
             sent += sum(message.ByteSize() for message in encode_rows(warp_probs(logits, warp)))
-            head_scores = hidden @ head_rows.T  # [T, V']
             for q in warp_probs(head_scores, warp).numpy():
                 q_sent += encode_over(head_vocab, q, vocab).ByteSize()
                 q_float32 += int((q != 0).sum()) * 7  # a float32 and a ~3-byte varint id per nonzero entry

@@ -121,11 +121,17 @@ class SessionKeeper:
             reply, failure = _outcome(call)
             if failure is not None:
                 log.info("lease renewal on %s failed: %s", replica.address, failure)
-            elif reply.unknown_session_ids:
-                log.warning("%s no longer holds %d session(s) of running requests (expired?)", replica.address,
-                            len(reply.unknown_session_ids))
+            elif lost := self._still_open(replica, reply.unknown_session_ids):
+                log.warning("%s no longer holds %d session(s) of running requests (expired?)", replica.address, len(lost))
         for retry, call in releases:
             self._settle(retry, _released(call))
+
+    def _still_open(self, replica: Replica, session_ids: Sequence[str]) -> list[str]:
+        """Of the sessions a renewal found unknown, those whose request still runs: one that ended while
+        its renewal waited behind a busy service was released, not lost."""
+        with self._lock:
+            held = self._open.get(replica, set())
+            return [session_id for session_id in session_ids if session_id in held]
 
     def _settle(self, retry: _Retry, done: bool) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ prefills that stop when their caller goes (issue 47)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -141,6 +142,29 @@ def test_the_keeper_renews_open_sessions_and_retries_a_failed_release_with_backo
         clock.now += 2.1
         keeper.tick()
     assert len(stub.Release.calls) == 3 and keeper.pending_releases == 0 and stub.held == {"b"}
+
+
+def test_the_keeper_warns_of_a_lost_session_only_while_its_request_still_runs(caplog):
+    """A request that ends while its renewal waits behind a busy service was released, not lost."""
+    stub = _Stub(release_failures=0)
+    replica = _Replica(stub)
+    keeper = SessionKeeper(lease_s=0, clock=Clock())
+    keeper.lease_s = 6
+    for session_id in ("ending", "lost", "kept"):
+        keeper.opened(replica, session_id)
+    stub.held |= {"kept"}  # "ending" is released as the renewal waits; "lost" expired on the service
+    renew = stub.KeepAlive.answer
+
+    def answer_after_the_release(request):
+        call = renew(request)
+        keeper.closed(replica, "ending", released=True)
+        return call
+
+    stub.KeepAlive.answer = answer_after_the_release
+    with caplog.at_level(logging.WARNING, logger="gateway.links"):
+        keeper.tick()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["stub:1 no longer holds 1 session(s) of running requests (expired?)"]
 
 
 def test_the_keeper_gives_a_release_up_once_the_service_must_have_freed_it_itself():

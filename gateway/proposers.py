@@ -167,9 +167,14 @@ class HeadProposer:
             self.asked = not draft_enabled
         else:
             k, rate = best_rate(self.acceptance.chain(self.heads), self.heads, lambda k: ctx.free_cost(k, heads=True))
-            self._declined = not k or rate <= rival_rate
+            self._declined = (not k or rate <= rival_rate) and not self._probe_due()
             self.asked = not self._declined
         return self.asked
+
+    def _probe_due(self) -> bool:
+        """probe_every_rounds rounds in a row took no head round: the next one drafts one head token,
+        beside a draft service too (its estimate would otherwise never move from what last declined it)."""
+        return self._declined_rounds >= self.policy.probe_every_rounds
 
     def candidates_per_head(self) -> int:
         """Candidates a head returns when asked (0: the verify's default, one)."""
@@ -200,6 +205,7 @@ class HeadProposer:
         proposals, self.proposals = self.proposals, HeadProposals()
         if self._declined:
             self._declined = False
+            self._declined_rounds += 1
             self.acceptance.update(0, 0)
             return HeadProposals()
         return proposals
@@ -220,7 +226,7 @@ class HeadProposer:
         nodes, predicted, rate = confident_tree(tokens, confidences, self.calibration.scale, self.round_cost(ctx))
         if nodes and rate > rival_rate:
             self._declined_rounds = 0
-        elif not rival_rate and tokens and self._declined_rounds >= self.policy.probe_every_rounds:  # room for one draft
+        elif tokens and self._probe_due():  # one token, so the calibration and the estimate learn
             nodes, predicted, self._declined_rounds = [TreeNode((tokens[0][0],), confidences[0][0])], confidences[0][0], 0
         else:
             self._declined_rounds += 1

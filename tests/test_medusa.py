@@ -547,6 +547,31 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
     assert not asks_heads(head_policy_generation(costs, draft_service=True, adaptive=False))  # the draft service drafts
 
 
+def test_heads_beside_a_better_draft_still_draft_one_token_every_few_rounds():
+    """Unit: beside a draft service that promises more, the heads are not asked, but every
+    probe_every_rounds declined rounds a Verify asks and the next round drafts one head token, so the
+    heads' estimate and calibration learn (a sampled split stack took no head round at all before)."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100)
+    for positions in range(2, 6):
+        costs.observe_verify(positions, 0.120)
+    costs.observe_draft(3, 0.010)
+    generation = head_policy_generation(costs, draft_service=True)
+    generation.draft.link.replica = SimpleNamespace()  # a draft session is open ...
+    for _ in range(10):
+        generation.draft.acceptance.update(3, 3)  # ... and its drafts are always accepted
+    every = generation.heads.policy.probe_every_rounds
+    asked = []
+    for _ in range(3 * (every + 1)):
+        asked.append(asks_heads(generation))
+        if asked[-1]:
+            generation.heads.proposals = HeadProposals([[7], [8], [9]])  # the Verify that asked returns them
+            assert head_round(generation) == ([7], [])  # one token, the first head's best
+        else:
+            assert head_round(generation) == ([], [])
+    assert asked == ([False] * every + [True]) * 3
+
+
 def test_a_rescue_estimate_learns_per_position():
     """A tree's alternatives are judged per draft position: misses beside the first draft pull its
     estimate down without moving the second's, which learns from its own trial."""

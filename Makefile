@@ -7,7 +7,8 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload \
+	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
 
@@ -43,7 +44,10 @@ test-images: setup  ## run the built images as the dev overlay wires them (after
 protos:  ## regenerate the Python stubs next to the .proto files
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
 
-bench: setup  ## specd up's defaults vs in-process transformers (all cores), side by side, on held-out prompts (the README's table)
+setup-llama-cpp: setup  ## optional: llama.cpp (llama-cpp-python, compiled here for this CPU; ~20 min on 2 cores) for bench's llamacpp_* modes
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --quiet llama-cpp-python==0.3.36
+
+bench: setup  ## specd up's defaults vs in-process transformers and, after `make setup-llama-cpp`, llama.cpp (all cores), side by side, on held-out prompts (the README's table)
 	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \
 		--fixed-k 3 --branches 1 2 --medusa --output docs/benchmarks/bench.json
 

@@ -18,7 +18,9 @@ Modes (keys of the JSON report):
   hf_target     transformers `generate`, the target alone, in this process
   hf_assisted   transformers `generate` with the same kind of draft: the same draft model, or its
                 prompt-lookup assistant for the n-gram drafter
-Greedy, or with --temperature every mode samples at the same temperature and top-p. Reports tokens/s, speedup (services modes over target_only, hf modes over hf_target),
+  llamacpp_target / llamacpp_lookup   llama.cpp on the target's own GGUF, alone and with its prompt
+                lookup (k = --num-draft-tokens), where llama-cpp-python is installed (`make setup-llama-cpp`)
+Greedy, or with --temperature every mode samples at the same temperature and top-p. Reports tokens/s, speedup (services modes over target_only, hf and llamacpp modes over their engine alone),
 acceptance overall and per draft position, tokens per target pass against (1 − α^(k+1)) / (1 − α),
 time to first token, p50/p95 inter-token latency, bytes on the wire per round and the share of a
 round spent outside the two models; overall and per task kind (the prompt file's `category`).
@@ -201,6 +203,62 @@ class HFRunner:
         return self.torch.tensor([self.tokenizer.encode_prompt(prompt, raw=False)], device=self.loaded.device)
 
 
+class LlamaCppRunner:
+    """llama.cpp (the llama-cpp-python package, an optional install: `make setup-llama-cpp`) on the
+    target's own GGUF in this process, one prompt at a time: the CPU user's other choice. It runs the
+    GGUF's quantized weights with its own kernels, so its tokens are the quantized model's, not
+    bit-identical to the services' float32 ones; tokens/s compare what each gives a user of the same
+    file. k > 0: llama.cpp's prompt-lookup drafting (LlamaPromptLookupDecoding) with k tokens."""
+
+    def __init__(self, gguf: str, tokenizer, eos_ids: Iterable[int], warm_prompt: str, threads: int,
+                 sampling: Sampling = Sampling()):
+        """tokenizer: a GatewayTokenizer, so every mode reads the same prompt ids (chat template included)."""
+        self.sampling, self.tokenizer, self.eos_ids = sampling, tokenizer, set(eos_ids)
+        self.gguf, self.threads = gguf, threads or None  # None: llama.cpp's default, every core
+        self._models: dict = {}
+        for k in (None, 3):  # warm-up, not counted
+            self.run({"prompt": warm_prompt}, 8, k)
+
+    def model(self, k: Optional[int]):
+        """The model for k draft tokens, loaded at first use (a Llama's draft is fixed when it loads)."""
+        if (k or 0) not in self._models:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            self._models[k or 0] = llama_cpp.Llama(
+                model_path=self.gguf, n_ctx=4096, n_threads=self.threads, n_threads_batch=self.threads,
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None, verbose=False)
+        return self._models[k or 0]
+
+    def run(self, row: dict, max_new_tokens: int, k: Optional[int]) -> Sample:
+        llm = self.model(k)
+        ids = self.tokenizer.encode_prompt(row["prompt"], raw=False)
+        if self.sampling.seed is not None:
+            llm.set_seed(self.sampling.seed)
+        started = time.perf_counter()
+        sample = Sample(category=row.get("category", "all"), tokens=0, seconds=0.0, started=started)
+        # reset: no prefix reuse from the last prompt, so every mode prefills every prompt whole
+        for token in llm.generate(ids, reset=True, **self.sampler()):
+            now = time.perf_counter()
+            if sample.tokens:
+                sample.itl_s.append(now - sample.chunks[-1][0])
+            else:
+                sample.ttft_s = now - started
+            sample.tokens += 1
+            sample.chunks.append((now, 1))
+            if token in self.eos_ids or sample.tokens >= max_new_tokens:
+                break
+        sample.seconds = time.perf_counter() - started
+        return sample
+
+    def sampler(self) -> dict:
+        """llama.cpp's sampler set to the same choice as the other modes: greedy (top-k 1), or temperature
+        and top-p alone (its defaults would add top-k 40, min-p 0.05 and a repeat penalty)."""
+        plain = {"min_p": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        if self.sampling.warp.greedy:
+            return {**plain, "top_k": 1, "temp": 0.0}
+        return {**plain, "top_k": 0, "temp": self.sampling.warp.temperature, "top_p": self.sampling.warp.top_p}
+
 def run_interleaved(modes: dict[str, Callable[[dict], Sample]], rows: list[dict], progress) -> dict[str, tuple[list[Sample], float]]:
     """Every row through every mode before the next row, the order rotated from row to row, so a slow
     spell of a shared machine (seen here: ±15% within minutes) hits all modes alike and the modes are
@@ -285,18 +343,27 @@ def report(results: dict[str, tuple[list[Sample], float]], k: int) -> dict:
             "by_category": {c: summarize(s, k) for c, s in sorted(by_kind.items())},
         }
     for mode, entry in out["modes"].items():
-        reference = out["modes"].get("hf_target" if mode.startswith("hf_") else "target_only")
+        reference = out["modes"].get(speedup_reference(mode))
         if reference:
             entry["overall"]["speedup"] = round(entry["overall"]["tokens_per_s"] / reference["overall"]["tokens_per_s"], 3)
             for kind, summary in entry["by_category"].items():
                 base = reference["by_category"].get(kind, {}).get("tokens_per_s")
                 if base:
                     summary["speedup"] = round(summary["tokens_per_s"] / base, 3)
-    hf = out["modes"].get("hf_target")
-    for entry in out["modes"].values():  # what a user compares with: transformers generate in-process, same cores
-        if hf:
-            entry["overall"]["vs_hf_target"] = round(entry["overall"]["tokens_per_s"] / hf["overall"]["tokens_per_s"], 3)
+    for baseline in ("hf_target", "llamacpp_target"):  # what a user runs instead: in-process, on the same cores
+        if (base := out["modes"].get(baseline)) is not None:
+            for entry in out["modes"].values():
+                entry["overall"][f"vs_{baseline}"] = round(entry["overall"]["tokens_per_s"] / base["overall"]["tokens_per_s"], 3)
     return out
+
+
+def speedup_reference(mode: str) -> str:
+    """The mode a mode's speedup is over: its own engine without drafts (the services' target_only,
+    transformers' hf_target, llama.cpp's llamacpp_target)."""
+    for prefix in ("hf_", "llamacpp_"):
+        if mode.startswith(prefix):
+            return f"{prefix}target"
+    return "target_only"
 
 
 def add_repeat_spread(report: dict, tokens_per_s_by_repeat: dict[str, list[float]]) -> None:
@@ -565,8 +632,8 @@ def speedup_cell(overall: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | vs hf_target | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
         o = entry["overall"]
@@ -574,7 +641,7 @@ def markdown_table(result: dict) -> str:
         itl = f"{o['itl_ms_p50']} / {o['itl_ms_p95']}" if "itl_ms_p50" in o else "-"
         outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
-            f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
+            f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('vs_llamacpp_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
             f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
         )
     return "\n".join(lines)
@@ -672,6 +739,11 @@ class Progress:
 
         self._bar = tqdm(total=total, unit="prompt", desc="bench")
         self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        """More requests to run than first counted (modes that turned out to be available)."""
+        self._bar.total += count
+        self._bar.refresh()
 
     def stage(self, name: str) -> None:
         self._bar.set_description(f"bench {name}")

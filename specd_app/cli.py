@@ -16,6 +16,7 @@ Security (docs/security.md): --tls-cert/--tls-key[/--tls-client-ca] on any `serv
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--arrival-streams", type=int, default=4, help="--arrival: streams decoding when the long prompt arrives")
     bench.add_argument("--arrival-after", type=int, default=20, help="--arrival: tokens each stream has emitted before it arrives")
     bench.add_argument("--arrival-prompts", default=str(LONG_PROMPTS), help="--arrival: the JSONL file whose longest prompt arrives")
-    bench.add_argument("--no-hf", action="store_true", help="skip the in-process transformers modes")
+    bench.add_argument("--no-hf", action="store_true", help="skip the in-process baselines (transformers; llama.cpp where installed)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     bench.add_argument("--output", default="", help="write the JSON report here (and, for the speedup report, the PNG plot next to it)")
     bench.set_defaults(func=run_bench)
@@ -412,7 +413,6 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     import contextlib
-    import functools
 
     import grpc
 
@@ -474,6 +474,8 @@ def run_bench(args: argparse.Namespace) -> int:
         # transformers assists with a model draft; for n-gram and feature drafters, with prompt lookup
         hf = None if not hf_modes else bench.HFRunner(args.target, args.draft_model if args.drafter == "model" else "", rows[0]["prompt"],
                                                       sampling, device=devices["verify"], dtype=args.dtype)
+        baselines = in_process_baselines(hf, hf_modes, args, rows[0]["prompt"], sampling)  # mode → prompt row → Sample
+        progress.add(len(rows) * (len(baselines) - len(hf_modes)))
         if args.arrival:  # each mode in turn, in order then reversed (ABBA) over the repeats
             for repeat in range(repeats):
                 for mode, fields in service_modes[:: -1 if repeat % 2 else 1]:
@@ -490,8 +492,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     stub = generate_pb2_grpc.GenerateServiceStub(stack.enter_context(grpc.insecure_channel(target_address)))
                     bench.stream_one(stub, rows[0], 8, **fields)  # warm-up, not counted
                     modes[mode] = functools.partial(bench.stream_one, stub, max_new_tokens=args.max_new_tokens, **fields)
-                for mode, k in hf_modes:
-                    modes[mode] = functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)
+                modes.update(baselines)
                 results = bench.run_interleaved(modes, rows, progress)
         else:  # every (mode, streams at a time) in order, then reversed (ABBA) over the repeats
             plan = [(mode, fields, level) for mode, fields in service_modes for level in levels]
@@ -503,9 +504,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     earlier, earlier_wall = results_at[level].get(mode, ([], 0.0))
                     results_at[level][mode] = (earlier + samples, earlier_wall + wall)
                     by_repeat[level].setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
-            for mode, k in hf_modes:  # one stream: what one user of transformers gets
-                progress.stage(mode)
-                results[mode] = bench.run_interleaved({mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k)}, rows, progress)[mode]
+            if baselines:  # one stream: what one user of transformers or llama.cpp gets
+                results.update(bench.run_interleaved(baselines, rows, progress))
         if children:  # after the runs: what start-up chose and what serving trials settled since
             runtime = bench.stack_runtime(addresses)
     finally:
@@ -606,6 +606,30 @@ def parse_heads_flags(values: Sequence[str]) -> dict:
             raise SystemExit(f"--heads {value}: {folder} holds no Medusa heads ({CONFIG_FILE} is missing)")
         heads[name] = str(Path(folder).resolve())
     return heads
+
+
+def in_process_baselines(hf, hf_modes: list, args: argparse.Namespace, warm_prompt: str, sampling) -> dict:
+    """What a user runs instead, in this process on the same cores, as mode → (prompt row → Sample):
+    transformers `generate` (hf_modes), and llama.cpp on the target's own GGUF (llamacpp_target, and
+    llamacpp_lookup with its prompt-lookup drafting) where the target ships as a GGUF and the optional
+    llama-cpp-python package is installed (`make setup-llama-cpp`); where not, a log line says why."""
+    modes = {mode: functools.partial(hf.run, max_new_tokens=args.max_new_tokens, k=k) for mode, k in hf_modes}
+    if not hf_modes:
+        return modes
+    from specd_app import bench
+    from specd_common.errors import FailedPrecondition
+    from specd_common.models import embedded_gguf_path, eos_token_ids
+
+    try:
+        import llama_cpp  # noqa: F401  (optional: `make setup-llama-cpp`)
+        gguf = str(embedded_gguf_path(args.target))
+    except (ImportError, KeyError, FailedPrecondition) as why:
+        log.info("no llama.cpp modes: %s", why if not isinstance(why, KeyError) else f"{args.target} ships no GGUF")
+        return modes
+    runner = bench.LlamaCppRunner(gguf, hf.tokenizer, eos_token_ids(hf.loaded), warm_prompt, args.threads, sampling)
+    for mode, k in (("llamacpp_target", None), ("llamacpp_lookup", args.num_draft_tokens)):
+        modes[mode] = functools.partial(runner.run, max_new_tokens=args.max_new_tokens, k=k)
+    return modes
 
 
 def run_generate(args: argparse.Namespace) -> int:

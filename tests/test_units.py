@@ -714,6 +714,51 @@ def test_bench_report_computes_speedup_and_alpha():
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
 
 
+def test_bench_report_compares_every_mode_with_llama_cpp_and_lookup_with_its_own_engine():
+    """llama.cpp's modes: llamacpp_lookup's speedup is over llamacpp_target, every mode reads vs both baselines."""
+    from specd_app.bench import Sample, markdown_table, report
+
+    results = {"target_only": ([Sample("qa", tokens=20, seconds=1.0)], 1.0), "specd": ([Sample("qa", tokens=40, seconds=1.0)], 1.0),
+               "hf_target": ([Sample("qa", tokens=10, seconds=1.0)], 1.0),
+               "llamacpp_target": ([Sample("qa", tokens=80, seconds=1.0)], 1.0),
+               "llamacpp_lookup": ([Sample("qa", tokens=100, seconds=1.0)], 1.0)}
+    modes = report(results, k=3)["modes"]
+    assert modes["llamacpp_lookup"]["overall"]["speedup"] == 1.25 and modes["specd"]["overall"]["speedup"] == 2.0
+    assert modes["specd"]["overall"]["vs_llamacpp_target"] == 0.5 and modes["specd"]["overall"]["vs_hf_target"] == 4.0
+    assert "| specd | 40.0 | 2.0 | 4.0 | 0.5 |" in markdown_table({"modes": modes})
+
+
+def test_the_llama_cpp_runner_counts_tokens_to_eos_or_the_limit_and_asks_for_the_same_choice():
+    """LlamaCppRunner over a stand-in for llama_cpp.Llama: tokens up to and including an EOS or the
+    limit, each prompt prefilled anew, greedy as top-k 1 and sampling without llama.cpp's extra samplers."""
+    from specd_app.bench import LlamaCppRunner, Sampling
+    from specd_common.params import Warp
+
+    class Model:
+        def __init__(self, stream):
+            self.stream, self.calls = stream, []
+
+        def generate(self, ids, reset, **sampler):
+            self.calls.append((list(ids), reset, sampler))
+            yield from self.stream
+
+    class Tokenizer:
+        def encode_prompt(self, text, raw):
+            return [len(text)]
+
+    runner = LlamaCppRunner.__new__(LlamaCppRunner)
+    runner.sampling, runner.tokenizer, runner.eos_ids = Sampling(), Tokenizer(), {2}
+    runner._models = {0: Model([5, 6, 2, 7, 8]), 3: Model(iter(range(10, 100)))}
+    assert runner.run({"prompt": "abc", "category": "qa"}, 64, None).tokens == 3  # the EOS counts, nothing after it
+    sample = runner.run({"prompt": "abcd"}, 16, 3)
+    assert sample.tokens == 16 and len(sample.itl_s) == 15 and sample.ttft_s > 0
+    ids, reset, greedy = runner._models[0].calls[0]
+    assert ids == [3] and reset and greedy["top_k"] == 1 and greedy["repeat_penalty"] == 1.0 and greedy["min_p"] == 0.0
+    runner.sampling = Sampling(Warp(temperature=0.7, top_p=0.9))
+    assert runner.sampler() == {"min_p": 0.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                "top_k": 0, "temp": 0.7, "top_p": 0.9}
+
+
 def test_bench_report_shows_the_speedup_of_each_repeat():
     """With several repeats (concurrency > 1), each mode's speedup within each repeat, and its range in the table."""
     from specd_app.bench import Sample, add_repeat_spread, markdown_table, report

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
     add_flag(verify, "forward", "auto", "the target's passes: auto (specd_common/lean_forward.py where it serves the model and "
              "agrees with transformers on a start-up probe) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
+    add_flag(verify, "weights", "float", "the target's decoder weights: float (as loaded: exact against transformers) or int4 "
+             "(CPU: 4-bit groups with bfloat16 inputs, ~3x faster passes; greedy output then equals this verify's own "
+             "target-only, not transformers' float32; docs/design/cpu-vs-llama-cpp.md)", choices=["float", "int4"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
@@ -268,6 +271,7 @@ def serve_verify(args: argparse.Namespace) -> None:
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
         medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
         auth_token=load_token(args.auth_token, args.auth_token_file), startup=StartupMeasurement.from_args(args),
+        weights=args.weights,
     )
     wait_for_termination(running, args.grace)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch, kv_cache, lean_forward, model_thread, tree
+from specd_common import autotune, kv_batch, kv_cache, lean_forward, model_thread, quantized, tree
 from specd_common.errors import InvalidArgument
 from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -210,19 +210,28 @@ class CausalLM:
     every one of them, and the start-up measurements, on the process's model thread
     (specd_common/model_thread.py; `run` puts a caller's own torch work there too)."""
 
-    def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN}), lean: bool = True):
+    def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN}), lean: bool = True,
+                 weights: str = "float"):
         """layouts: on a float32 CPU model, the linear-weight layouts to keep (make_linears_switchable;
         `tune` picks among them per forward size and drops the unused). lean: run passes with
         specd_common/lean_forward.py where the model is supported and agrees with transformers
         (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
-        views: same values, one copy). Both change loaded.model in place, so only the owner of the
-        model (a service) should ask for them."""
+        views: same values, one copy). weights: "float" as loaded, or "int4": the lean decoder
+        layers' products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU, lean
+        forward only). They change loaded.model in place, so only the owner of the model (a
+        service) should ask for them."""
         self.loaded = loaded
         self.switch = LayoutSwitch()
         self.model_thread = model_thread.shared()
         self.lean = self.model_thread.run(lean_forward_for, loaded) if lean else None  # None: transformers' forward serves
         if not lean:
             log.info("model passes: transformers' forward (asked for)")
+        self.weights = weights
+        if weights == "int4":
+            self._pack_int4()
+            layouts = {autotune.PLAIN}  # no float32 product is left whose layout could be chosen
+        elif weights != "float":
+            raise ValueError(f"weights must be float or int4, not {weights!r}")
         if loaded.device.type == "cpu":
             make_linears_switchable(self._serving_module(), self.switch, set(layouts))
         self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
@@ -237,6 +246,22 @@ class CausalLM:
         loaded.model.base_model.register_forward_hook(self._capture_last_hidden)
         self.captured_layers: tuple[int, ...] = ()  # decoder layers (1-based) whose outputs are kept with the features
         self._layer_outputs: list[Optional[torch.Tensor]] = []  # [B, n, H] each, of the last forward
+
+    def _pack_int4(self) -> None:
+        """The lean layers' products in 4 bits (specd_common/quantized.py), or a clear refusal."""
+        if self.loaded.device.type != "cpu" or self.lean is None:
+            raise ValueError("--weights int4 needs the CPU and the lean forward (a Llama-shaped target that agrees with "
+                             f"transformers on the start-up probe); here: {self.loaded.device.type}, "
+                             f"{'lean' if self.lean is not None else 'transformers'} forward")
+        packed = self.model_thread.run(quantized.quantize_layers, self.lean.layers)
+        head = "float32"
+        try:
+            self.lean.lm_head = self.model_thread.run(quantized.Int8Linear, self.lean.lm_head.weight)
+            head = "8 bits a weight"
+        except ValueError as why:
+            log.warning("the LM head stays float32: %s", why)
+        log.info("weights: %d of %d decoder products in 4-bit groups, the LM head in %s, bfloat16 inputs", packed,
+                 len(quantized.PRODUCTS) * len(self.lean.layers), head)
 
     def capture_layers(self, layers: Sequence[int]) -> None:
         """Also keep the outputs of decoder layers `layers` (1-based: hidden_states[l] in transformers'

@@ -108,6 +108,7 @@ def start_cluster(
     draft_timeout_s: float = 5.0,
     lookup_tokens: int = 0,
     medusa_heads: Optional[Path] = None,
+    weights: str = "float",
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -117,7 +118,8 @@ def start_cluster(
     http_port: also serve the OpenAI-compatible HTTP API (0 = a free port; tests/test_http_api.py);
     model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down);
     lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here);
-    medusa_heads: a heads folder the verify serves (tests/test_medusa.py); drafter "" starts no draft service.
+    medusa_heads: a heads folder the verify serves (tests/test_medusa.py); drafter "" starts no draft service;
+    weights: the verify's --weights (tests/test_quantized.py).
     """
     import dataclasses
 
@@ -136,7 +138,7 @@ def start_cluster(
     if gateway_tls is not None:
         gateway_config = dataclasses.replace(config, tls_cert=gateway_tls.cert, tls_key=gateway_tls.key, tls_client_ca=gateway_tls.client_ca)
     verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls, *model_interceptors],
-                                 medusa_heads=str(medusa_heads or ""))
+                                 medusa_heads=str(medusa_heads or ""), weights=weights)
     draft = None
     if drafter:
         head_target = str(target) if drafter == "eagle3" else ""  # an EAGLE-3 head names no target; a feature head does

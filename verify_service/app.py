@@ -19,15 +19,15 @@ from verify_service.service import SERVICE_NAME, VerifyServicer, add_to_server
 def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
     threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
-    forward: str = "auto", auth_token: str = "", startup: StartupMeasurement = StartupMeasurement(),
+    forward: str = "auto", auth_token: str = "", startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
 ) -> RunningServer:
-    """threads / prepack / kv_token_budget / forward: see Scorer (0 / auto: measured or derived at start-up on this machine);
+    """threads / prepack / kv_token_budget / forward / weights: see Scorer (0 / auto: measured or derived at start-up on this machine);
     medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none;
     auth_token: when set, every VerifyService RPC needs `authorization: Bearer <token>` (health and reflection stay open).
     startup: where the start-up timings are cached and how long they may take (specd_common/runtime_cache.py).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
-                                       forward, startup)
+                                       forward, startup, weights)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
     )
@@ -39,7 +39,7 @@ def start_verify_server(
 
 def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,
                 kv_token_budget: int, medusa_heads: str, forward: str = "auto",
-                startup: StartupMeasurement = StartupMeasurement()) -> Scorer:
+                startup: StartupMeasurement = StartupMeasurement(), weights: str = "float") -> Scorer:
     """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
     medusa = None
     if medusa_heads:
@@ -47,4 +47,4 @@ def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepac
         from verify_service.medusa import load_heads
 
         medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
-    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup)
+    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup, weights)

@@ -84,7 +84,7 @@ class Scorer:
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
                  max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto",
-                 startup: StartupMeasurement = StartupMeasurement()):
+                 startup: StartupMeasurement = StartupMeasurement(), weights: str = "float"):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
         if forward not in autotune.FORWARDS:
@@ -93,7 +93,7 @@ class Scorer:
         self._info.hidden_size = loaded.model.config.hidden_size
         self.medusa = medusa.to(loaded.device) if medusa is not None else None
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
-        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward == "auto")
+        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward == "auto", weights=weights)
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
         timings = runtime_cache.StartupTimings.open("verify", self.timing_key(threads, max_threads, batching), startup.cache_dir,
@@ -123,7 +123,7 @@ class Scorer:
         loaded = self.lm.loaded
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
-            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "threads": autotune.threads_to_try(threads, max_threads),
+            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "weights": self.lm.weights, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",

@@ -1,0 +1,92 @@
+"""`--weights int4` (specd_common/quantized.py): 4-bit decoder products and an 8-bit LM head on the CPU.
+
+What the exactness of speculation rests on here: a position's logits must not depend on how many
+positions its pass holds, or a verify over k + 1 positions would judge drafts by another model
+than its own one-position decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd_common import quantized
+from tests.conftest import start_cluster
+from tests.test_services import FIXED, PROMPTS, generate
+
+
+def q4_1_blocks(rows: int, columns: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [rows, columns] made as a Q4_1 GGUF stores it: per 32 inputs, d · q + m with d and m in
+    float16 and q in 0..15, each block holding both 0 and 15 (its min and max). Returns (weight, q)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, columns // quantized.GROUP, quantized.GROUP), generator=generator)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(rows, columns // quantized.GROUP, 1, generator=generator) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(rows, columns // quantized.GROUP, 1, generator=generator) * 0.05).half().float()
+    return (d * q + m).reshape(rows, columns), q.reshape(rows, columns).int()
+
+
+def test_a_q4_1_weight_keeps_its_own_levels():
+    """Requantizing an already 4-bit weight finds its blocks' own q, scale and zero."""
+    weight, q = q4_1_blocks(32, 64)
+    found, scale, zero = quantized.quantize_groups(weight)
+    assert torch.equal(found, q)
+    rebuilt = ((found.reshape(32, 2, 32) - 8) * scale[..., None] + zero[..., None]).reshape(32, 64)
+    assert torch.allclose(rebuilt, weight, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layer", [quantized.Int4Linear, quantized.Int8Linear])
+def test_a_quantized_product_scores_each_row_alone(layer):
+    """Each row's output is the same whatever rows share its call, and near the float product."""
+    weight, _ = q4_1_blocks(48, 96, seed=1)
+    product = layer(weight)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(2))
+    together = product(x)  # [9, 48]
+    for row in range(9):
+        assert torch.equal(product(x[row : row + 1]), together[row : row + 1])
+    assert torch.equal(product(x[2:5]), together[2:5])
+    reference = x @ weight.T
+    assert (together - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+def test_a_shape_the_kernel_cannot_pack_is_refused_with_the_reason():
+    assert "out % 16" in quantized.unsupported(torch.zeros(20, 64))
+    with pytest.raises(ValueError, match="in % 32"):
+        quantized.Int8Linear(torch.zeros(16, 40))
+
+
+def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
+    """CausalLM with int4 weights: four positions scored in one pass give the bits they get one at a time."""
+    from specd_common.lm import CausalLM
+    from specd_common.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    assert isinstance(lm.lean.layers[0].qkv, quantized.Int4Linear) and isinstance(lm.lean.lm_head, quantized.Int8Linear)
+    prompt, extra = [5, 9, 14, 3, 7], [11, 2, 30, 8]
+    together_session, alone_session = lm.new_session(prompt), lm.new_session(prompt)
+    lm.forward(together_session)
+    lm.forward(alone_session)
+    together = lm.forward(together_session, extra)  # [4, V]: the rows of the four new positions
+    alone = torch.cat([lm.forward(alone_session, [token])[-1:] for token in extra])
+    assert together.shape == alone.shape and torch.equal(together, alone)
+
+
+def test_int4_weights_need_the_lean_forward(tiny):
+    from specd_common.lm import CausalLM
+    from specd_common.models import load_causal_lm
+
+    with pytest.raises(ValueError, match="lean forward"):
+        CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="int4")
+
+
+def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny):
+    """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output."""
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4")
+    try:
+        stub = running.stub()
+        for prompt in PROMPTS:
+            speculative = generate(stub, text=prompt, max_new_tokens=40, draft_length_policy=FIXED)
+            target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
+            assert list(speculative.token_ids) == list(target_only.token_ids), prompt
+            assert speculative.stats.draft_tokens > 0 and speculative.stats.target_passes < len(speculative.token_ids)
+    finally:
+        running.stop()

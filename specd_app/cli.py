@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
     add_flag(verify, "forward", "auto", "the target's passes: auto (specd_common/lean_forward.py where it serves the model and "
              "agrees with transformers on a start-up probe) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
-    add_flag(verify, "weights", "float", "the target's decoder weights: float (as loaded: exact against transformers) or int4 "
-             "(CPU: 4-bit groups with bfloat16 inputs, ~3x faster passes; greedy output then equals this verify's own "
-             "target-only, not transformers' float32; docs/design/cpu-vs-llama-cpp.md)", choices=["float", "int4"])
+    add_flag(verify, "weights", "float", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
+             "float32) or int4 (CPU: 4-bit groups with bfloat16 inputs and an 8-bit LM head, ~2x faster passes; greedy output "
+             "equals this verify's own target-only for prompts prefilled in the same chunks; docs/design/cpu-vs-llama-cpp.md)",
+             choices=["float", "int4"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "

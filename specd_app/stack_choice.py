@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -108,7 +109,8 @@ def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
     drafter, head = draft_service_default(args.target)
     return {"machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
             "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
-            "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens}
+            "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens,
+            "weights": os.environ.get("SPECD_WEIGHTS", "float")}  # the verify's --weights (specd up passes the environment on)
 
 
 def measure_and_choose(args: argparse.Namespace, ports: dict, devices: dict, commands: dict, children: dict, stop: dict,

@@ -68,6 +68,7 @@ class RuntimeChoice:
     batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
     heads_product: dict = field(default_factory=dict)  # rows → the Medusa heads' product precision and its timings (verify)
     settled_in_serving: dict = field(default_factory=dict)  # size → what ServingTrials chose there and the medians that chose it
+    weights: str = "float"  # the linear products' weights: float as loaded, or int4 (specd_common/quantized.py)
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""

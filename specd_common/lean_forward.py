@@ -80,6 +80,7 @@ class LeanLayer(torch.nn.Module):
         self.kv_heads = attention.config.num_key_value_heads
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
+        self.rows_alone = False  # attention of a short pass row by row, as one-position passes run it (_sdpa)
         self.intermediate = mlp.gate_proj.out_features
 
     def release_originals(self) -> None:
@@ -205,6 +206,7 @@ class Segment:
     start: int
     n: int
     mask: Optional[torch.Tensor] = None
+    scored: bool = False  # its positions' logits are wanted (a verify's chain or tree, not a prompt chunk)
 
 
 def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -215,14 +217,39 @@ def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor,
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
         keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
-        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask))
+        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask, rows_alone=segment.scored))
     return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
 
-def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D]."""
+def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+          rows_alone: bool = False) -> torch.Tensor:
+    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D].
+    With layer.rows_alone and rows_alone (a verify's chain or tree: Segment.scored), one session's rows
+    attend one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
+    rounding, and bfloat16 products downstream (specd_common/quantized.py) turn that rounding into
+    different logits, so a verify would judge drafts by another model than its own one-position
+    decoding. Prompt chunks keep one call: every mode prefills a prompt alike."""
+    n = q.shape[2]
+    if layer.rows_alone and rows_alone and n > 1 and q.shape[0] == 1:
+        return torch.cat([_sdpa_row(layer, q, keys, values, mask, row) for row in range(n)], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                           is_causal=mask is None and q.shape[2] > 1, enable_gqa=layer.heads != layer.kv_heads)
+
+
+def _sdpa_row(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+              row: int) -> torch.Tensor:
+    """Query `row` of q [1, Hq, n, D] alone over the keys it may see, in cache order: exactly the call a
+    one-position pass makes after the tokens those keys hold (causal: the first m - n + row + 1; a tree's
+    mask: the committed ones and the row's ancestors). Returns [1, Hq, 1, D]."""
+    allowed = None if mask is None else mask[0, 0, row]  # [m] bool
+    visible = keys.shape[2] - q.shape[2] + row + 1 if allowed is None else int(allowed.sum())
+    if allowed is None or bool(allowed[:visible].all()):  # causal: a prefix of the cache, no copy
+        keys, values = keys[:, :, :visible], values[:, :, :visible]
+    else:  # a tree node: the committed positions and its ancestors
+        index = allowed.nonzero()[:, 0]  # [m'] the positions this row attends
+        keys, values = keys.index_select(2, index), values.index_select(2, index)
+    return F.scaled_dot_product_attention(q[:, :, row : row + 1], keys, values, scale=layer.scaling,
+                                          enable_gqa=layer.heads != layer.kv_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

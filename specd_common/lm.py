@@ -79,6 +79,9 @@ class KVSession(TokenSequence):
         super().apply_commit(prefix_length, append)
 
 
+WEIGHTS = ("float", "int4")  # CausalLM's weights: as loaded, or 4-bit products (specd_common/quantized.py)
+
+
 class LayoutSwitch:
     """Which weight layout the next forward's linear layers use (set by CausalLM before each pass;
     passes are serialised by its lock, so one shared attribute is enough)."""
@@ -216,9 +219,9 @@ class CausalLM:
         `tune` picks among them per forward size and drops the unused). lean: run passes with
         specd_common/lean_forward.py where the model is supported and agrees with transformers
         (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
-        views: same values, one copy). weights: "float" as loaded, or "int4": the lean decoder
-        layers' products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU, lean
-        forward only). They change loaded.model in place, so only the owner of the model (a
+        views: same values, one copy). weights: "float" as loaded; "int4": the lean decoder layers'
+        products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU and lean forward
+        only, else ValueError). They change loaded.model in place, so only the owner of the model (a
         service) should ask for them."""
         self.loaded = loaded
         self.switch = LayoutSwitch()
@@ -226,12 +229,12 @@ class CausalLM:
         self.lean = self.model_thread.run(lean_forward_for, loaded) if lean else None  # None: transformers' forward serves
         if not lean:
             log.info("model passes: transformers' forward (asked for)")
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
         self.weights = weights
         if weights == "int4":
             self._pack_int4()
             layouts = {autotune.PLAIN}  # no float32 product is left whose layout could be chosen
-        elif weights != "float":
-            raise ValueError(f"weights must be float or int4, not {weights!r}")
         if loaded.device.type == "cpu":
             make_linears_switchable(self._serving_module(), self.switch, set(layouts))
         self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
@@ -569,7 +572,7 @@ class CausalLM:
             ids += feed.tokens
             positions += feed.positions if feed.positions is not None else range(cached, cached + len(feed.tokens))
             mask = None if feed.mask is None else feed.mask.to(device)
-            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask))
+            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, scored=feed.logits > 0))
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
         wanted = [segment.start + segment.n - feed.logits + i for feed, segment in zip(feeds, segments) for i in range(feed.logits)]

@@ -124,4 +124,5 @@ def quantize_layers(layers: Sequence[torch.nn.Module]) -> int:
             packed += 1
         if not kept:  # o and down are transformers' own modules: released only when neither serves
             layer.release_originals()
+        layer.rows_alone = True  # lean_forward._sdpa: bfloat16 products would amplify attention's rounding
     return packed

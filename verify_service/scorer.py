@@ -100,6 +100,7 @@ class Scorer:
                                                     startup.remeasure, startup.budget_s)
         runtime = self.lm.tune(threads, max_threads, measure=timings.measure)
         runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
+        runtime.weights = self.lm.weights
         if self.medusa is not None:  # on the model thread, at its thread count
             runtime.heads_product = self.lm.run(self.medusa.tune_product, measure=timings.measure)
         self.batcher = make_batcher(self.lm, batching, finish=self._finish)  # None: one session per forward

@@ -88,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
     add_flag(verify, "forward", "auto", "the target's passes: auto (specd_common/lean_forward.py where it serves the model and "
              "agrees with transformers on a start-up probe) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
-    add_flag(verify, "weights", "float", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
-             "float32) or int4 (CPU: 4-bit groups with bfloat16 inputs and an 8-bit LM head, ~2x faster passes; greedy output "
-             "equals this verify's own target-only for prompts prefilled in the same chunks; docs/design/cpu-vs-llama-cpp.md)",
-             choices=["float", "int4"])
+    add_flag(verify, "weights", "auto", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
+             "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
+             "verify's own target-only) or auto (int4 on a CPU for a model whose file stores them in 4 bits, as the default "
+             "target's GGUF does; else float); docs/design/cpu-vs-llama-cpp.md", choices=["auto", "float", "int4"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
@@ -272,7 +272,7 @@ def serve_verify(args: argparse.Namespace) -> None:
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
         medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
         auth_token=load_token(args.auth_token, args.auth_token_file), startup=StartupMeasurement.from_args(args),
-        weights=args.weights,
+        weights=weights_for(args.weights, args.model),
     )
     wait_for_termination(running, args.grace)
 
@@ -635,6 +635,20 @@ def in_process_baselines(hf, hf_modes: list, args: argparse.Namespace, warm_prom
     for mode, k in (("llamacpp_target", None), ("llamacpp_lookup", args.num_draft_tokens)):
         modes[mode] = functools.partial(runner.run, max_new_tokens=args.max_new_tokens, k=k)
     return modes
+
+
+def weights_for(choice: str, model: str) -> str:
+    """--weights auto → CausalLM's "auto" (int4 where it serves) for a model whose file stores its
+    decoder in 4 bits or fewer, "float" for any other: 4-bit products would coarsen finer weights."""
+    from specd_common.models import stored_weight_bits
+
+    if choice != "auto":
+        return choice
+    bits = stored_weight_bits(model)
+    if bits is None or bits > 4:
+        log.info("weights: auto → float (%s)", "a float model" if bits is None else f"its file stores {bits} bits a weight")
+        return "float"
+    return "auto"
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -110,7 +110,7 @@ def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
     return {"machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
             "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
             "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens,
-            "weights": os.environ.get("SPECD_WEIGHTS", "float")}  # the verify's --weights (specd up passes the environment on)
+            "weights": os.environ.get("SPECD_WEIGHTS", "auto")}  # the verify's --weights (specd up passes the environment on)
 
 
 def measure_and_choose(args: argparse.Namespace, ports: dict, devices: dict, commands: dict, children: dict, stop: dict,

@@ -27,6 +27,7 @@ from specd_common.telemetry import model_forward
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt positions per prefill pass when no other session shares it (CausalLM.prefill_feed)
+INT4_PREFILL_CHUNK = 64  # int4 prompt chunks: always this size, since attention over a chunk rounds by its size (quantized.py)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class KVSession(TokenSequence):
         super().apply_commit(prefix_length, append)
 
 
-WEIGHTS = ("float", "int4")  # CausalLM's weights: as loaded, or 4-bit products (specd_common/quantized.py)
+WEIGHTS = ("float", "int4", "auto")  # CausalLM's weights: as loaded, 4-bit products (quantized.py), int4 where it serves
 
 
 class LayoutSwitch:
@@ -221,7 +222,7 @@ class CausalLM:
         (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
         views: same values, one copy). weights: "float" as loaded; "int4": the lean decoder layers'
         products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU and lean forward
-        only, else ValueError). They change loaded.model in place, so only the owner of the model (a
+        only, else ValueError); "auto": int4 where that serves, else float. They change loaded.model in place, so only the owner of the model (a
         service) should ask for them."""
         self.loaded = loaded
         self.switch = LayoutSwitch()
@@ -231,6 +232,11 @@ class CausalLM:
             log.info("model passes: transformers' forward (asked for)")
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+        if weights == "auto":  # asked for a model stored in 4 bits (specd_app.cli.weights_for)
+            weights = "int4" if loaded.device.type == "cpu" and self.lean is not None else "float"
+            log.info("weights: auto → %s", weights if weights == "int4" else
+                     f"float (int4 needs the CPU and the lean forward; here {loaded.device.type}, "
+                     f"{'lean' if self.lean is not None else 'transformers'} forward)")
         self.weights = weights
         if weights == "int4":
             self._pack_int4()
@@ -412,6 +418,8 @@ class CausalLM:
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
         those of one pass."""
         start = session.cached
+        if self.weights == "int4":  # one chunk size: a prompt is prefilled alike however busy the passes are
+            budget = INT4_PREFILL_CHUNK
         return Feed(session, session.tokens[start : start + min(budget, self.unprefilled(session))], logits=0)
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -131,6 +132,31 @@ def resolve_model_path(spec: str) -> str:
             raise InvalidArgument(f"{spec!r} is a folder without config.json; give a transformers model folder")
         return str(path)
     return spec  # a hub id: transformers resolves it (from its local cache when offline)
+
+
+def stored_weight_bits(spec: str) -> Optional[int]:
+    """Bits a weight the model's file stores its decoder layers in: for a GGUF (embedded or named),
+    the widest type among its blk.* matrices (Q4_1: 4, Q8_0: 8, F16: 16); None for a transformers folder
+    or hub id, whose float weights specd does not look into."""
+    if spec in _EMBEDDED:
+        path = embedded_gguf_path(spec)
+    elif Path(spec).expanduser().suffix == ".gguf":
+        path = Path(spec).expanduser()
+    else:
+        return None
+    from gguf import GGUFReader
+
+    bits = [gguf_type_bits(tensor.tensor_type.name) for tensor in GGUFReader(str(path)).tensors
+            if tensor.name.startswith("blk.") and len(tensor.shape) == 2]
+    return max(bits) if bits else None
+
+
+def gguf_type_bits(name: str) -> int:
+    """A GGUF tensor type's bits a weight, by its name: Q4_1 / IQ4_XS → 4, Q6_K → 6, F16 / BF16 → 16, F32 → 32."""
+    match = re.match(r"I?Q(\d)", name)
+    if match:
+        return int(match.group(1))
+    return {"F16": 16, "BF16": 16, "F64": 64}.get(name, 32)
 
 
 def visible_cuda_devices() -> int:

@@ -5,19 +5,19 @@ most of a pass (~40 ms; llama.cpp reads the same model's Q4_1 file, ~85 MB, in ~
 docs/design/cpu-vs-llama-cpp.md). PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, the
 one gpt-fast and torchao use) reads 4-bit weights in groups of 32 along the input with a bfloat16
 scale and zero each, and takes bfloat16 activations. The decoder's products over 1 / 4 / 8 rows
-took 5.2 / 7.7 / 13.7 ms against 39 / 49 / 44 ms in float32 on that CPU, so extra draft
-positions stay cheap and speculation still pays.
+took 5.2 / 7.7 / 13.7 ms against 39 / 49 / 44 ms in float32 on that CPU.
 
 The LM head (a Q8_0 embedding in the default GGUF) goes to 8 bits a weight with a scale per
 vocabulary row (`_weight_int8pack_mm`): 3.2 ms a row against 10.5 in float32 there.
 
 What it changes: the served model. Weights are rounded to 4 bits a group (a Q4_1 GGUF's weights,
-which are already 4-bit groups of 32, come back nearly as they were: each block's min and max
-are among its values), the LM head's to 8 bits, and each product's input and output to bfloat16
-(the logits too, as bfloat16 GPU serving has them); the residual stream, norms and attention stay
-float32. Greedy output is then identical to this verify's own
-target-only decoding, not to transformers' float32: the kernel computes each row on its own, so
-a position's logits do not depend on how many positions its pass holds (a test checks it).
+which are already 4-bit groups of 32, come back as they were: each block's min and max are among
+its values), the LM head's to 8 bits, and each product's input and output to bfloat16 (the logits
+too, as bfloat16 GPU serving has them); the residual stream, norms and attention stay float32.
+Greedy output equals this verify's own target-only decoding, not transformers' float32. That
+needs every position's logits to be the same however passes are cut: both kernels compute each
+row on its own; a verify's rows attend one by one (lean_forward._sdpa_row, LeanLayer.rows_alone);
+prompts are prefilled in fixed chunks (lm.INT4_PREFILL_CHUNK). docs/design/cpu-vs-llama-cpp.md.
 """
 
 from __future__ import annotations

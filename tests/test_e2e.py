@@ -19,6 +19,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.v1 import common_pb2, verify_pb2_grpc
 from tests.specd_stack import free_ports
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +88,13 @@ def specd_generate(address: str, prompt: str, *flags: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_greedy_through_services_equals_target_only_and_transformers(specd_up, default_target):
+def test_greedy_through_services_equals_target_only(specd_up, up_ports):
+    """`specd up`'s defaults: on a CPU the verify serves the 4-bit GGUF with int4 products (--weights
+    auto), and speculation keeps its own greedy output token for token. (Against transformers' float32:
+    the float verify of test_the_default_drafter_fits_the_machine_...)"""
+    with grpc.insecure_channel(f"127.0.0.1:{up_ports['verify']}") as channel:
+        info = verify_pb2_grpc.VerifyServiceStub(channel).GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=30)
+    assert '"weights":"int4"' in info.runtime_config, info.runtime_config
     prompts = shared_prompts()
     assert len(prompts) == 6
     accepted = 0
@@ -95,11 +102,6 @@ def test_greedy_through_services_equals_target_only_and_transformers(specd_up, d
         speculative = specd_generate(specd_up, prompt)
         target_only = specd_generate(specd_up, prompt, "--no-speculation")
         assert speculative["token_ids"] == target_only["token_ids"], prompt[:60]
-        with torch.inference_mode():
-            out = default_target.model.generate(
-                torch.tensor([speculative["prompt_token_ids"]]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
-            )
-        assert speculative["token_ids"] == out[0, len(speculative["prompt_token_ids"]) :].tolist(), prompt[:60]
         assert speculative["stats"]["target_passes"] <= target_only["stats"]["target_passes"]
         accepted += speculative["stats"]["accepted_tokens"]
     assert accepted > 0, "the default drafter never had a draft accepted"
@@ -210,3 +212,6 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
             server.stop(0)
     assert list(head.token_ids) == list(alone.token_ids)
     assert head.stats.draft_tokens > 0 and head.stats.accepted_tokens > 0
+    with torch.inference_mode():  # a float verify: transformers' float32 answer, token for token
+        out = default_target.model.generate(torch.tensor([list(head.prompt_token_ids)]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    assert list(head.token_ids) == out[0, len(head.prompt_token_ids) :].tolist()

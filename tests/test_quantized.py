@@ -122,3 +122,37 @@ def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny):
             assert speculative.stats.draft_tokens > 0 and speculative.stats.target_passes < len(speculative.token_ids)
     finally:
         running.stop()
+
+
+def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
+    """--weights auto: the default target's GGUF stores its decoder in Q4_1, so int4 where it serves; a
+    float model, or a GGUF of wider types, stays float; a GPU stays float whatever the file."""
+    from specd_app.cli import weights_for
+    from specd_common.config import DEFAULT_TARGET
+    from specd_common.lm import CausalLM
+    from specd_common.models import gguf_type_bits, load_causal_lm, stored_weight_bits
+
+    assert stored_weight_bits(DEFAULT_TARGET) == 4 and weights_for("auto", DEFAULT_TARGET) == "auto"
+    assert stored_weight_bits(str(tiny.target)) is None and weights_for("auto", str(tiny.target)) == "float"
+    assert [gguf_type_bits(name) for name in ("Q4_1", "IQ4_XS", "Q5_K", "Q8_0", "BF16", "F32")] == [4, 4, 5, 8, 16, 32]
+    assert weights_for("float", DEFAULT_TARGET) == "float" and weights_for("int4", str(tiny.target)) == "int4"
+    assert CausalLM(load_causal_lm(str(tiny.target)), weights="auto").weights == "int4"  # the CPU, the lean forward
+    assert CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="auto").weights == "float"
+
+
+def test_an_int4_prompt_is_prefilled_in_the_same_chunks_however_busy_the_passes_are(tiny):
+    """A busy pass's budget (4) and an idle one's (512) cut an int4 prompt alike: attention over a
+    prompt chunk rounds by its size, and the answer must not depend on the load it arrived into."""
+    from specd_common.lm import INT4_PREFILL_CHUNK, CausalLM
+    from specd_common.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    prompt = [(5 * i) % 40 + 3 for i in range(150)]
+    for budget in (4, 512):
+        session = lm.new_session(prompt, prefill=False)
+        chunks = []
+        while lm.unprefilled(session):
+            feed = lm.prefill_feed(session, budget)
+            chunks.append(len(feed.tokens))
+            lm.run_feeds([feed])
+        assert chunks == [INT4_PREFILL_CHUNK, INT4_PREFILL_CHUNK, 149 - 2 * INT4_PREFILL_CHUNK], budget

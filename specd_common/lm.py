@@ -27,7 +27,7 @@ from specd_common.telemetry import model_forward
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt positions per prefill pass when no other session shares it (CausalLM.prefill_feed)
-INT4_PREFILL_CHUNK = 64  # int4 prompt chunks: always this size, since attention over a chunk rounds by its size (quantized.py)
+INT4_PREFILL_CHUNK = 16  # int4 prompt chunks: always this size (attention over a chunk rounds by its size); small, since a chunk rides in every pass of the streams beside it
 
 
 @dataclass

@@ -80,7 +80,6 @@ class LeanLayer(torch.nn.Module):
         self.kv_heads = attention.config.num_key_value_heads
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
-        self.rows_alone = False  # attention of a short pass row by row, as one-position passes run it (_sdpa)
         self.intermediate = mlp.gate_proj.out_features
 
     def release_originals(self) -> None:
@@ -206,7 +205,7 @@ class Segment:
     start: int
     n: int
     mask: Optional[torch.Tensor] = None
-    scored: bool = False  # its positions' logits are wanted (a verify's chain or tree, not a prompt chunk)
+    rows_alone: bool = False  # its rows attend one by one, as one-position passes would (_sdpa)
 
 
 def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -217,20 +216,20 @@ def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor,
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
         keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
-        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask, rows_alone=segment.scored))
+        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask, rows_alone=segment.rows_alone))
     return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
 
 def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
           rows_alone: bool = False) -> torch.Tensor:
     """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D].
-    With layer.rows_alone and rows_alone (a verify's chain or tree: Segment.scored), one session's rows
-    attend one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
+    With rows_alone (an int4 verify's chain or tree: CausalLM._run_ragged), one session's rows attend
+    one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
     rounding, and bfloat16 products downstream (specd_common/quantized.py) turn that rounding into
     different logits, so a verify would judge drafts by another model than its own one-position
-    decoding. Prompt chunks keep one call: every mode prefills a prompt alike."""
+    decoding. Prompt chunks keep one call: they come in one size (CausalLM.prefill_feed)."""
     n = q.shape[2]
-    if layer.rows_alone and rows_alone and n > 1 and q.shape[0] == 1:
+    if rows_alone and n > 1 and q.shape[0] == 1:
         return torch.cat([_sdpa_row(layer, q, keys, values, mask, row) for row in range(n)], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                           is_causal=mask is None and q.shape[2] > 1, enable_gqa=layer.heads != layer.kv_heads)

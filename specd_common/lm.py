@@ -27,7 +27,9 @@ from specd_common.telemetry import model_forward
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt positions per prefill pass when no other session shares it (CausalLM.prefill_feed)
-INT4_PREFILL_CHUNK = 16  # int4 prompt chunks: always this size (attention over a chunk rounds by its size); small, since a chunk rides in every pass of the streams beside it
+# int4 prompt chunks: always this size, since attention over a chunk rounds by its size; small, since a
+# chunk rides in every pass of the streams beside it (docs/design/cpu-vs-llama-cpp.md)
+INT4_PREFILL_CHUNK = 16
 
 
 @dataclass
@@ -222,8 +224,8 @@ class CausalLM:
         (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
         views: same values, one copy). weights: "float" as loaded; "int4": the lean decoder layers'
         products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU and lean forward
-        only, else ValueError); "auto": int4 where that serves, else float. They change loaded.model in place, so only the owner of the model (a
-        service) should ask for them."""
+        only, else ValueError); "auto": int4 where that serves, else float. They change loaded.model
+        in place, so only the owner of the model (a service) should ask for them."""
         self.loaded = loaded
         self.switch = LayoutSwitch()
         self.model_thread = model_thread.shared()
@@ -233,10 +235,9 @@ class CausalLM:
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
         if weights == "auto":  # asked for a model stored in 4 bits (specd_app.cli.weights_for)
-            weights = "int4" if loaded.device.type == "cpu" and self.lean is not None else "float"
-            log.info("weights: auto → %s", weights if weights == "int4" else
-                     f"float (int4 needs the CPU and the lean forward; here {loaded.device.type}, "
-                     f"{'lean' if self.lean is not None else 'transformers'} forward)")
+            missing = self._int4_missing()
+            weights = "float" if missing else "int4"
+            log.info("weights: auto → %s", f"float ({missing})" if missing else weights)
         self.weights = weights
         if weights == "int4":
             self._pack_int4()
@@ -256,12 +257,18 @@ class CausalLM:
         self.captured_layers: tuple[int, ...] = ()  # decoder layers (1-based) whose outputs are kept with the features
         self._layer_outputs: list[Optional[torch.Tensor]] = []  # [B, n, H] each, of the last forward
 
+    def _int4_missing(self) -> str:
+        """What int4 products would need and this model lacks ("" when they can serve it)."""
+        if self.loaded.device.type == "cpu" and self.lean is not None:
+            return ""
+        return ("int4 needs the CPU and the lean forward (a Llama-shaped target that agrees with transformers on the "
+                f"start-up probe); here: {self.loaded.device.type}, {'lean' if self.lean is not None else 'transformers'} forward")
+
     def _pack_int4(self) -> None:
         """The lean layers' products in 4 bits (specd_common/quantized.py), or a clear refusal."""
-        if self.loaded.device.type != "cpu" or self.lean is None:
-            raise ValueError("--weights int4 needs the CPU and the lean forward (a Llama-shaped target that agrees with "
-                             f"transformers on the start-up probe); here: {self.loaded.device.type}, "
-                             f"{'lean' if self.lean is not None else 'transformers'} forward")
+        missing = self._int4_missing()
+        if missing:
+            raise ValueError(f"--weights {missing}")
         packed = self.model_thread.run(quantized.quantize_layers, self.lean.layers)
         head = "float32"
         try:
@@ -580,7 +587,9 @@ class CausalLM:
             ids += feed.tokens
             positions += feed.positions if feed.positions is not None else range(cached, cached + len(feed.tokens))
             mask = None if feed.mask is None else feed.mask.to(device)
-            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, scored=feed.logits > 0))
+            # int4: a verify's rows attend one by one, so a position scores alike in any pass (quantized.py)
+            rows_alone = self.weights == "int4" and feed.logits > 0
+            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, rows_alone=rows_alone))
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
         wanted = [segment.start + segment.n - feed.logits + i for feed, segment in zip(feeds, segments) for i in range(feed.logits)]

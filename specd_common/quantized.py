@@ -16,7 +16,7 @@ its values), the LM head's to 8 bits, and each product's input and output to bfl
 too, as bfloat16 GPU serving has them); the residual stream, norms and attention stay float32.
 Greedy output equals this verify's own target-only decoding, not transformers' float32. That
 needs every position's logits to be the same however passes are cut: both kernels compute each
-row on its own; a verify's rows attend one by one (lean_forward._sdpa_row, LeanLayer.rows_alone);
+row on its own; a verify's rows attend one by one (lean_forward._sdpa_row, Segment.rows_alone);
 prompts are prefilled in fixed chunks (lm.INT4_PREFILL_CHUNK). docs/design/cpu-vs-llama-cpp.md.
 """
 
@@ -70,7 +70,8 @@ class Int4Linear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         q, scale, zero = quantize_groups(weight.detach())
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2] uint8
-        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/G, N, 2]
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [K/G, N, 2]: the kernel's layout
+        self.register_buffer("scales_zeros", scales_zeros.contiguous().to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
@@ -124,5 +125,4 @@ def quantize_layers(layers: Sequence[torch.nn.Module]) -> int:
             packed += 1
         if not kept:  # o and down are transformers' own modules: released only when neither serves
             layer.release_originals()
-        layer.rows_alone = True  # lean_forward._sdpa: bfloat16 products would amplify attention's rounding
     return packed

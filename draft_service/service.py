@@ -12,12 +12,11 @@ from draft_service.speculation import MAX_OUTCOMES, SpeculationCache, Speculatio
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
+from specd_common.tree import MAX_BRANCHES, MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
 
-MAX_DRAFT_TOKENS = 32
-MAX_BRANCHES = 4  # candidates per drafted position in a tree (ProposeRequest.branches)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
@@ -68,8 +67,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext):
         k, branches = request.num_draft_tokens, max(1, request.branches)
         require(1 <= k <= MAX_DRAFT_TOKENS, f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {k}")
-        require(0 <= request.branches <= MAX_BRANCHES and k * branches <= MAX_DRAFT_TOKENS,
-                f"branches must be in [0, {MAX_BRANCHES}] with num_draft_tokens × branches ≤ {MAX_DRAFT_TOKENS}, "
+        require(0 <= request.branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
+                f"branches must be in [0, {MAX_BRANCHES}] with num_draft_tokens × branches ≤ {MAX_TREE_NODES}, "
                 f"got {request.branches} × {k}")
         require(0 <= request.speculate_outcomes <= MAX_OUTCOMES,
                 f"speculate_outcomes must be in [0, {MAX_OUTCOMES}], got {request.speculate_outcomes}")

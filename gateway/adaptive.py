@@ -95,12 +95,19 @@ class TreeNode(NamedTuple):
     value: float
 
 
-def head_nodes(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]], scale: float) -> list[TreeNode]:
+def head_nodes(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]],
+               scales: Sequence[float] = ()) -> list[TreeNode]:
     """The Medusa heads' candidates as tree nodes (tokens[d][r], confidences[d][r]: head d + 1's r-th
-    candidate and its probability, best first): valued by node_values times the request's `scale`
-    (HeadCalibration), in node_values' order, so each head's best comes before its alternatives."""
+    candidate and its probability, best first): valued by node_values times the request's scale at
+    their depth (HeadCalibration.scales; () or past its end: the last scale, else 1), never above
+    their parent's value, in node_values' order, so each head's best comes before its alternatives."""
     chain = [candidates[0] for candidates in tokens]
-    return [TreeNode((*chain[:depth], tokens[depth][rank]), value * scale) for value, depth, rank in node_values(confidences)]
+    values: dict[tuple[int, ...], float] = {(): 1.0}
+    for value, depth, rank in node_values(confidences):  # parents (the chain's nodes) come first
+        scale = scales[min(depth, len(scales) - 1)] if scales else 1.0
+        path = (*chain[:depth], tokens[depth][rank])
+        values[path] = min(value * scale, values[tuple(chain[:depth])])
+    return [TreeNode(path, value) for path, value in values.items() if path]
 
 
 def chain_nodes(tokens: Sequence[int], rates: Sequence[float]) -> list[TreeNode]:
@@ -166,18 +173,25 @@ def valued_tree(pools: Sequence[Sequence[TreeNode]], round_cost_s: Callable[[int
     return best, best_rate
 
 
-def confident_tree(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]], scale: float,
-                   round_cost_s: Callable[[int, bool], float]) -> tuple[list[TreeNode], float, float]:
+def confident_tree(tokens: Sequence[Sequence[int]], confidences: Sequence[Sequence[float]], scales: Sequence[float],
+                   round_cost_s: Callable[[int, bool], float]) -> tuple[list[TreeNode], float]:
     """A tree of the Medusa heads' candidates chosen by their confidence this round (valued_tree over
     head_nodes): tokens[d][r] and confidences[d][r] are head d + 1's r-th candidate and its
     probability (best first); a node's value is the chance it is the target's token, its path product
-    (node_values) times the request's measured `scale` (HeadCalibration): calibrated heads' path
-    products are their acceptance rates (docs/design/trees.md).
+    (node_values) times the request's measured scale at its depth (HeadCalibration): calibrated
+    heads' path products are their acceptance rates (docs/design/trees.md).
 
-    Returns (the chosen nodes, ordered for tree.from_paths; [] for no drafts), the sum of their
-    unscaled values (the round's prediction, for HeadCalibration) and the tokens per second expected."""
-    chosen, rate = valued_tree([head_nodes(tokens, confidences, scale)], round_cost_s)
-    return chosen, sum(node.value for node in chosen) / scale if scale else 0.0, rate
+    Returns (the chosen nodes, ordered for tree.from_paths; [] for no drafts) and the tokens per
+    second expected."""
+    return valued_tree([head_nodes(tokens, confidences, scales)], round_cost_s)
+
+
+def depth_sums(nodes: Sequence[TreeNode], values: dict[tuple[int, ...], float]) -> list[float]:
+    """values (path → value) of `nodes` summed by depth: [depth 1, depth 2, ...] up to the deepest node."""
+    sums = [0.0] * max((len(node.path) for node in nodes), default=0)
+    for node in nodes:
+        sums[len(node.path) - 1] += values.get(node.path, 0.0)
+    return sums
 
 
 def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int,
@@ -512,23 +526,45 @@ class AcceptanceEstimate:
 
 
 class HeadCalibration:
-    """How the Medusa heads' confidence predicts this request's acceptance: accepted drafts over the sum of
-    the drafted nodes' values (confident_tree), exponentially forgotten, shrunk toward 1 (calibrated).
-    Held out the greedy path products are close to the acceptance rates, but a request's own kind
-    of text, or sampling (a fixed candidate is kept with the target's probability of it, below its
-    argmax's), moves them: the scale follows the request."""
+    """How the Medusa heads' confidence predicts this request's acceptance, per depth: accepted head
+    nodes over the sum of the drafted head nodes' values (path products) at that depth, exponentially
+    forgotten, shrunk toward the depth above's scale (the first depth's toward 1: calibrated).
+
+    Held out, the greedy path products are close to the acceptance rates, but a request's own kind of
+    text, or sampling (a one-hot draft is kept with the target's probability of it, below the heads'
+    confidence, and the shortfall compounds along a chain), moves them, deeper nodes the most: one
+    scale for all depths over-promised the deep ones (sampled at T = 0.8 on unseen prompts the heads
+    kept 0.26, 0.10 and 0.05 drafts at depths 1-3 while a depth-1 scale valued the deep ones at twice
+    that), so each depth follows the request apart."""
 
     def __init__(self, policy: SpeculationPolicy = POLICY):
         self.prior_weight, self.decay = policy.prior_weight, policy.decay
-        self._accepted = self._predicted = 0.0
+        self._accepted: list[float] = []  # per depth (0 = a head 1 node)
+        self._predicted: list[float] = []
+
+    def scales(self, depths: int) -> list[float]:
+        """The scale of depths 1..depths."""
+        scales, previous = [], 1.0
+        for depth in range(depths):
+            accepted = self._accepted[depth] if depth < len(self._accepted) else 0.0
+            predicted = self._predicted[depth] if depth < len(self._predicted) else 0.0
+            previous = (accepted + self.prior_weight * previous) / (predicted + self.prior_weight)
+            scales.append(previous)
+        return scales
 
     @property
     def scale(self) -> float:
-        return (self._accepted + self.prior_weight) / (self._predicted + self.prior_weight)
+        """The first depth's scale."""
+        return self.scales(1)[0]
 
-    def observe(self, predicted: float, accepted: int) -> None:
-        self._accepted = self.decay * self._accepted + accepted
-        self._predicted = self.decay * self._predicted + predicted
+    def observe(self, predicted: Sequence[float], accepted: Sequence[int]) -> None:
+        """One round: the drafted head nodes' values and how many of them were accepted, by depth."""
+        while len(self._predicted) < max(len(predicted), len(accepted)):
+            self._predicted.append(0.0)
+            self._accepted.append(0.0)
+        for depth in range(len(self._predicted)):
+            self._predicted[depth] = self.decay * self._predicted[depth] + (predicted[depth] if depth < len(predicted) else 0.0)
+            self._accepted[depth] = self.decay * self._accepted[depth] + (accepted[depth] if depth < len(accepted) else 0.0)
 
 
 def describe_shapes(shapes: dict[tuple[int, bool], RoundShape]) -> str:

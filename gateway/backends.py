@@ -33,7 +33,8 @@ class Backends:
     target_info: common_pb2.GetModelInfoResponse
     tokenizer: GatewayTokenizer
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
-    costs: StepCosts = field(default_factory=StepCosts)  # measured step times, for adaptive draft length
+    costs: StepCosts = field(default_factory=StepCosts)  # measured greedy round times, for adaptive draft length
+    sampled_costs: StepCosts = field(default_factory=StepCosts)  # ... sampled ones: each position's distribution is warped, sent and decoded
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
     keeper: SessionKeeper = field(default_factory=lambda: SessionKeeper(lease_s=0))  # leases renewed, failed releases retried
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)

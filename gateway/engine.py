@@ -91,6 +91,7 @@ class SpeculationStats:
     lookup_rounds: int = 0  # rounds whose drafts were the gateway's prompt-lookup copies
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
     tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)
+    predicted_tokens: float = 0.0  # the planner's expected tokens kept, summed over rounds (RoundPlan.expected)
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -151,6 +152,9 @@ class Generation:
         self.sequence: list[int] = list(spec.prompt_ids)  # prompt + generated: what both services commit to
         self.generated: list[int] = []
         self.stats = SpeculationStats()
+        # a sampled round of n positions costs more than a greedy one (every row's p is warped, sent and
+        # decoded; the heads read several rows), so each kind of request prices rounds by its own kind's
+        self.costs = backends.costs if spec.warp.greedy else backends.sampled_costs
         self.max_length = backends.target_info.max_sequence_length
         self._time_remaining = time_remaining
         self._is_active = is_active
@@ -204,25 +208,27 @@ class Generation:
     def context(self) -> RoundContext:
         """What the proposers read to plan this round (the load is asked once a round)."""
         return RoundContext(self.sequence, self._tokens_left(), self._speculation_allowed(), self._running() <= 1,
-                            self.backends.costs)
+                            self.costs)
 
     def _round(self) -> Chunk:
         started = time.perf_counter()
         ctx = self.context()
         self.draft.stop_if_unfed(ctx.allowed)
+        if ctx.allowed:  # a draft session that failed competes again once its back-off is over
+            self.draft.reopen_if_due(list(self.sequence))
         # 1-2. Plan and propose
         plan = self.planner.plan(ctx)
         draft_probs = self._propose(plan)
         proposed = time.perf_counter()
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
         scores = self._verify_drafts(plan, self.planner.ask_heads(ctx))
-        self._measure_costs(plan, started, proposed)
         # 4. Judge
         outcome = self._judge(plan.drafts, draft_probs, scores, plan.parents)
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
         self.stats.count_round(verdict.chain, outcome.accepted)
+        self.stats.predicted_tokens += plan.expected
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)
@@ -235,6 +241,7 @@ class Generation:
         self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy, len(self.sequence))
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
+        self._measure_costs(plan, started, proposed)
         self.stats.round_seconds += time.perf_counter() - started
         return chunk
 
@@ -247,8 +254,10 @@ class Generation:
         return [] if self.spec.warp.greedy else [one_hot(token) for token in plan.drafts]
 
     def _measure_costs(self, plan: RoundPlan, started: float, proposed: float) -> None:
-        """The round's Verify time (and its Propose's) into the shared step costs (adaptive.StepCosts)."""
-        costs = self.backends.costs
+        """The round's time after its Propose (the Verify, judging the drafts, decoding distributions,
+        committing and emitting: all a round costs beside its drafts) and its Propose's into the shared
+        step costs of its kind (adaptive.StepCosts): the planner prices a round as it was served."""
+        costs = self.costs
         costs.observe_verify(len(plan.drafts) + 1, time.perf_counter() - proposed, heads=self.heads.asked,
                              tree=bool(plan.parents))
         if plan.source == DRAFT and proposed - started > POLICY.min_draft_s:
@@ -319,6 +328,7 @@ class Generation:
                 return_features=features is not None,
                 return_head_drafts=ask_heads,
                 head_candidates=self.heads.candidates_per_head(),
+                head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy) if ask_heads else 0,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())

@@ -87,6 +87,7 @@ class GenerationObserver:
             return run_round()
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
+        predicted_before = stats.predicted_tokens
         lookups_before, heads_before, trees_before = stats.lookup_rounds, stats.head_rounds, stats.tree_rounds
         cache_lookups_before, cache_hits_before = stats.draft_cache_lookups, stats.draft_cache_hits
         started = time.perf_counter()
@@ -114,6 +115,7 @@ class GenerationObserver:
                         "specd.round.heads": stats.head_rounds > heads_before,
                         "specd.round.tree": stats.tree_rounds > trees_before,
                         "specd.accepted.length": accepted,
+                        "specd.round.expected_tokens": stats.predicted_tokens - predicted_before,
                         "specd.emitted.length": emitted,
                         "specd.round.bonus": accepted == draft_length,
                         "specd.round.corrected": accepted < draft_length,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd_common.tree import MAX_DRAFT_TOKENS
+
 MAX_SPECULATED_OUTCOMES = 16  # ProposeRequest.speculate_outcomes' limit (draft_service/speculation.py)
-MAX_LOOKUP_TOKENS = 16  # like num_draft_tokens (gateway.service.MAX_DRAFT_TOKENS); a Verify scores at most 32
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 MAX_QUEUE_S = 30.0  # a client without a deadline waits at most about this long for its first token, else is refused
 SESSION_LEASE_S = 6.0  # a model service frees a session this long after its gateway stopped renewing it
@@ -38,6 +39,6 @@ class GatewayOptions:
             raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
         if not 0 <= self.speculated_outcomes <= MAX_SPECULATED_OUTCOMES:
             raise ValueError(f"speculated outcomes must be in [0, {MAX_SPECULATED_OUTCOMES}], got {self.speculated_outcomes}")
-        if not 0 <= self.lookup_tokens <= MAX_LOOKUP_TOKENS or self.lookup_min_ngram < 1:
-            raise ValueError(f"lookup tokens must be in [0, {MAX_LOOKUP_TOKENS}] and lookup min n-gram ≥ 1, "
+        if not 0 <= self.lookup_tokens <= MAX_DRAFT_TOKENS or self.lookup_min_ngram < 1:
+            raise ValueError(f"lookup tokens must be in [0, {MAX_DRAFT_TOKENS}] and lookup min n-gram ≥ 1, "
                              f"got {self.lookup_tokens} and {self.lookup_min_ngram}")

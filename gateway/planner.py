@@ -18,7 +18,7 @@ from typing import Optional
 
 from gateway.adaptive import valued_tree
 from gateway.proposers import (DRAFT, JOINED, LOOKUP, PLAIN, DraftProposer, HeadProposer, LookupProposer, RoundContext,
-                               RoundPlan, Verdict, tree_of)
+                               RoundPlan, Verdict, tree_expected, tree_of)
 from gateway.rejection import RoundOutcome
 
 
@@ -29,10 +29,8 @@ class RoundPlanner:
         self.lookup, self.heads, self.draft = lookup, heads, draft
 
     def plan(self, ctx: RoundContext) -> RoundPlan:
-        """This round's drafts (free ones in full; a draft-service round's k and tree width). May re-open
-        the draft service's session when its back-off is over, so it competes live."""
-        if ctx.allowed:
-            self.draft.reopen_if_due(list(ctx.sequence))
+        """This round's drafts (free ones in full; a draft-service round's k and tree width). Plans only:
+        the draft service's session is the engine's to (re)open (Generation._round)."""
         rival = self.draft.rate(ctx)  # tokens/s of the draft service's best round; 0 when none is open
         copy = self.lookup.copy(ctx)
         if copy and self.heads.can_join(ctx) and (joined := self._joined(copy, ctx, rival)) is not None:
@@ -40,12 +38,12 @@ class RoundPlanner:
         if copy:
             k, rate = self.lookup.best(copy, ctx)
             if k and rate > rival:
-                return RoundPlan(LOOKUP, copy[:k], copied=k)
+                return RoundPlan(LOOKUP, copy[:k], copied=k, expected=self.lookup.expected(copy, k))
             self.lookup.decline()
         if (headed := self.heads.offer(ctx, rival, self.draft.enabled)) is not None:
             return headed
         k, widened = self.draft.shape(ctx)
-        return RoundPlan(DRAFT, k=k, widened=widened) if k else RoundPlan(PLAIN)
+        return RoundPlan(DRAFT, k=k, widened=widened, expected=self.draft.expected(ctx, k, widened)) if k else RoundPlan(PLAIN)
 
     def ask_heads(self, ctx: RoundContext) -> bool:
         """Whether this round's Verify asks for the heads' proposals (for the next round)."""
@@ -65,13 +63,12 @@ class RoundPlanner:
         a Verify that asks for proposals. A copy whose first token misses then still has the heads'
         guesses beside it. The copy's nodes come first, so the tree's main chain is the copy as far as
         it was taken. None when no node of the heads pays (the copy alone decides; the proposals stay)."""
-        heads = self.heads.nodes(ctx)
-        nodes, rate = valued_tree([self.lookup.nodes(copy), heads], self.heads.round_cost(ctx))
-        own = {node.path: node.value for node in heads}
-        if not any(node.path in own for node in nodes) or rate <= rival:
+        nodes, rate = valued_tree([self.lookup.nodes(copy), self.heads.nodes(ctx)], self.heads.round_cost(ctx))
+        raw = self.heads.raw_values(ctx)
+        if not any(node.path in raw for node in nodes) or rate <= rival:
             return None
         copied = sum(node.path == tuple(copy[: len(node.path)]) for node in nodes)
         if not copied:
             self.lookup.decline()
         drafts, parents = tree_of(nodes)
-        return self.heads.joined(RoundPlan(JOINED, drafts, parents, copied=copied), nodes, own)
+        return self.heads.joined(RoundPlan(JOINED, drafts, parents, copied=copied, expected=tree_expected(nodes)), nodes, raw)

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from gateway.adaptive import (AcceptanceEstimate, HeadCalibration, StepCosts, TreeNode, best_rate, best_shape, chain_nodes,
-                              confident_tree, head_nodes)
+                              confident_tree, depth_sums, expected_tokens, head_nodes)
 from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, head_drafts_at
 from gateway.links import Link, SessionSet
 from gateway.policy import POLICY, SpeculationPolicy
@@ -75,7 +75,8 @@ class RoundPlan:
     widened: int = 0  # DRAFT: how many of them get alternatives beside them (a tree)
     copied: int = 0  # nodes of a lookup copy that lead the tree's main chain
     head_nodes: frozenset = frozenset()  # which nodes the heads offered
-    head_predicted: Optional[float] = None  # the heads' nodes' summed values (HeadCalibration learns from it)
+    head_predicted: Optional[list[float]] = None  # the heads' nodes' values by depth, unscaled (HeadCalibration learns from them)
+    expected: float = 1.0  # tokens the planner expects the round to keep (drafts + the recovered/bonus token)
 
     @property
     def free(self) -> bool:
@@ -128,6 +129,10 @@ class LookupProposer:
         k, _, rate = best_shape(self.acceptance.chain(len(copy)), len(copy), None, lambda k, _: ctx.free_cost(k))  # chains only
         return k, rate
 
+    def expected(self, copy: list[int], k: int) -> float:
+        """Tokens a round verifying the copy's first k tokens is expected to keep."""
+        return expected_tokens(self.acceptance.chain(len(copy)), k)
+
     def decline(self) -> None:
         """Not drafted this round: the estimate forgets toward its prior, so copies are tried again later."""
         self.acceptance.update(0, 0)
@@ -176,6 +181,18 @@ class HeadProposer:
         beside a draft service too (its estimate would otherwise never move from what last declined it)."""
         return self._declined_rounds >= self.policy.probe_every_rounds
 
+    @staticmethod
+    def rows_to_ask(plan: RoundPlan, greedy: bool) -> int:
+        """Rows of a sampled chain's Verify that return proposals (VerifyRequest.head_rows): the pending
+        token's and one more for each draft the round expects to keep, rounded down. A sampled round's
+        kept length is known only after judging, so the verify would run the heads' product on every
+        row (on the 2-core EPYC a 4-position sampled pass took 109 ms with proposals at all 4 rows, 72
+        without); a round that keeps more than expected finds no proposals and drafts otherwise next
+        round. 0 (every row) for greedy passes and trees, which the verify answers at one row or all."""
+        if greedy or plan.parents:
+            return 0
+        return min(len(plan.drafts), int(plan.expected - 1.0)) + 1
+
     def candidates_per_head(self) -> int:
         """Candidates a head returns when asked (0: the verify's default, one)."""
         return self.branches if self.asked and self.branches > 1 else 0
@@ -194,7 +211,13 @@ class HeadProposer:
 
     def nodes(self, ctx: RoundContext) -> list[TreeNode]:
         """The proposals as tree nodes valued by their calibrated confidence (without taking them)."""
-        return head_nodes(*self._candidates(self.proposals, ctx), self.calibration.scale)
+        tokens, confidences = self._candidates(self.proposals, ctx)
+        return head_nodes(tokens, confidences, self.calibration.scales(len(tokens)))
+
+    def raw_values(self, ctx: RoundContext) -> dict[tuple[int, ...], float]:
+        """The proposals' nodes' path products (unscaled), by path: what HeadCalibration compares with
+        what the target kept."""
+        return {node.path: node.value for node in head_nodes(*self._candidates(self.proposals, ctx))}
 
     def round_cost(self, ctx: RoundContext) -> Callable[[int, bool], float]:
         """Seconds of a round of n free nodes whose Verify asks for proposals (`tree`: not a chain)."""
@@ -223,25 +246,27 @@ class HeadProposer:
             drafts, parents = every_candidate(proposals.tokens[: ctx.draft_cap(self.num_draft_tokens)])
             return RoundPlan(HEADS, drafts, parents) if drafts else None
         tokens, confidences = self._candidates(proposals, ctx)
-        nodes, predicted, rate = confident_tree(tokens, confidences, self.calibration.scale, self.round_cost(ctx))
+        scales = self.calibration.scales(len(tokens))
+        nodes, rate = confident_tree(tokens, confidences, scales, self.round_cost(ctx))
         if nodes and rate > rival_rate:
             self._declined_rounds = 0
         elif tokens and self._probe_due():  # one token, so the calibration and the estimate learn
-            nodes, predicted, self._declined_rounds = [TreeNode((tokens[0][0],), confidences[0][0])], confidences[0][0], 0
+            nodes, self._declined_rounds = [TreeNode((tokens[0][0],), min(confidences[0][0] * scales[0], 1.0))], 0
         else:
             self._declined_rounds += 1
             self.acceptance.update(0, 0)
             return None
         drafts, parents = tree_of(nodes)
-        return RoundPlan(HEADS, drafts, parents, head_nodes=frozenset(range(len(nodes))), head_predicted=predicted)
+        raw = {node.path: node.value for node in head_nodes(tokens, confidences)}
+        return RoundPlan(HEADS, drafts, parents, head_nodes=frozenset(range(len(nodes))), head_predicted=depth_sums(nodes, raw),
+                         expected=tree_expected(nodes))
 
-    def joined(self, plan: RoundPlan, nodes: list[TreeNode], own: dict) -> RoundPlan:
-        """Record that a round took these of the heads' nodes (`own`: their paths → values)."""
+    def joined(self, plan: RoundPlan, nodes: list[TreeNode], raw: dict[tuple[int, ...], float]) -> RoundPlan:
+        """Record that a round took these of the heads' nodes (`raw`: the heads' paths → unscaled values)."""
         self.take()
         self._declined_rounds = 0
-        scale = self.calibration.scale
-        plan.head_predicted = sum(own.get(node.path, 0.0) for node in nodes) / scale
-        plan.head_nodes = frozenset(i for i, node in enumerate(nodes) if node.path in own)
+        plan.head_predicted = depth_sums([node for node in nodes if node.path in raw], raw)
+        plan.head_nodes = frozenset(i for i, node in enumerate(nodes) if node.path in raw)
         return plan
 
     def learn(self, plan: RoundPlan, verdict: Verdict) -> None:
@@ -250,7 +275,12 @@ class HeadProposer:
         if verdict.missed_beside_alternatives and plan.source in (HEADS, JOINED) and not plan.copied:
             self.rescue.observe(verdict.kept, verdict.accepted > verdict.kept)
         if plan.head_predicted is not None:
-            self.calibration.observe(plan.head_predicted, sum(node in plan.head_nodes for node in verdict.kept_nodes))
+            depths = tree.depths(plan.parents) if plan.parents else range(1, len(plan.drafts) + 1)
+            kept = [0] * len(plan.head_predicted)
+            for node in verdict.kept_nodes:
+                if node in plan.head_nodes and depths[node] <= len(kept):
+                    kept[depths[node] - 1] += 1
+            self.calibration.observe(plan.head_predicted, kept)
 
     def _candidates(self, proposals: HeadProposals, ctx: RoundContext) -> tuple[list[list[int]], list[list[float]]]:
         """What a round chooses among: the first heads' (one fewer than tokens left) first candidates
@@ -270,6 +300,11 @@ def every_candidate(steps: list[list[int]]) -> tuple[list[int], list[int]]:
     if all(len(candidates) == 1 for candidates in steps):
         return [candidates[0] for candidates in steps], []
     return tree.chain_with_leaves(steps)
+
+
+def tree_expected(nodes: Sequence[TreeNode]) -> float:
+    """Tokens a round of these nodes is expected to keep: 1 + the sum of their values (valued_tree)."""
+    return 1.0 + sum(min(node.value, POLICY.max_acceptance) for node in nodes)
 
 
 def tree_of(nodes: Sequence[TreeNode]) -> tuple[list[int], list[int]]:
@@ -362,6 +397,11 @@ class DraftProposer:
         rescue = self.rescue.chain(cap) if branches > 1 else None
         return best_shape(self.acceptance.chain(cap), cap, rescue,
                           lambda k, w: ctx.costs.round_cost_s(k, self.branches, widened=w))
+
+    def expected(self, ctx: RoundContext, k: int, widened: int) -> float:
+        """Tokens a round of k drafts, alternatives beside the first `widened`, is expected to keep."""
+        rescue = self.rescue.chain(widened) + [0.0] * (k - widened) if widened and self.branches > 1 else ()
+        return expected_tokens(self.acceptance.chain(k), k, rescue)
 
     def rate(self, ctx: RoundContext) -> float:
         """Expected tokens per second of its round now (0 when no session is open)."""

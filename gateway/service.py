@@ -17,13 +17,11 @@ from specd_common.errors import grpc_errors, grpc_stream_errors, require
 from specd_common.params import Warp
 from specd_common.sequence import validate_token_ids
 from specd_common.server import CallGate
-from specd_common.tree import MAX_TREE_NODES
+from specd_common.tree import MAX_BRANCHES, MAX_DRAFT_TOKENS, MAX_TREE_NODES
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_NEW_TOKENS = 8192
-MAX_DRAFT_TOKENS = 16
-MAX_BRANCHES = 4  # candidates per drafted position of a tree (GenerateRequest.draft_branches)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
@@ -216,6 +214,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         lookup_rounds=stats.lookup_rounds,
         head_rounds=stats.head_rounds,
         tree_rounds=stats.tree_rounds,
+        predicted_tokens=stats.predicted_tokens,
     )
 
 

@@ -291,7 +291,11 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             alpha=round(alpha, 4),
             drafts_per_pass=round(drafted / passes, 3),
             tokens_per_target_pass=round(tokens / passes, 3),
-            predicted_tokens_per_pass=round(expected_tokens_per_pass(alpha, round(drafted / passes)), 3),
+            # what the planner expected its rounds to keep against what they kept (drafts + the
+            # recovered/bonus token; the tokens a pass above also lose what EOS and the length cut)
+            predicted_tokens_per_pass=round(sum(s.predicted_tokens for s in stats) / passes, 3),
+            realized_tokens_per_pass=round((accepted + passes) / passes, 3),
+            iid_tokens_per_pass=round(expected_tokens_per_pass(alpha, round(drafted / passes)), 3),
             mean_accepted_per_round=round(accepted / passes, 3),
             acceptance_per_position=_per_position(stats),
             wire_bytes_per_round=round(sum(s.wire_bytes for s in stats) / passes),
@@ -632,18 +636,41 @@ def speedup_cell(overall: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass (predicted) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
+        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass realized (planner's prediction) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
         o = entry["overall"]
-        per_pass = f"{o['tokens_per_target_pass']} ({o['predicted_tokens_per_pass']})" if "tokens_per_target_pass" in o else "-"
+        per_pass = realized_cell(o)
         itl = f"{o['itl_ms_p50']} / {o['itl_ms_p95']}" if "itl_ms_p50" in o else "-"
         outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
             f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('vs_llamacpp_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
             f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
         )
+    return "\n".join(lines)
+
+
+def realized_cell(summary: dict) -> str:
+    """Tokens a pass the rounds kept and, in brackets, what the planner expected them to keep."""
+    if "realized_tokens_per_pass" not in summary:
+        return "-"
+    return f"{summary['realized_tokens_per_pass']} ({summary['predicted_tokens_per_pass']})"
+
+
+def kinds_table(result: dict) -> str:
+    """Each speculating mode by task kind: speedup over target-only, and tokens a pass realized
+    (predicted), so a kind where speculation loses, or where the planner misjudges it, shows."""
+    modes = [m for m in result["modes"] if m.startswith("specd")]
+    kinds = sorted({k for m in modes for k in result["modes"][m]["by_category"]})
+    lines = ["| kind | " + " | ".join(f"{m} speedup | {m} tokens/pass (predicted)" for m in modes) + " |",
+             "|---|" + "---|---|" * len(modes)]
+    for kind in kinds:
+        cells = []
+        for mode in modes:
+            summary = result["modes"][mode]["by_category"].get(kind, {})
+            cells += [str(summary.get("speedup", "-")), realized_cell(summary)]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

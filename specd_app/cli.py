@@ -545,7 +545,7 @@ def run_bench(args: argparse.Namespace) -> int:
             json.dump(report, out, indent=2)
         if not (args.arrival or args.sequential_too):  # the plot is of speedup per kind and acceptance
             bench.plot(report, args.output.rsplit(".", 1)[0] + ".png")
-    tables = [bench.arrival_table(report)] if args.arrival else [bench.markdown_table(report)]
+    tables = [bench.arrival_table(report)] if args.arrival else [bench.markdown_table(report), bench.kinds_table(report)]
     if args.sequential_too:
         tables.append(bench.scaling_table(report))
     print(json.dumps(report, indent=2) if args.json else "\n\n".join(tables))

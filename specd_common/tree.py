@@ -16,7 +16,11 @@ from typing import Optional, Sequence
 from specd_common.errors import InvalidArgument
 
 ROOT = -1
-MAX_TREE_NODES = 32  # drafted nodes one Verify scores at most: the verify's limit, the gateway's checks and trees
+# A round's limits, one value each, read by the gateway's checks and both model services' (a Verify or
+# Propose that the gateway may send is never refused by a service for its size):
+MAX_DRAFT_TOKENS = 16  # drafts in a round's chain (num_draft_tokens, lookup copies, a tree's depth)
+MAX_BRANCHES = 4  # candidates per drafted position of a tree (draft_branches, ProposeRequest.branches)
+MAX_TREE_NODES = 32  # drafted nodes one Verify scores or one Propose returns at most (k × branches)
 
 
 def chain_parents(k: int) -> list[int]:

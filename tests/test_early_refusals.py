@@ -166,17 +166,17 @@ def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch)
         rows = (2, 4, 8, 16, 32)  # autotune.batch_sizes of the default --max-batch-size (32)
         assert {(cost.rows, cost.positions) for cost in info.runtime_profile.batch_costs} == {(b, n) for b in rows for n in (1, 4, 8)}
         assert all(cost.milliseconds > 0 for cost in info.runtime_profile.batch_costs)
-        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 75))), timeout=30)  # 70
         forwards = []
         run = running.servicer.scorer.lm.run_feeds
         monkeypatch.setattr(running.servicer.scorer.lm, "run_feeds", lambda *a, **k: forwards.append(a) or run(*a, **k))
         with pytest.raises(grpc.RpcError) as error:
             stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="b", prompt_token_ids=list(range(5, 50))), timeout=30)  # 45
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-token-budget" in error.value.details()
-        stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=60), draft_token_ids=[7] * 30), timeout=30)
-        with pytest.raises(grpc.RpcError) as error:  # all 30 drafts kept + a bonus token + 32 drafts = 123 > 100
-            stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=90, append_token_ids=[7]),
-                                                 draft_token_ids=[7] * 32), timeout=30)
+        stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=70), draft_token_ids=[7] * 16), timeout=30)
+        with pytest.raises(grpc.RpcError) as error:  # all 16 drafts kept + a bonus token + 16 drafts = 103 > 100
+            stub.Verify(verify_pb2.VerifyRequest(session_id="a", commit=common_pb2.Commit(prefix_length=86, append_token_ids=[7]),
+                                                 draft_token_ids=[7] * 16), timeout=30)
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert len(forwards) == 1  # only the Verify that fitted ran the target
     finally:
@@ -193,7 +193,7 @@ def test_draft_refuses_past_its_kv_budget_before_drafting(tiny, monkeypatch):
     running = start_draft_server(drafter, ServerConfig(port=0), kv_token_budget=100)
     stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
     try:
-        stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 65))), timeout=30)  # 60
+        stub.Prefill(draft_pb2.DraftPrefillRequest(session_id="a", prompt_token_ids=list(range(5, 75))), timeout=30)  # 70
         drafted = []
         propose = drafter.propose
         monkeypatch.setattr(drafter, "propose", lambda *a, **k: drafted.append(a) or propose(*a, **k))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from draft_training.medusa_training import answer_rows, medusa_rows, simulate_chain
-from gateway.adaptive import StepCosts
+from gateway.adaptive import StepCosts, depth_sums
 from gateway.features import HeadProposals, head_drafts_at
 from specd.v1 import common_pb2
 from tests.conftest import start_cluster
@@ -615,27 +615,47 @@ def test_a_confident_tree_takes_the_nodes_that_pay_by_their_path_probability():
     +0.1 a position: n = 2 gives 2.35/1.2 = 1.958, n = 3 (head 2's second candidate) 2.62/1.3 = 2.015,
     n = 4 2.80/1.4 = 2.0, so the tree is head 1's best with both of head 2's beside, not the chain of
     3; at +0.2 the chain of 2 (2.35/1.4); free positions take every node; a halved scale (heads
-    twice as confident as they are right) the chain of 2; nothing of value: no drafts. At +0.05 a
+    twice as confident as they are right) the chain of 2; a scale per depth that halves only the
+    deeper heads' values keeps head 1's best alone; nothing of value: no drafts. At +0.05 a
     position the 4 best nodes (2.80/1.2 = 2.333, head 2's second candidate among them); when a tree
     costs 0.3 more than a chain of its size, the chain of 3 (2.53/1.15 = 2.2): not the 3 most
     valuable nodes, so chains are weighed apart."""
     from gateway.adaptive import confident_tree
 
-    def counts(confidences, scale, cost):  # candidates taken per depth (head)
-        nodes, predicted, rate = confident_tree(TOKENS, confidences, scale, cost)
+    def counts(confidences, scales, cost):  # candidates taken per depth (head)
+        nodes, rate = confident_tree(TOKENS, confidences, scales, cost)
         return [sum(len(node.path) == depth for node in nodes) for depth in range(1, 4) if any(len(node.path) == depth for node in nodes)]
 
-    nodes, predicted, rate = confident_tree(TOKENS, CONFIDENCES, 1.0, per_position(0.1))
+    nodes, rate = confident_tree(TOKENS, CONFIDENCES, [1.0], per_position(0.1))
     assert [node.path for node in nodes] == [(7,), (7, 8), (7, 18)]  # parents first, the heads' best before their alternatives
-    assert predicted == pytest.approx(1.62) and rate == pytest.approx(2.62 / 1.3)
-    assert counts(CONFIDENCES, 1.0, per_position(0.2)) == [1, 1]
-    assert counts(CONFIDENCES, 1.0, per_position(0.0)) == [2, 2, 2]
-    assert counts(CONFIDENCES, 0.5, per_position(0.1)) == [1, 1]
-    assert counts(CONFIDENCES, 1.0, per_position(0.05)) == [1, 2, 1]
-    nodes, predicted, rate = confident_tree(TOKENS, CONFIDENCES, 1.0, per_position(0.05, tree_extra=0.3))
+    assert depth_sums(nodes, {node.path: node.value for node in nodes}) == pytest.approx([0.9, 0.72])
+    assert rate == pytest.approx(2.62 / 1.3)
+    assert counts(CONFIDENCES, [1.0], per_position(0.2)) == [1, 1]
+    assert counts(CONFIDENCES, [1.0], per_position(0.0)) == [2, 2, 2]
+    assert counts(CONFIDENCES, [0.5], per_position(0.1)) == [1, 1]
+    assert counts(CONFIDENCES, [1.0, 0.2], per_position(0.1)) == [1]  # 1.9/1.1 against 1.99/1.2 for the chain of 2
+    assert counts(CONFIDENCES, [1.0], per_position(0.05)) == [1, 2, 1]
+    nodes, rate = confident_tree(TOKENS, CONFIDENCES, [1.0], per_position(0.05, tree_extra=0.3))
     assert [node.path for node in nodes] == [(7,), (7, 8), (7, 8, 9)] and rate == pytest.approx(2.53 / 1.15)
-    nodes, predicted, rate = confident_tree([[7], [8]], [[0.01], [0.5]], 1.0, per_position(0.2))
-    assert (nodes, predicted, rate) == ([], 0.0, 1.0)
+    nodes, rate = confident_tree([[7], [8]], [[0.01], [0.5]], [1.0], per_position(0.2))
+    assert (nodes, rate) == ([], 1.0)
+
+
+def test_head_calibration_follows_each_depth_apart():
+    """Unit, by hand: heads whose depth-1 nodes are kept as often as valued but whose depth-2 nodes are
+    kept a fifth as often get a scale near 1 at depth 1 and well below it at depth 2 (~0.4: the prior,
+    two rounds' worth, pulls it toward depth 1's); a depth never drafted
+    borrows the depth above's scale; a depth-2 value is never above its parent's once scaled."""
+    from gateway.adaptive import HeadCalibration, head_nodes
+
+    calibration = HeadCalibration()
+    assert calibration.scales(3) == [1.0, 1.0, 1.0]
+    for _ in range(60):
+        calibration.observe([0.5, 0.5], [1 if _ % 2 else 0, 1 if _ % 10 == 1 else 0])
+    first, second, third = calibration.scales(3)
+    assert first == pytest.approx(1.0, abs=0.15) and 0.25 < second < 0.5 and third == second
+    nodes = head_nodes([[7], [8]], [[0.2], [1.0]], [1.0, 5.0])
+    assert [node.value for node in nodes] == pytest.approx([0.2, 0.2])  # 0.2 · 1.0 · 5 capped at its parent's 0.2
 
 
 def test_free_drafters_share_one_tree_by_value():
@@ -726,7 +746,7 @@ def test_a_head_round_is_shaped_by_the_heads_confidence_and_the_requests_calibra
     shared.heads.proposals = proposals
     assert head_round(shared) == ([7, 8], [])  # a chain: the best of 2.35/1.2 and 2.53/1.3
     for _ in range(20):
-        alone.heads.calibration.observe(1.62, 0)  # nothing it drafted was accepted: scale 2 / 16.2
+        alone.heads.calibration.observe([0.9, 0.72], [0, 0])  # nothing it drafted was accepted: scale 2 / 11 at depth 1
     alone.heads.proposals = proposals
     assert head_round(alone) == ([7], [])  # 1 + 0.9 · 0.12 over 1.1 still pays, barely
     timid = head_policy_generation(costs, branches=2)

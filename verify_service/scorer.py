@@ -54,6 +54,7 @@ class Part:
     head_drafts: bool = False
     head_candidates: int = 1  # per head, when head_drafts
     parents: Sequence[int] = ()  # the drafts' tree (specd_common/tree.py); () for a chain
+    head_rows: int = 0  # a sampled chain: proposals at the first head_rows rows from the pending token's (0: all)
 
 
 class HeadInputs(NamedTuple):
@@ -241,7 +242,7 @@ class Scorer:
         return self.lm.run(encode_features, layers.flatten(1), sequence.fed_start)  # rows [n, len(feature_layers) × H]
 
     def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int],
-                    parents: Sequence[int] = ()) -> Optional[HeadInputs]:
+                    parents: Sequence[int] = (), head_rows: int = 0) -> Optional[HeadInputs]:
         """What the Medusa heads read for the session's proposals (HeadInputs); None without heads or kept
         features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;
@@ -251,7 +252,9 @@ class Scorer:
         (parents), the row of the last node of the path the target's argmax walks (tree.greedy_path),
         whose position is the root's plus the path's length. A sampling session gets every row, after
         a tree too (then in node order after the committed rows, like the features: the gateway
-        picks the row of the path it sampled)."""
+        picks the row of the path it sampled); after a chain only the first `head_rows` rows from the
+        pending token's when that is > 0 (the rows the gateway is likely to keep: each row costs the
+        heads' product)."""
         sequence = session.sequence
         if self.medusa is None or not sequence.keep_features or sequence.fed_features is None:
             return None
@@ -262,7 +265,10 @@ class Scorer:
         fusion = self.medusa.config.fusion_layers
         layers = sequence.fed_layers[:, self.lm.layer_slots(fusion)] if fusion else None  # [n, L, H] the heads fuse
         if not session.warp.greedy:
-            return HeadInputs(0, features, next_tokens, layers)
+            if parents or head_rows <= 0:
+                return HeadInputs(0, features, next_tokens, layers)
+            rows = slice(earlier, earlier + head_rows)
+            return HeadInputs(earlier, features[rows], next_tokens[rows], layers[rows] if layers is not None else None)
         if parents:
             path = tree.greedy_path(drafts, parents, own.tolist())
             first, row = earlier + len(path), earlier + (path[-1] + 1 if path else 0)
@@ -276,7 +282,7 @@ class Scorer:
         propose over all their rows: the heads' cost is reading their V' × H rows once a head per call,
         plus a little a row (on the 2-core AMD EPYC, one row 3.2 ms, four rows 4.7 ms), so a batch's
         sessions share it."""
-        inputs = [self.head_inputs(part.session, own, part.drafts, part.parents) if part.head_drafts else None
+        inputs = [self.head_inputs(part.session, own, part.drafts, part.parents, part.head_rows) if part.head_drafts else None
                   for part, own in zip(parts, owns)]
         asked = [item for item in inputs if item is not None]
         if not asked:
@@ -310,14 +316,14 @@ class Scorer:
         self.lm.settle_tree(session.sequence, tree.path_of(pending.tokens, pending.parents, walk))
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
-              features: bool = False, head_drafts: bool = False, head_candidates: int = 1) -> Scores:
+              features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
-        rows). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
+        rows; head_rows: how many a sampled chain asks for). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
         the batch's replies are made together (_finish)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
-        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents)
+        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows)
         if self.batcher is not None:
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:

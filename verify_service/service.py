@@ -11,11 +11,10 @@ from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
-from specd_common.tree import MAX_TREE_NODES, validate_tree
+from specd_common.tree import MAX_DRAFT_TOKENS, MAX_TREE_NODES, validate_tree
 from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
-MAX_DRAFT_TOKENS = MAX_TREE_NODES
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
@@ -49,13 +48,17 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     @grpc_errors
     def Verify(self, request: verify_pb2.VerifyRequest, context: grpc.ServicerContext):
         drafts, parents = list(request.draft_token_ids), list(request.draft_parents)
-        require(len(drafts) <= MAX_DRAFT_TOKENS, f"at most {MAX_DRAFT_TOKENS} draft tokens, got {len(drafts)}")
+        most = MAX_TREE_NODES if parents else MAX_DRAFT_TOKENS
+        require(len(drafts) <= most, f"at most {most} draft tokens ({MAX_DRAFT_TOKENS} in a chain, {MAX_TREE_NODES} "
+                                     f"in a tree), got {len(drafts)}")
         validate_token_ids(drafts, self.vocab_size, "draft_token_ids")
         validate_token_ids(request.commit.append_token_ids, self.vocab_size, "commit.append_token_ids")
         if parents:
             validate_tree(drafts, parents)
         require(0 <= request.head_candidates <= MAX_HEAD_CANDIDATES,
                 f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
+        require(0 <= request.head_rows <= MAX_TREE_NODES + 1,
+                f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
@@ -64,7 +67,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
-                                       request.head_candidates)
+                                       request.head_candidates, request.head_rows)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,

@@ -30,11 +30,13 @@ from gateway.options import GatewayOptions
 from gateway.planner import RoundPlanner
 from gateway.policy import POLICY
 from gateway.proposers import DRAFT, HEADS, JOINED, DraftProposer, HeadProposer, LookupProposer, RoundContext, RoundPlan
-from gateway.rejection import RoundOutcome, greedy_tree_verify, greedy_verify, rejection_sample, tree_rejection_sample
+from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
+                               position_uniforms, rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
 from specd.v1 import common_pb2, verify_pb2
 from specd_common.distributions import decode_distribution, one_hot
 from specd_common.errors import ResourceExhausted, Unavailable
+from specd_common import tree
 from specd_common.params import Warp
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class GenerationSpec:
     num_draft_tokens: int = 3
     adaptive: bool = True  # choose k each round (gateway.adaptive); num_draft_tokens is then the cap
     branches: int = 1  # greedy: candidates per drafted position; > 1 drafts a tree (specd_common/tree.py)
+    reproducible: bool = False  # seeded sampling: every draft is judged by the coupled rule (gateway.rejection), so
+    # the answer is target-only decoding's with that seed however rounds cut it; the draft service drafts greedily
 
 
 @dataclass
@@ -166,6 +170,7 @@ class Generation:
         self._verify = Link()
         self.draft = DraftProposer(backends, self.sessions, speculate=spec.speculate, adaptive=spec.adaptive,
                                    num_draft_tokens=spec.num_draft_tokens, branches=spec.branches,
+                                   greedy_drafts=spec.reproducible and not spec.warp.greedy,
                                    outcomes=options.speculated_outcomes, timeout_s=options.draft_timeout_s,
                                    rpc_timeout=self._timeout, stats=self.stats, policy=POLICY)
         self.lookup = LookupProposer(options.lookup_tokens if spec.speculate else 0, options.lookup_min_ngram, spec.adaptive,
@@ -223,7 +228,7 @@ class Generation:
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
         scores = self._verify_drafts(plan, self.planner.ask_heads(ctx))
         # 4. Judge
-        outcome = self._judge(plan.drafts, draft_probs, scores, plan.parents)
+        outcome = self._judge(plan, draft_probs, scores)
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
@@ -242,6 +247,10 @@ class Generation:
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self._measure_costs(plan, started, proposed)
+        if log.isEnabledFor(logging.DEBUG):  # what the planner chose and expected against what the round did
+            log.debug("round %s: %d drafts, expected %.2f tokens, kept %d, %.1f ms (verify priced %.1f ms)", plan.source,
+                      len(plan.drafts), plan.expected, outcome.accepted + 1, 1e3 * (time.perf_counter() - started),
+                      1e3 * (self.costs.verify_s(len(plan.drafts) + 1, self.heads.asked) or 0.0))
         self.stats.round_seconds += time.perf_counter() - started
         return chunk
 
@@ -346,13 +355,18 @@ class Generation:
                 features.put(scores.features)
             return scores
 
-    def _judge(self, drafts: list[int], draft_probs: list, scores: verify_pb2.VerifyResponse, parents: list[int]) -> RoundOutcome:
+    def _judge(self, plan: RoundPlan, draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
+        drafts, parents = plan.drafts, plan.parents
         if self.spec.warp.greedy:
             if parents:
                 return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
             return greedy_verify(drafts, list(scores.argmax_token_ids))
         vocab_size = self.backends.target_info.vocab_size
         p = np.stack([decode_distribution(d) for d in scores.target_probs])  # [k + 1, V] (a tree: [n + 1, V])
+        if plan.source != DRAFT or self.draft.greedy_drafts:  # no q was drawn from: the coupled rule
+            depth = max(tree.depths(parents), default=0) if parents else len(drafts)
+            uniforms = position_uniforms(self.spec.seed, len(self.sequence), depth + 1)
+            return coupled_tree_verify(drafts, parents, p, uniforms) if parents else coupled_verify(drafts, p, uniforms)
         if parents:  # a later sibling's q is its first sibling's (sent once)
             q_rows = [decode_distribution(d, vocab_size) if d.probs else None for d in draft_probs]
             return tree_rejection_sample(drafts, parents, q_rows, p, self.rng)

@@ -175,12 +175,13 @@ class SessionSet:
     def open(self, link: Link, pool: Pool, replica: Replica, request_type: type, sequence: list[int],
              timeout_s: float, **extra: Any) -> Any:
         """Prefill a new session holding `sequence` on `replica` (reserved by pool.pick) and pin it to
-        `link`; returns the reply. The reservation ends in release_all."""
+        `link`; returns the reply. The reservation ends in release_all. `extra` may set the session's
+        own `sampling` (a draft that drafts greedily for a sampled request)."""
         session_id = f"{self.request_id}-{len(self._opened) + 1}"
         self._opened.append((pool, replica, session_id))
         self.keeper.opened(replica, session_id)
         reply = replica.stub.Prefill(
-            request_type(session_id=session_id, prompt_token_ids=sequence, sampling=self.sampling,
+            request_type(session_id=session_id, prompt_token_ids=sequence, sampling=extra.pop("sampling", self.sampling),
                          lease_seconds=self.keeper.lease_s, **extra), timeout=timeout_s
         )
         link.session_id, link.replica, link.sync = session_id, replica, ServiceSync(agreed=len(sequence))

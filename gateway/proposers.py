@@ -27,7 +27,7 @@ from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, 
 from gateway.links import Link, SessionSet
 from gateway.policy import POLICY, SpeculationPolicy
 from gateway.rejection import RoundOutcome
-from specd.v1 import draft_pb2, verify_pb2
+from specd.v1 import common_pb2, draft_pb2, verify_pb2
 from specd_common import tree
 from specd_common.lookup import prompt_lookup
 from specd_common.sequence import common_prefix
@@ -326,8 +326,9 @@ class DraftProposer:
 
     def __init__(self, backends: Any, sessions: SessionSet, *, speculate: bool, adaptive: bool, num_draft_tokens: int,
                  branches: int, outcomes: int, timeout_s: float, rpc_timeout: Callable[[], float], stats: Any,
-                 policy: SpeculationPolicy = POLICY):
+                 greedy_drafts: bool = False, policy: SpeculationPolicy = POLICY):
         self.backends, self.sessions, self.stats, self.policy = backends, sessions, stats, policy
+        self.greedy_drafts = greedy_drafts  # a sampled request's draft session drafts its argmax (no q: the coupled rule)
         self.enabled = speculate and backends.draft.configured and backends.draft_info is not None
         self.features = FeatureLog() if self.enabled and backends.draft_info.wants_target_features else None
         self.outcomes = outcomes if self.enabled and getattr(backends.draft_info, "speculation_cache", False) else 0
@@ -366,6 +367,8 @@ class DraftProposer:
             return self._down(replica, "failed before and gives no SERVING answer to a health check", mark=False)
         try:
             extra = {"target_features": self.features.slice(0, len(sequence) - 1)} if self.features is not None else {}
+            if self.greedy_drafts:
+                extra["sampling"] = common_pb2.SamplingParams()
             self.sessions.open(self.link, pool, replica, draft_pb2.DraftPrefillRequest, sequence, self._timeout(), **extra)
             self._backoff_s = self.policy.draft_backoff_s
         except grpc.RpcError as error:  # whatever the draft's trouble, the target alone can answer

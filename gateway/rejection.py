@@ -5,6 +5,12 @@ x_1..x_k drawn from q_1..q_k, with target distributions p_1..p_{k+1} (warped ide
 accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), left to right; at the first rejection
 draw the recovered token from norm(max(0, p_i - q_i)); if all k are accepted, draw a bonus token
 from p_{k+1}. Greedy decoding is the limit: accept while x_i == argmax p_i.
+
+Drafts that were not drawn from a distribution the gateway holds (the Medusa heads' best tokens,
+lookup copies, a draft that drafts greedily) are judged by the coupled rule instead: the target's
+own token at each position is drawn from p_i with a uniform fixed by (seed, position), and drafts
+are kept while they equal it. It emits exactly what target-only decoding with that seed emits, so
+the output follows p, and a seeded request gives the same answer whatever rounds it was cut into.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from specd_common.distributions import sample_from
-from specd_common.tree import ROOT, greedy_path
+from specd_common.distributions import sample_at, sample_from
+from specd_common.tree import ROOT, child_with, greedy_path
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,41 @@ def greedy_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], targe
     last = path[-1] if path else ROOT
     is_leaf = last != ROOT and last not in parents
     return RoundOutcome(len(path), int(target_argmax[0 if last == ROOT else last + 1]), bonus=is_leaf, path=tuple(path))
+
+
+def position_uniforms(seed: int, first_position: int, count: int) -> list[float]:
+    """The uniform draws of positions first_position .. first_position + count - 1 of a request seeded
+    with `seed`: each a function of (seed, position) alone, so how rounds cut the answer, or whether
+    a position was drafted, cannot change them."""
+    return [float(np.random.default_rng([seed, position]).random()) for position in range(first_position, first_position + count)]
+
+
+def coupled_verify(draft_tokens: Sequence[int], target_probs: np.ndarray, uniforms: Sequence[float]) -> RoundOutcome:
+    """Sampled drafts not drawn from a q the gateway holds (target_probs p: [k + 1, V]; uniforms: one
+    per position, position_uniforms): the target's token y_i = the inverse CDF of p_i at uniforms[i];
+    keep drafts while x_i == y_i, then emit y_i. Draft i is kept with probability p_i(x_i), as
+    min(1, p/q) gives a one-hot q, and the emitted token is always y_i, drawn from p_i."""
+    for i, token in enumerate(draft_tokens):
+        target = sample_at(target_probs[i], uniforms[i])
+        if target != token:
+            return RoundOutcome(i, target, bonus=False)
+    return RoundOutcome(len(draft_tokens), sample_at(target_probs[-1], uniforms[len(draft_tokens)]), bonus=True)
+
+
+def coupled_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], target_probs: np.ndarray,
+                        uniforms: Sequence[float]) -> RoundOutcome:
+    """coupled_verify over a tree (target_probs: [1 + n, V], after the last committed token and after
+    each node; uniforms: one per depth from the root's): from the root, draw the target's token at
+    the current node's row and step to the child that carries it while there is one."""
+    path, at = [], ROOT
+    while True:
+        target = sample_at(target_probs[0 if at == ROOT else at + 1], uniforms[len(path)])
+        child = child_with(node_tokens, parents, at, target)
+        if child is None:
+            is_leaf = at != ROOT and at not in parents
+            return RoundOutcome(len(path), target, bonus=is_leaf, path=tuple(path))
+        path.append(child)
+        at = child
 
 
 def rejection_sample(

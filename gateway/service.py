@@ -147,16 +147,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             num_draft_tokens=k,
             adaptive=adaptive,
             branches=branches,
+            # seeded sampling whose k follows the timings: the coupled rule keeps its output the seed's
+            # (under the fixed policy k is fixed, and the draft's q with the rejection rule keeps it)
+            reproducible=request.HasField("seed") and not warp.greedy and adaptive,
         )
 
     def _adaptive(self, request: generate_pb2.GenerateRequest) -> bool:
-        """The server default is adaptive, except for seeded sampling: the adaptive k follows measured
-        timings, and a different k consumes the seed's random numbers differently, so "same seed, same
-        output" would break. Greedy output never depends on k."""
+        """The server's default policy unless the request names one. Seeded sampling may be adaptive
+        too: its drafts are judged by the coupled rule (GenerationSpec.reproducible), whose output does
+        not depend on k, so "same seed, same output" holds whatever the timings choose."""
         policy = request.draft_length_policy
         if policy == generate_pb2.DRAFT_LENGTH_POLICY_UNSPECIFIED:
-            seeded_sampling = request.HasField("seed") and request.sampling.temperature > 0
-            return self.options.draft_length_policy == "adaptive" and not seeded_sampling
+            return self.options.draft_length_policy == "adaptive"
         require(policy in _POLICIES, f"draft_length_policy {policy} is not one of {sorted(_POLICIES)}")
         return policy == generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE
 

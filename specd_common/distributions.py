@@ -150,8 +150,13 @@ def sample_sparse(message: common_pb2.Distribution, rng: np.random.Generator) ->
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from a normalized distribution [V] by inverse CDF (one uniform per draw)."""
+    return sample_at(probs, rng.random())
+
+
+def sample_at(probs: np.ndarray, uniform: float) -> int:
+    """The index a distribution [V] gives the uniform draw `uniform` in [0, 1) by inverse CDF."""
     cdf = np.cumsum(probs)
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     return min(index, probs.shape[0] - 1)
 
 

@@ -963,15 +963,28 @@ def test_served_head_rounds_match_the_simulation_on_the_same_tokens(medusa_clust
 
 
 def test_sampled_head_rounds_are_reproducible_with_a_seed(medusa_cluster):
+    """A seeded sampled request under the adaptive policy is judged by the coupled rule: its answer is
+    target-only decoding's with the same seed, token for token, however its rounds were cut, chains
+    and trees alike. Under the fixed policy (one-hot q, the rejection rule) it repeats itself too."""
     stub = medusa_cluster.stub()
     sampling = common_pb2.SamplingParams(temperature=0.8)
+    alone = list(generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11, disable_speculation=True).token_ids)
     first = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11)
     second = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11)
-    assert list(first.token_ids) == list(second.token_ids)
-    assert first.stats.head_rounds > 0
-    # trees of the heads' candidates when sampling (a seeded request asking for them: every head round),
-    # judged as fixed tokens with their own one-hot q (the rule's exactness: tests/test_tree_sampling.py)
-    trees = [generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11, draft_branches=2) for _ in range(2)]
+    assert list(first.token_ids) == list(second.token_ids) == alone
+    assert first.stats.head_rounds > 0  # a near-uniform tiny target: the heads' drafts rarely hold, and the planner stops
+    cool = common_pb2.SamplingParams(temperature=0.05)  # near its argmax, which the untrained heads propose: drafts are kept
+    cool_alone = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=cool, seed=11, disable_speculation=True)
+    cool_spec = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=cool, seed=11)
+    assert list(cool_spec.token_ids) == list(cool_alone.token_ids) and cool_spec.stats.accepted_tokens > 0
+    adaptive_trees = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11, draft_branches=2)
+    assert list(adaptive_trees.token_ids) == alone
+    other_seed = generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=12, disable_speculation=True)
+    assert list(other_seed.token_ids) != alone  # the seed decides the answer
+    # trees of the heads' candidates when sampling under the fixed policy (every head round), judged as
+    # fixed tokens with their own one-hot q (the rule's exactness: tests/test_tree_sampling.py)
+    trees = [generate(stub, text=PROMPTS[1], max_new_tokens=30, sampling=sampling, seed=11, draft_branches=2,
+                      draft_length_policy=FIXED) for _ in range(2)]
     assert list(trees[0].token_ids) == list(trees[1].token_ids)
     assert trees[0].stats.tree_rounds == trees[0].stats.head_rounds > 1  # head rounds go on after sampled trees
 

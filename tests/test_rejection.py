@@ -153,3 +153,55 @@ def test_a_pass_encoded_at_once_is_what_each_row_encodes_to(warp: Warp):
 
     sparse_float32 = encoded[0].encoding == common_pb2.PROB_ENCODING_FLOAT32  # top-k: float32 at ids; else float16 nonzeros
     assert sparse_float32 == (warp.top_k > 0) and (sparse_float32 or encoded[0].token_ids or encoded[0].support_bitmap)
+
+
+def test_the_coupled_rule_emits_p_keeps_a_draft_with_p_of_it_and_matches_target_only():
+    """gateway.rejection.coupled_verify on toy rows, seeds 0..N: the first emitted token follows p_1, a
+    fixed draft is kept with probability p_1(x) (what min(1, p/q) gives a one-hot q), the token after a
+    kept draft follows p_2, and every answer is the one target-only decoding draws with the same
+    position uniforms (no drafts: each position's own draw). Control: keeping the draft with
+    probability q-free 0.5 and drawing the correction from p, not from p without x, is caught."""
+    from gateway.rejection import coupled_verify, position_uniforms
+
+    p = np.array([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])  # [k + 1, V]
+    drafts = [1, 1]
+    firsts, seconds, kept, wrong = [], [], 0, []
+    for seed in range(20_000):
+        uniforms = position_uniforms(seed, 100, 3)
+        outcome = coupled_verify(drafts, p, uniforms)
+        emitted = outcome.emitted(drafts)
+        alone = [coupled_verify([], p[i : i + 1], uniforms[i : i + 1]).next_token for i in range(len(emitted))]
+        assert emitted == alone  # target-only decoding with the same seed, token for token
+        firsts.append(emitted[0])
+        kept += outcome.accepted >= 1
+        if outcome.accepted >= 1:
+            seconds.append(emitted[1])
+        rng = np.random.default_rng(seed)
+        wrong.append(1 if rng.random() < 0.5 else int(rng.choice(3, p=p[0])))
+    assert chi_square_p_value(np.array(firsts), p[0]) > SIGNIFICANCE
+    assert chi_square_p_value(np.array(seconds), p[1]) > SIGNIFICANCE
+    assert kept / 20_000 == pytest.approx(p[0][1], abs=0.015)
+    assert chi_square_p_value(np.array(wrong), p[0]) < SIGNIFICANCE
+    assert position_uniforms(7, 10, 3)[1:] == position_uniforms(7, 11, 2)  # a position's draw is its own
+
+
+def test_the_coupled_tree_rule_walks_the_target_draws():
+    """coupled_tree_verify: the child carrying the target's draw is kept, and the first token follows p
+    at the root whatever the tree holds (two fixed children of the root, one grandchild)."""
+    from gateway.rejection import coupled_tree_verify, position_uniforms
+
+    tokens, parents = [0, 1, 2], [-1, -1, 0]
+    p = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.3, 0.3, 0.4], [0.3, 0.3, 0.4]])  # [1 + n, V]
+    firsts, paths = [], {}
+    for seed in range(20_000):
+        outcome = coupled_tree_verify(tokens, parents, p, position_uniforms(seed, 0, 3))
+        emitted = outcome.emitted(tokens)
+        firsts.append(emitted[0])
+        paths[outcome.path] = paths.get(outcome.path, 0) + 1
+        if outcome.path == (0,):
+            assert emitted[1] != 2 and not outcome.bonus  # the grandchild was not the draw
+        if outcome.path == (0, 2):
+            assert outcome.bonus  # a leaf: its row gives the bonus
+    assert chi_square_p_value(np.array(firsts), p[0]) > SIGNIFICANCE
+    assert paths[(0, 2)] / 20_000 == pytest.approx(0.5 * 0.6, abs=0.015)
+    assert paths[()] / 20_000 == pytest.approx(0.2, abs=0.015)

@@ -482,53 +482,79 @@ class AcceptanceEstimate:
 
     Draft i is examined when drafts 1..i-1 were accepted; drafts after the first rejection say
     nothing, so counting them (accepted / drafted) would underestimate. Position i's prior is the
-    estimate of position i-1 (position 1's is `prior`), so a position never reached yet borrows
-    from the one before it. Rounds without drafts forget too, so a request that stopped drafting
-    drifts back to the prior and tries again: the draft may have become useful (code, repeated
-    text) where it was not before.
+    `shared` estimate's at i where that has examined as much as the prior weighs (the same
+    drafter's rounds across this server's recent requests of the same kind: a new request starts
+    from what they kept, not from a constant), else the estimate of position i-1 (position 1's is
+    `prior`), so a position never reached yet borrows from the one before it. Rounds without drafts forget too, so a request that
+    stopped drafting drifts back to the prior and tries again: the draft may have become useful
+    (code, repeated text) where it was not before. Rounds with drafts teach `shared` as well.
     """
 
-    def __init__(self, prior: Optional[float] = None, policy: SpeculationPolicy = POLICY):
+    def __init__(self, prior: Optional[float] = None, policy: SpeculationPolicy = POLICY,
+                 shared: Optional["AcceptanceEstimate"] = None, decay: Optional[float] = None):
         self.prior = policy.acceptance_prior if prior is None else prior
-        self.prior_weight, self.decay, self.ceiling = policy.prior_weight, policy.decay, policy.max_acceptance
+        self.prior_weight, self.ceiling = policy.prior_weight, policy.max_acceptance
+        self.decay = policy.decay if decay is None else decay
+        self.shared = shared
         self._accepted: list[float] = []  # per position (0 = the first draft)
         self._examined: list[float] = []
+        self._lock = threading.Lock()  # a shared estimate is taught by every request's thread
+
+    @classmethod
+    def server_wide(cls, prior: Optional[float] = None, policy: SpeculationPolicy = POLICY) -> "AcceptanceEstimate":
+        """An estimate shared by requests (their `shared`): forgets slowly, policy.shared_decay a round."""
+        return cls(prior, policy, decay=policy.shared_decay)
 
     def chain(self, length: int) -> list[float]:
         """Conditional acceptance of draft positions 1..length."""
+        base, evidence = (self.shared.chain(length), self.shared.examined(length)) if self.shared is not None else ([], [])
         rates, previous = [], self.prior
-        for i in range(length):
-            accepted = self._accepted[i] if i < len(self._accepted) else 0.0
-            examined = self._examined[i] if i < len(self._examined) else 0.0
-            previous = min((accepted + previous * self.prior_weight) / (examined + self.prior_weight), self.ceiling)
-            rates.append(previous)
+        with self._lock:
+            for i in range(length):
+                accepted = self._accepted[i] if i < len(self._accepted) else 0.0
+                examined = self._examined[i] if i < len(self._examined) else 0.0
+                prior = base[i] if evidence and evidence[i] >= self.prior_weight else previous
+                previous = min((accepted + prior * self.prior_weight) / (examined + self.prior_weight), self.ceiling)
+                rates.append(previous)
         return rates
+
+    def examined(self, length: int) -> list[float]:
+        """How many trials (forgotten as they age) positions 1..length have seen."""
+        with self._lock:
+            return [self._examined[i] if i < len(self._examined) else 0.0 for i in range(length)]
 
     def update(self, drafted: int, accepted: int) -> None:
         """A chain round: drafts 1..min(drafted, accepted + 1) were examined, the first `accepted` kept."""
         examined = min(drafted, accepted + 1)
         self._count(range(examined), range(accepted))
+        if drafted and self.shared is not None:
+            self.shared.update(drafted, accepted)
 
     def observe(self, position: int, hit: bool) -> None:
         """One trial at draft position `position` (0-based) alone: for estimates whose positions are
         tried one a round, e.g. whether a tree's alternatives beside draft position + 1 held the
         target's token when the draft did not (Generation's rescue estimate)."""
         self._count([position], [position] if hit else [])
+        if self.shared is not None:
+            self.shared.observe(position, hit)
 
     def _count(self, examined: Sequence[int], accepted: Sequence[int]) -> None:
         """Forget a little everywhere, then count the examined and accepted positions."""
-        while len(self._examined) <= max(examined, default=-1):
-            self._examined.append(0.0)
-            self._accepted.append(0.0)
-        for i in range(len(self._examined)):
-            self._examined[i] = self.decay * self._examined[i] + (i in examined)
-            self._accepted[i] = self.decay * self._accepted[i] + (i in accepted)
+        with self._lock:
+            while len(self._examined) <= max(examined, default=-1):
+                self._examined.append(0.0)
+                self._accepted.append(0.0)
+            for i in range(len(self._examined)):
+                self._examined[i] = self.decay * self._examined[i] + (i in examined)
+                self._accepted[i] = self.decay * self._accepted[i] + (i in accepted)
 
 
 class HeadCalibration:
     """How the Medusa heads' confidence predicts this request's acceptance, per depth: accepted head
     nodes over the sum of the drafted head nodes' values (path products) at that depth, exponentially
-    forgotten, shrunk toward the depth above's scale (the first depth's toward 1: calibrated).
+    forgotten, shrunk toward a prior scale: the `shared` calibration's at that depth where that has
+    seen as much predicted value as the prior weighs (this server's recent requests of the same
+    kind), else the depth above's (the first depth's toward 1: calibrated).
 
     Held out, the greedy path products are close to the acceptance rates, but a request's own kind of
     text, or sampling (a one-hot draft is kept with the target's probability of it, below the heads'
@@ -537,20 +563,37 @@ class HeadCalibration:
     kept 0.26, 0.10 and 0.05 drafts at depths 1-3 while a depth-1 scale valued the deep ones at twice
     that), so each depth follows the request apart."""
 
-    def __init__(self, policy: SpeculationPolicy = POLICY):
-        self.prior_weight, self.decay = policy.prior_weight, policy.decay
+    def __init__(self, policy: SpeculationPolicy = POLICY, shared: Optional["HeadCalibration"] = None,
+                 decay: Optional[float] = None):
+        self.prior_weight = policy.prior_weight
+        self.decay = policy.decay if decay is None else decay
+        self.shared = shared
         self._accepted: list[float] = []  # per depth (0 = a head 1 node)
         self._predicted: list[float] = []
+        self._lock = threading.Lock()  # a shared calibration is taught by every request's thread
+
+    @classmethod
+    def server_wide(cls, policy: SpeculationPolicy = POLICY) -> "HeadCalibration":
+        """A calibration shared by requests (their `shared`): forgets slowly, policy.shared_decay a round."""
+        return cls(policy, decay=policy.shared_decay)
 
     def scales(self, depths: int) -> list[float]:
         """The scale of depths 1..depths."""
+        base, evidence = (self.shared.scales(depths), self.shared.predicted(depths)) if self.shared is not None else ([], [])
         scales, previous = [], 1.0
-        for depth in range(depths):
-            accepted = self._accepted[depth] if depth < len(self._accepted) else 0.0
-            predicted = self._predicted[depth] if depth < len(self._predicted) else 0.0
-            previous = (accepted + self.prior_weight * previous) / (predicted + self.prior_weight)
-            scales.append(previous)
+        with self._lock:
+            for depth in range(depths):
+                accepted = self._accepted[depth] if depth < len(self._accepted) else 0.0
+                predicted = self._predicted[depth] if depth < len(self._predicted) else 0.0
+                prior = base[depth] if evidence and evidence[depth] >= self.prior_weight else previous
+                previous = (accepted + self.prior_weight * prior) / (predicted + self.prior_weight)
+                scales.append(previous)
         return scales
+
+    def predicted(self, depths: int) -> list[float]:
+        """The value drafted (forgotten as it ages) at depths 1..depths."""
+        with self._lock:
+            return [self._predicted[d] if d < len(self._predicted) else 0.0 for d in range(depths)]
 
     @property
     def scale(self) -> float:
@@ -559,12 +602,37 @@ class HeadCalibration:
 
     def observe(self, predicted: Sequence[float], accepted: Sequence[int]) -> None:
         """One round: the drafted head nodes' values and how many of them were accepted, by depth."""
-        while len(self._predicted) < max(len(predicted), len(accepted)):
-            self._predicted.append(0.0)
-            self._accepted.append(0.0)
-        for depth in range(len(self._predicted)):
-            self._predicted[depth] = self.decay * self._predicted[depth] + (predicted[depth] if depth < len(predicted) else 0.0)
-            self._accepted[depth] = self.decay * self._accepted[depth] + (accepted[depth] if depth < len(accepted) else 0.0)
+        with self._lock:
+            while len(self._predicted) < max(len(predicted), len(accepted)):
+                self._predicted.append(0.0)
+                self._accepted.append(0.0)
+            for depth in range(len(self._predicted)):
+                self._predicted[depth] = self.decay * self._predicted[depth] + (predicted[depth] if depth < len(predicted) else 0.0)
+                self._accepted[depth] = self.decay * self._accepted[depth] + (accepted[depth] if depth < len(accepted) else 0.0)
+        if self.shared is not None:
+            self.shared.observe(predicted, accepted)
+
+
+@dataclass
+class SharedEstimates:
+    """What each drafter's rounds kept across this server's recent requests of one kind (greedy or
+    sampled), forgetting slowly: the priors a new request's own estimates start from and shrink
+    toward (AcceptanceEstimate.shared, HeadCalibration.shared). A request begins where requests like
+    it left off instead of at a constant: the planner's first rounds are the ones a constant prior
+    misjudges most (it drafted 3 tokens a round at prior 0.5 where sampled heads keep ~0.25)."""
+
+    lookup: AcceptanceEstimate
+    heads: AcceptanceEstimate
+    head_rescue: AcceptanceEstimate
+    head_calibration: HeadCalibration
+    draft: AcceptanceEstimate
+    draft_rescue: AcceptanceEstimate
+
+    @classmethod
+    def fresh(cls, policy: SpeculationPolicy = POLICY) -> "SharedEstimates":
+        return cls(AcceptanceEstimate.server_wide(policy=policy), AcceptanceEstimate.server_wide(policy=policy),
+                   AcceptanceEstimate.server_wide(policy.rescue_prior, policy), HeadCalibration.server_wide(policy),
+                   AcceptanceEstimate.server_wide(policy=policy), AcceptanceEstimate.server_wide(policy.rescue_prior, policy))
 
 
 def describe_shapes(shapes: dict[tuple[int, bool], RoundShape]) -> str:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import RoundShapes, StepCosts, describe_shapes, speculation_cap
+from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, speculation_cap
 from gateway.links import SessionKeeper
 from gateway.policy import POLICY
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
@@ -35,6 +35,8 @@ class Backends:
     first: dict = field(default_factory=dict)  # role → the first replica's info, which sets the pool's rules
     costs: StepCosts = field(default_factory=StepCosts)  # measured greedy round times, for adaptive draft length
     sampled_costs: StepCosts = field(default_factory=StepCosts)  # ... sampled ones: each position's distribution is warped, sent and decoded
+    greedy_estimates: SharedEstimates = field(default_factory=SharedEstimates.fresh)  # what drafters kept across greedy requests
+    sampled_estimates: SharedEstimates = field(default_factory=SharedEstimates.fresh)  # ... and across sampled ones
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
     keeper: SessionKeeper = field(default_factory=lambda: SessionKeeper(lease_s=0))  # leases renewed, failed releases retried
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)

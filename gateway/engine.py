@@ -159,6 +159,7 @@ class Generation:
         # a sampled round of n positions costs more than a greedy one (every row's p is warped, sent and
         # decoded; the heads read several rows), so each kind of request prices rounds by its own kind's
         self.costs = backends.costs if spec.warp.greedy else backends.sampled_costs
+        shared = getattr(backends, "greedy_estimates" if spec.warp.greedy else "sampled_estimates", None)  # the priors
         self.max_length = backends.target_info.max_sequence_length
         self._time_remaining = time_remaining
         self._is_active = is_active
@@ -172,11 +173,11 @@ class Generation:
                                    num_draft_tokens=spec.num_draft_tokens, branches=spec.branches,
                                    greedy_drafts=spec.reproducible and not spec.warp.greedy,
                                    outcomes=options.speculated_outcomes, timeout_s=options.draft_timeout_s,
-                                   rpc_timeout=self._timeout, stats=self.stats, policy=POLICY)
+                                   rpc_timeout=self._timeout, stats=self.stats, policy=POLICY, shared=shared)
         self.lookup = LookupProposer(options.lookup_tokens if spec.speculate else 0, options.lookup_min_ngram, spec.adaptive,
-                                     spec.num_draft_tokens, POLICY)
+                                     spec.num_draft_tokens, POLICY, shared)
         self.heads = HeadProposer(backends.target_info.medusa_heads if spec.speculate else 0, spec.adaptive, spec.num_draft_tokens,
-                                  self.draft.branches, POLICY)
+                                  self.draft.branches, POLICY, shared)
         self.planner = RoundPlanner(self.lookup, self.heads, self.draft)
 
     @property

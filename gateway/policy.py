@@ -20,6 +20,7 @@ class SpeculationPolicy:
     decay: float = 0.9  # each round forgets 10%: a request's text changes kind within ~10 rounds
     max_acceptance: float = 0.999  # no estimate is ever certain: a sure draft would make k unbounded
     rescue_prior: float = 0.3  # a tree's alternatives hold the target's token where the best misses ~30% of the time
+    shared_decay: float = 0.99  # the server-wide estimate a new request starts from follows the last ~100 rounds of its kind
     probe_every_rounds: int = 8  # a drafter declined this many rounds in a row drafts once, to re-measure itself
 
     # --- shared measured costs (StepCosts) ---

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import grpc
 import numpy as np
 
-from gateway.adaptive import (AcceptanceEstimate, HeadCalibration, StepCosts, TreeNode, best_rate, best_shape, chain_nodes,
-                              confident_tree, depth_sums, expected_tokens, head_nodes)
+from gateway.adaptive import (AcceptanceEstimate, HeadCalibration, SharedEstimates, StepCosts, TreeNode, best_rate, best_shape,
+                              chain_nodes, confident_tree, depth_sums, expected_tokens, head_nodes)
 from gateway.features import FeatureLog, HeadProposals, head_drafts_after_tree, head_drafts_at
 from gateway.links import Link, SessionSet
 from gateway.policy import POLICY, SpeculationPolicy
@@ -108,10 +108,10 @@ class LookupProposer:
     (specd_common/lookup.py), cut to the length its own measured acceptance pays for."""
 
     def __init__(self, max_tokens: int, min_ngram: int, adaptive: bool, num_draft_tokens: int,
-                 policy: SpeculationPolicy = POLICY):
+                 policy: SpeculationPolicy = POLICY, shared: Optional[SharedEstimates] = None):
         self.max_tokens = (max_tokens if adaptive else num_draft_tokens) if max_tokens else 0  # 0: no lookup rounds
         self.min_ngram, self.adaptive = min_ngram, adaptive
-        self.acceptance = AcceptanceEstimate(policy=policy)  # copies behave unlike any model's drafts
+        self.acceptance = AcceptanceEstimate(policy=policy, shared=shared and shared.lookup)  # copies behave unlike any model's drafts
 
     def copy(self, ctx: RoundContext) -> list[int]:
         """The whole copy the sequence offers now ([] when nothing recurs or speculation is paused)."""
@@ -149,13 +149,13 @@ class HeadProposer:
     draft one token every probe_every_rounds rounds, since the calibration learns only from drafts."""
 
     def __init__(self, heads: int, adaptive: bool, num_draft_tokens: int, branches: int,
-                 policy: SpeculationPolicy = POLICY):
+                 policy: SpeculationPolicy = POLICY, shared: Optional[SharedEstimates] = None):
         self.heads = heads  # 0: no head rounds
         self.adaptive, self.num_draft_tokens, self.branches = adaptive, num_draft_tokens, branches
         self.policy = policy
-        self.acceptance = AcceptanceEstimate(policy=policy)
-        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy)
-        self.calibration = HeadCalibration(policy)
+        self.acceptance = AcceptanceEstimate(policy=policy, shared=shared and shared.heads)
+        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy, shared=shared and shared.head_rescue)
+        self.calibration = HeadCalibration(policy, shared=shared and shared.head_calibration)
         self.proposals = HeadProposals()  # from the last Verify
         self.asked = False  # the last Verify asked for proposals (its cost is priced apart)
         self._declined = False  # the last Verify did not ask: no head round could pay
@@ -326,7 +326,7 @@ class DraftProposer:
 
     def __init__(self, backends: Any, sessions: SessionSet, *, speculate: bool, adaptive: bool, num_draft_tokens: int,
                  branches: int, outcomes: int, timeout_s: float, rpc_timeout: Callable[[], float], stats: Any,
-                 greedy_drafts: bool = False, policy: SpeculationPolicy = POLICY):
+                 greedy_drafts: bool = False, policy: SpeculationPolicy = POLICY, shared: Optional[SharedEstimates] = None):
         self.backends, self.sessions, self.stats, self.policy = backends, sessions, stats, policy
         self.greedy_drafts = greedy_drafts  # a sampled request's draft session drafts its argmax (no q: the coupled rule)
         self.enabled = speculate and backends.draft.configured and backends.draft_info is not None
@@ -336,8 +336,8 @@ class DraftProposer:
         self.adaptive, self.num_draft_tokens = adaptive, num_draft_tokens
         self.timeout_s, self._rpc_timeout = timeout_s, rpc_timeout
         self.link = Link()
-        self.acceptance = AcceptanceEstimate(policy=policy)
-        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy)
+        self.acceptance = AcceptanceEstimate(policy=policy, shared=shared and shared.draft)
+        self.rescue = AcceptanceEstimate(prior=policy.rescue_prior, policy=policy, shared=shared and shared.draft_rescue)
         self._retry_at, self._backoff_s = 0.0, policy.draft_backoff_s
         self._idle_rounds = 0  # rounds in a row without drafts (a one-token probe follows)
         self._next_seed: Optional[int] = None  # the seed the draft prepared the next round with (None: none prepared)

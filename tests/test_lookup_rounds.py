@@ -13,7 +13,7 @@ import pytest
 
 from gateway.adaptive import StepCosts
 from gateway.rejection import rejection_sample
-from specd.v1 import common_pb2
+from specd.v1 import common_pb2, generate_pb2
 from specd_common.distributions import decode_distribution, one_hot
 from tests.conftest import start_cluster
 from tests.test_rejection import SIGNIFICANCE, chi_square_p_value
@@ -101,10 +101,15 @@ def test_lookup_rounds_need_no_draft_service(tiny):
 def test_sampled_lookup_rounds_are_reproducible_by_seed(lookup_cluster):
     stub = lookup_cluster.stub()
     sampling = common_pb2.SamplingParams(temperature=1.0, top_k=20)
-    first = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling)
-    again = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling)
+    fixed = dict(draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_FIXED)  # copies every round they offer
+    first = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling, **fixed)
+    again = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling, **fixed)
     assert list(first.token_ids) == list(again.token_ids)
     assert first.stats.lookup_rounds > 0
+    # adaptive, the coupled rule: the answer is target-only decoding's with that seed
+    adaptive = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling)
+    alone = generate(stub, text=REPEATING, max_new_tokens=24, seed=7, sampling=sampling, disable_speculation=True)
+    assert list(adaptive.token_ids) == list(alone.token_ids)
 
 
 def test_a_copy_judged_with_a_one_hot_q_follows_p():

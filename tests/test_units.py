@@ -691,6 +691,33 @@ def test_acceptance_estimate_returns_to_the_prior_when_not_drafting():
     assert low < 0.2 and estimate.chain(1)[0] == pytest.approx(0.5, abs=0.05)
 
 
+def test_a_new_request_starts_from_what_requests_of_its_kind_kept():
+    """The server-wide estimates (SharedEstimates): requests whose drafts kept ~20% at position 1 teach
+    the shared estimate, and the next request's estimate starts there instead of at the constant
+    prior (0.5), before it has drafted at all; a position the server never saw borrows from the one
+    before it. A request that stops drafting drifts back to the shared estimate, not to 0.5. Heads'
+    calibration alike, per depth."""
+    from gateway.adaptive import AcceptanceEstimate, SharedEstimates
+
+    shared = SharedEstimates.fresh()
+    for request in range(10):
+        estimate = AcceptanceEstimate(shared=shared.heads)
+        for round_ in range(10):
+            estimate.update(drafted=1, accepted=int(round_ % 5 == 0))  # 2 kept in 10
+    newcomer = AcceptanceEstimate(shared=shared.heads)
+    first, second = newcomer.chain(2)
+    assert first == pytest.approx(0.2, abs=0.06) and second == pytest.approx(first)
+    for _ in range(40):
+        newcomer.update(drafted=0, accepted=0)
+    assert newcomer.chain(1)[0] == pytest.approx(first, abs=0.02)
+    for _ in range(30):
+        shared.head_calibration.observe([0.8, 0.6], [0.4, 0.1])
+    from gateway.adaptive import HeadCalibration
+
+    calibration = HeadCalibration(shared=shared.head_calibration)
+    assert calibration.scales(2) == pytest.approx([0.5, 1 / 6], abs=0.06)  # the shared calibration's own prior weighs in
+
+
 # --- bench report --------------------------------------------------------------------------------
 def test_bench_report_computes_speedup_and_alpha():
     from specd.v1 import generate_pb2

@@ -36,6 +36,7 @@ STATUS_ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 ROUND_ATTRIBUTES = (
     "specd.round.index", "specd.round.lookup", "specd.round.heads", "specd.round.tree", "specd.draft.length", "specd.accepted.length", "specd.round.bonus", "specd.round.corrected",
     "specd.acceptance_rate_so_far", "specd.time.draft_wait_ms", "specd.time.verify_wait_ms", "specd.time.accept_ms",
+    "specd.round.expected_tokens",
 )
 STARTUP_TIMEOUT_S = 180.0
 EXPORT_TIMEOUT_S = 30.0
@@ -301,6 +302,7 @@ def check_request_trace(trace: Trace, root: ReceivedSpan, stats, response_tokens
         assert (a["specd.time.draft_wait_ms"] > 0) == (a["specd.draft.length"] > 0 and not a["specd.round.lookup"])  # copies ask no draft
     assert sum(r.attributes["specd.draft.length"] for r in rounds) == stats.draft_tokens
     assert sum(r.attributes["specd.accepted.length"] for r in rounds) == stats.accepted_tokens
+    assert sum(r.attributes["specd.round.expected_tokens"] for r in rounds) == pytest.approx(stats.predicted_tokens)
     assert rounds[-1].attributes["specd.acceptance_rate_so_far"] == pytest.approx(
         stats.accepted_tokens / max(1, stats.draft_tokens)
     )

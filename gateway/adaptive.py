@@ -595,11 +595,6 @@ class HeadCalibration:
         with self._lock:
             return [self._predicted[d] if d < len(self._predicted) else 0.0 for d in range(depths)]
 
-    @property
-    def scale(self) -> float:
-        """The first depth's scale."""
-        return self.scales(1)[0]
-
     def observe(self, predicted: Sequence[float], accepted: Sequence[int]) -> None:
         """One round: the drafted head nodes' values and how many of them were accepted, by depth."""
         with self._lock:

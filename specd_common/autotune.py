@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 PLAIN, PREPACKED, MKL, TALL, COLS, ROWS = "plain", "prepacked", "mkl", "tall", "cols", "rows"
@@ -154,6 +154,22 @@ def choose_runtime(costs: Costs, device: str = "cpu") -> RuntimeChoice:
     table = {t: {layout: {n: round(s * 1000, 2) for n, s in timings.items()} for layout, timings in by_layout.items()} for t, by_layout in costs.items()}
     return RuntimeChoice(device=device, threads=threads_at[measured_sizes[0]], layouts=layouts,
                          threads_by_size=per_size if len(set(per_size.values())) > 1 else {}, costs_ms=table)
+
+
+def one_thread_count(choice: RuntimeChoice, costs: Costs) -> RuntimeChoice:
+    """`choice` with a single thread count for every forward size: the fewest threads within the
+    tolerance of the cheapest summed over the sizes rounds use (ROUND_POSITIONS), each size on its
+    cheapest layout at that count. For a model whose exactness needs a position's logits to be the same
+    bits in a pass of any size (int4: specd_common/quantized.py): CPU SDPA for one query over 64 or
+    more keys splits the keys by thread count (flash-decoding style), so a row scored on 1 thread
+    and the same row scored on 2 differ by rounding, and a verify judging drafts on another thread
+    count than its one-position passes changed greedy output (6 of 244 speculative requests of the
+    e2e prompts through `specd up`, 2-core AMD EPYC, 2026-11-27; 0 of 90 of the first prompt since)."""
+    total = {t: sum(min(interpolate(timings, n) for timings in by_layout.values()) for n in ROUND_POSITIONS)
+             for t, by_layout in costs.items()}
+    threads = fewest_threads(total)
+    layouts = compress(best_layouts(costs[threads], sizes()))
+    return replace(choice, threads=threads, threads_by_size={}, layouts=layouts)
 
 
 # Passes timed per candidate while serving before a size's thread count is settled (ServingTrials).

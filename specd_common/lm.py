@@ -360,10 +360,12 @@ class CausalLM:
         if not costs:  # no start-up time left to measure: the default runtime stands
             return self.runtime
         choice = autotune.choose_runtime(costs)
+        if self.weights == "int4":  # exactness: every pass on one thread count, never trialled on another
+            choice = autotune.one_thread_count(choice, costs)
         torch.set_num_threads(choice.threads)
         self.use_only(choice.needs)
         self.runtime = choice
-        self.trials = autotune.ServingTrials.from_costs(choice, costs)
+        self.trials = autotune.ServingTrials.from_costs(choice, costs) if self.weights != "int4" else None
         return choice
 
     def use_only(self, layouts: set[str]) -> None:

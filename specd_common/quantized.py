@@ -17,7 +17,8 @@ too, as bfloat16 GPU serving has them); the residual stream, norms and attention
 Greedy output equals this verify's own target-only decoding, not transformers' float32. That
 needs every position's logits to be the same however passes are cut: both kernels compute each
 row on its own; a verify's rows attend one by one (lean_forward._sdpa_row, Segment.rows_alone);
-prompts are prefilled in fixed chunks (lm.INT4_PREFILL_CHUNK). docs/design/cpu-vs-llama-cpp.md.
+prompts are prefilled in fixed chunks (lm.INT4_PREFILL_CHUNK); every pass runs on one thread count
+(autotune.one_thread_count: SDPA splits long key ranges by threads). docs/design/cpu-vs-llama-cpp.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from specd_common.autotune import (
     PLAIN, PREPACKED, TALL, RuntimeChoice, ServingTrials, available_cores, choose_runtime, compress, fewest_threads, interpolate,
-    thread_candidates,
+    one_thread_count, thread_candidates,
 )
 
 MS = 1e-3
@@ -62,6 +62,39 @@ def test_threads_are_chosen_per_forward_size():
     assert [choice.layout_for(n) for n in (2, 4, 8)] == [TALL, TALL, TALL]
     assert choose_runtime({2: AMD}).threads_by_size == {}  # one count for every size: nothing varies
     assert choose_runtime({2: AMD}).threads_for(4) == 2
+
+
+def test_one_thread_count_serves_every_size_where_exactness_needs_it():
+    """int4's rule: a position scores the same bits in a pass of any size only on one thread count.
+    Summed over the sizes rounds use, the EPYC timings above favour 2 threads (394 against 495 ms)."""
+    epyc = {
+        1: {PLAIN: ms({1: 69, 2: 107, 4: 111, 8: 131}), TALL: ms({1: 68, 2: 96, 4: 112, 8: 161})},
+        2: {PLAIN: ms({1: 69, 2: 120, 4: 124, 8: 128}), TALL: ms({1: 66, 2: 83, 4: 79, 8: 102})},
+    }
+    choice = one_thread_count(choose_runtime(epyc), epyc)
+    assert choice.threads_by_size == {} and {choice.threads_for(n) for n in (1, 2, 4, 5, 64)} == {2}
+    assert choice.layouts == {1: TALL} and choice.costs_ms == choose_runtime(epyc).costs_ms
+    close = {1: {PLAIN: ms({1: 50, 2: 60, 4: 80, 8: 120})}, 2: {PLAIN: ms({1: 52, 2: 58, 4: 70, 8: 90})}}
+    assert one_thread_count(choose_runtime(close), close).threads == 1  # within the tolerance: fewer threads
+
+
+def test_an_int4_model_runs_every_pass_on_the_thread_count_it_chose(tiny):
+    """Timings where one thread wins a 1-position pass and two win longer ones: a float model runs each
+    size on its winner and trials the other while serving; an int4 model (exactness) runs all on one."""
+    from specd_common.lm import CausalLM
+    from specd_common.models import load_causal_lm
+
+    def timings(name, runs, repeats):  # (threads, layout, positions) → seconds
+        return {(t, layout, n): (0.010 if t == 1 else 0.012) if n == 1 else (0.040 if t == 1 else 0.020)
+                for t, layout, n in runs()}
+
+    assert available_cores() >= 2, "CI's machine has 2 cores; this compares thread counts"
+    float_lm = CausalLM(load_causal_lm(str(tiny.target)), layouts={PLAIN})
+    varied = float_lm.tune(max_threads=2, measure=timings)
+    assert varied.threads_by_size == {1: 1, 2: 2} and float_lm.trials is not None
+    int4_lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    fixed = int4_lm.tune(max_threads=2, measure=timings)
+    assert fixed.threads_by_size == {} and fixed.threads == 2 and int4_lm.trials is None
 
 
 def test_the_choice_records_what_chose_it():

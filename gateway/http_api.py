@@ -34,7 +34,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -49,6 +49,12 @@ STARTUP_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 2.0
 # a prompt at its limit written with JSON escapes (up to 12 bytes a character: an escaped surrogate pair) fits
 MAX_BODY_BYTES = 16 * openai_api.MAX_PROMPT_CHARS
+# a body arrives within this long of its headers, else 408: a client sending a byte a second holds no
+# connection, task or buffer longer (the largest allowed body takes ~4 s at 1 MB/s)
+BODY_TIMEOUT_S = 10.0
+# bodies being read at once; past this, a request is refused (503) before its body is read, so slow
+# senders cannot take every task the gateway would serve with
+MAX_READING_BODIES = 64
 
 
 @dataclass
@@ -69,6 +75,7 @@ class HttpApi:
     def __init__(self, settings: HttpSettings):
         self.settings = settings
         self._channel: Optional[grpc.aio.Channel] = None
+        self._reading = 0  # bodies being read now (MAX_READING_BODIES); only the server's loop touches it
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -119,7 +126,7 @@ class HttpApi:
         started = time.perf_counter()
         span = self._start_span(request)
         try:
-            parsed = openai_api.parse_request(kind, await _json_body(request), self.settings.vocab_size)
+            parsed = openai_api.parse_request(kind, await self._read_body(request), self.settings.vocab_size)
             if parsed.model != self.settings.model:
                 raise ApiError(404, f"model {openai_api.shown(parsed.model)} is not served here; GET /v1/models lists "
                                f"{json.dumps(self.settings.model)}", "invalid_request_error", "model_not_found", "model")
@@ -189,6 +196,24 @@ class HttpApi:
         finally:
             call.cancel()
             _end_span(span, status)
+
+    async def _read_body(self, request: Request) -> Any:
+        """_json_body within BODY_TIMEOUT_S (408 after), at most MAX_READING_BODIES at once (503 past
+        them); a client that leaves mid-body is a 499 (its doing, not a server error: no traceback)."""
+        if self._reading >= MAX_READING_BODIES:
+            raise ApiError(503, f"the gateway is reading {self._reading} request bodies already; retry shortly",
+                           "server_error", "overloaded")
+        self._reading += 1
+        try:
+            return await asyncio.wait_for(_json_body(request), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s of its headers; send it "
+                           "at once", code="request_timeout") from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the connection while sending its body", "cancelled",
+                           "client_closed_request") from None
+        finally:
+            self._reading -= 1
 
     # --- observability -------------------------------------------------------------------------
     def _start_span(self, request: Request) -> Any:

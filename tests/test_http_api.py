@@ -471,6 +471,88 @@ def raw_http(port: int, method: str, path: str, body: bytes = b"") -> tuple[int,
     return int(head.split()[1]), payload
 
 
+def half_sent(port: int, body: bytes) -> socket.socket:
+    """A connection that sent its headers (announcing `body`) and half the body, then waits."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+    connection.sendall(http_bytes("POST", CHAT, body)[: -(len(body) // 2)])
+    return connection
+
+
+def reply_of(connection: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while chunk := connection.recv(65536):
+        data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_client_leaving_mid_body_is_a_499_not_a_server_error(served: Cluster, model: str, caplog: pytest.LogCaptureFixture):
+    """Its doing, not the server's: counted as client_closed_request (499), no 500, no ERROR in the log."""
+    metrics = served.gateway.observability.metrics
+    counted = lambda status: metrics.http_requests.labels(CHAT, status)._value.get()  # noqa: E731
+    before_499, before_500 = counted("499"), counted("500")
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 2}).encode()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            half_sent(http_port(served), body).close()
+        wait_for(lambda: counted("499") == before_499 + 3)
+    assert counted("500") == before_500
+    assert not [record for record in caplog.records if record.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(served: Cluster, model: str, monkeypatch: pytest.MonkeyPatch):
+    from gateway import http_api
+
+    monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.5)
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 2}).encode()
+    started = time.monotonic()
+    with half_sent(http_port(served), body) as connection:
+        status, answer = reply_of(connection)
+    assert status == 408 and "0.5 s" in json.loads(answer)["error"]["message"], answer
+    assert time.monotonic() - started < 5
+
+
+def test_past_the_bodies_being_read_a_request_is_refused_at_once(served: Cluster, model: str, monkeypatch: pytest.MonkeyPatch):
+    """Slow senders hold at most MAX_READING_BODIES reads; the next request is a 503 with Retry-After, and
+    once they are gone requests are served again."""
+    from gateway import http_api
+
+    monkeypatch.setattr(http_api, "MAX_READING_BODIES", 2)
+    body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}).encode()
+    metrics = served.gateway.observability.metrics
+    before = metrics.http_requests.labels(CHAT, "499")._value.get()
+    slow = [half_sent(http_port(served), body) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # both are being read
+        started = time.monotonic()
+        status, answer = raw_http(http_port(served), "POST", CHAT, body)
+        assert status == 503 and "reading 2 request bodies" in json.loads(answer)["error"]["message"], answer
+        assert time.monotonic() - started < 2
+    finally:
+        for connection in slow:
+            connection.close()
+    wait_for(lambda: metrics.http_requests.labels(CHAT, "499")._value.get() == before + 2)
+    status, answer = raw_http(http_port(served), "POST", CHAT, body)
+    assert status == 200, answer
+
+
+def test_a_request_that_reaches_the_context_ends_there_with_length(served: Cluster, client: openai.OpenAI, model: str):
+    """A prompt plus max_tokens past the model's context is served up to the context and ends with
+    finish_reason length (the tiny target holds 512 positions)."""
+    context = 512  # the tiny target's max_position_embeddings (tests/tiny_models.py)
+    prompt = [5 + i % 50 for i in range(context - 6)]
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=4000, temperature=0)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens <= 6, reply
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == context, reply.usage
+
+
 def test_concurrent_streams_each_get_their_own_answer(served: Cluster, client: openai.OpenAI, model: str):
     prompts = ["Tell me about the sea.", "Name a color.", "What is a cat?"]
     results: dict[int, str] = {}

@@ -268,7 +268,9 @@ class Pool(Generic[Stub]):
             self._decide(replica, info, refusal)
         while self._live(replica) and not replica.refused:
             try:
-                replica.watch_call = replica.health.Watch(health_pb2.HealthCheckRequest())
+                # wait_for_ready: while the replica is away the watch waits for the channel to reconnect
+                # (CLIENT_CHANNEL_OPTIONS) and hears SERVING as soon as it is back, instead of failing each RETRY_S
+                replica.watch_call = replica.health.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True)
                 if not self._live(replica):
                     replica.watch_call.cancel()
                 for reply in replica.watch_call:

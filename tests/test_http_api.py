@@ -444,6 +444,32 @@ def test_verify_down_is_a_quick_503_and_health_follows_the_verify(tiny: TinyMode
         cluster.stop()
 
 
+def test_a_verify_back_after_a_long_outage_is_used_within_2_s_of_serving(tiny: TinyModels):
+    """gRPC's reconnect back-off grows while a service is away (1 s, 1.6 s, 2.6 s, ... to 120 s): after a
+    16 s restart the gateway refused requests for 7.2 s after the new verify served. Now the channel
+    dials every RECONNECT_BACKOFF_MS and the health watch waits for it, so requests succeed at once."""
+    from specd_common.config import ServerConfig
+    from specd_common.models import load_causal_lm
+    from verify_service.app import start_verify_server
+
+    cluster = start_cluster(tiny.target, "", http_port=0)
+    try:
+        model = cluster.gateway.servicer.backends.target_info.model_name
+        port = cluster.verify.port
+        loaded = load_causal_lm(str(tiny.target))
+        cluster.verify.stop(0)
+        assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 503, timeout_s=5)
+        time.sleep(10)  # long enough for gRPC's default back-off to wait ~4 s between tries by now
+        cluster.verify = start_verify_server(loaded, ServerConfig(port=port))
+        serving = time.monotonic()
+        assert wait_for(lambda: raw_http(http_port(cluster), "GET", "/health")[0] == 200, timeout_s=2), \
+            "the gateway did not find the verify within 2 s of its serving"
+        reply = client_for(cluster).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert reply.usage.completion_tokens >= 1 and time.monotonic() - serving < 4
+    finally:
+        cluster.stop()
+
+
 def test_http_port_stops_with_the_gateway(tiny: TinyModels):
     cluster = start_cluster(tiny.target, "", http_port=0)
     port = http_port(cluster)
@@ -486,13 +512,6 @@ def reply_of(connection: socket.socket) -> tuple[int, bytes]:
     return int(head.split()[1]), payload
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_client_leaving_mid_body_is_a_499_not_a_server_error(served: Cluster, model: str, caplog: pytest.LogCaptureFixture):
     """Its doing, not the server's: counted as client_closed_request (499), no 500, no ERROR in the log."""
     metrics = served.gateway.observability.metrics
@@ -502,7 +521,7 @@ def test_a_client_leaving_mid_body_is_a_499_not_a_server_error(served: Cluster, 
     with caplog.at_level("WARNING"):
         for _ in range(3):
             half_sent(http_port(served), body).close()
-        wait_for(lambda: counted("499") == before_499 + 3)
+        assert wait_for(lambda: counted("499") == before_499 + 3)
     assert counted("500") == before_500
     assert not [record for record in caplog.records if record.levelname in ("ERROR", "CRITICAL")], caplog.text
 
@@ -538,7 +557,7 @@ def test_past_the_bodies_being_read_a_request_is_refused_at_once(served: Cluster
     finally:
         for connection in slow:
             connection.close()
-    wait_for(lambda: metrics.http_requests.labels(CHAT, "499")._value.get() == before + 2)
+    assert wait_for(lambda: metrics.http_requests.labels(CHAT, "499")._value.get() == before + 2)
     status, answer = raw_http(http_port(served), "POST", CHAT, body)
     assert status == 200, answer
 

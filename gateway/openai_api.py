@@ -21,6 +21,7 @@ import grpc
 
 from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from specd.v1 import common_pb2, generate_pb2
+from specd_common.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # Chat without max_tokens gets the gateway's default (GenerateRequest.max_new_tokens = 0): 256 tokens.
@@ -40,7 +41,6 @@ NO_EFFECT_VALUES: dict[str, tuple] = {
     "top_logprobs": (0, None),
     "frequency_penalty": (0, None),
     "presence_penalty": (0, None),
-    "logit_bias": ({}, None),
     "tools": ([], None),
     "tool_choice": ("none", None),
     "parallel_tool_calls": (False, None),
@@ -222,19 +222,20 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
     else:
         max_new = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS) or COMPLETION_DEFAULT_MAX_TOKENS
         request = _prompt(require(body, "prompt", _prompt_value), vocab_size)
-    _sampling(body, request)
+    _sampling(body, request, vocab_size)
     request.max_new_tokens = max_new or 0  # 0: the gateway's default (chat: 256 tokens)
     return ParsedRequest(model, stream, include_usage, user, request)
 
 
-_SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user")
+_SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
+                  "logit_bias")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens"),
     "completion": (*_SHARED_FIELDS, "prompt"),
 }
 
 
-def _sampling(body: dict, request: generate_pb2.GenerateRequest) -> None:
+def _sampling(body: dict, request: generate_pb2.GenerateRequest, vocab_size: int = INT32_MAX + 1) -> None:
     """The sampling fields chat and completions share; OpenAI's defaults are temperature 1, top_p 1."""
     temperature = read(body, "temperature", as_number, 0, 2)
     request.sampling.temperature = 1.0 if temperature is None else temperature
@@ -244,6 +245,21 @@ def _sampling(body: dict, request: generate_pb2.GenerateRequest) -> None:
     if seed is not None:
         request.seed = seed & SEED_MASK
     request.stop.extend(read(body, "stop", _stop_value) or [])
+    request.sampling.logit_bias.update(read(body, "logit_bias", _logit_bias_value, vocab_size) or {})
+
+
+def _logit_bias_value(value: Any, path: str, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to numbers in [-100, 100]."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(path, f"must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids", value)
+    bias = {}
+    for key, number in value.items():
+        where = _join(path, key)
+        if not (key.isascii() and key.isdigit()) or int(key) >= min(vocab_size, INT32_MAX + 1):
+            raise invalid(where, f"must be keyed by a token id in [0, {min(vocab_size, INT32_MAX + 1) - 1}] "
+                                 "written as a decimal string", key)
+        bias[int(key)] = as_number(number, where, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return bias
 
 
 def _stop_value(value: Any, path: str) -> list[str]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from specd_common.errors import require
 
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: ±100 bans or forces a token whatever the logits
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit; a bias is applied to every row of every pass
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,7 @@ class Warp:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
     @property
     def greedy(self) -> bool:
@@ -31,8 +34,21 @@ class Warp:
         )
         require(top_k >= 0, f"top_k must be >= 0 (0 = off), got {top_k}")
         require(0.0 <= top_p <= 1.0, f"top_p must be in (0, 1] (0 or 1 = off), got {top_p}")
-        return cls(temperature=temperature, top_k=top_k, top_p=top_p if top_p > 0 else 1.0)
+        bias = dict(params.logit_bias)
+        require(len(bias) <= MAX_LOGIT_BIAS_ENTRIES, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        for token, value in bias.items():
+            require(token >= 0, f"logit_bias token ids must be >= 0, got {token}")
+            require(-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,  # also false for NaN
+                    f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p if top_p > 0 else 1.0,
+                   logit_bias=tuple(sorted((int(token), float(value)) for token, value in bias.items() if value)))
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """INVALID_ARGUMENT when logit_bias names a token id the model does not have."""
+        beyond = [token for token, _ in self.logit_bias if token >= vocab_size]
+        require(not beyond, f"logit_bias token ids must be < {vocab_size} (the vocabulary size), got {beyond[:5]}")
 
     def to_proto(self, message_type):
         """Fill a specd.v1.SamplingParams (passed in to keep this module free of generated imports)."""
-        return message_type(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return message_type(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                            logit_bias=dict(self.logit_bias))

@@ -11,9 +11,20 @@ from specd.v1 import common_pb2
 from specd_common.distributions import encode_distribution
 from specd_common.params import Warp
 
+def biased(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
+    """logits [n, V] with the request's logit_bias added (the same tensor when it has none): what greedy
+    takes the argmax of and sampling warps, on every side, so speculation keeps the biased answer."""
+    bias = [(token, value) for token, value in warp.logit_bias if token < logits.shape[-1]]  # a drafter's rows may be shorter
+    if not bias:
+        return logits
+    tokens = torch.tensor([token for token, _ in bias], device=logits.device)  # [b]
+    values = torch.tensor([value for _, value in bias], dtype=logits.dtype, device=logits.device)  # [b]
+    return logits.index_add(-1, tokens, values.expand(*logits.shape[:-1], -1))
+
+
 def warp_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
-    """logits [n, V] → probabilities [n, V] float32 after temperature, then top-k, then top-p."""
-    logits = logits.float()
+    """logits [n, V] → probabilities [n, V] float32 after logit_bias, temperature, then top-k, then top-p."""
+    logits = biased(logits.float(), warp)
     # Shifted so the best score is 0 first (softmax, top-k and top-p are shift-invariant): then a tiny
     # temperature sends every other score to -inf instead of overflowing the best to inf (inf - inf =
     # NaN), and the result tends to greedy, its limit, down to any temperature > 0.

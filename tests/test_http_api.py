@@ -294,6 +294,21 @@ def test_a_prompt_longer_than_the_context_is_a_400_from_the_engine(client: opena
     assert "context" in refused.value.body["message"]
 
 
+def test_logit_bias_bans_and_forces_tokens_as_over_grpc(served: Cluster, client: openai.OpenAI, model: str):
+    plain = grpc_answer(served, **chat_request("Tell me about the sea.", 8))
+    banned = sorted(set(plain.token_ids[:2]))
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                           logit_bias={str(token): -100 for token in banned})
+    expected = grpc_answer(served, **chat_request("Tell me about the sea.", 8),
+                           sampling=common_pb2.SamplingParams(logit_bias={token: -100.0 for token in banned}))
+    assert reply.choices[0].message.content == expected.text and not set(expected.token_ids) & set(banned)
+    forced = client.completions.create(model=model, prompt="the", max_tokens=5, logit_bias={"11": 100}, seed=1)
+    assert forced.choices[0].text == served.gateway.servicer.backends.tokenizer.decode([11] * 5)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="the", max_tokens=2, logit_bias={"11": 150})
+    assert refused.value.body["param"] == "logit_bias.11"
+
+
 def test_unknown_model_is_404(client: openai.OpenAI):
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)

@@ -71,6 +71,28 @@ def test_greedy_speculation_equals_target_only_and_transformers(cluster, tiny, p
     assert speculative.stats.target_passes < len(speculative.token_ids)  # speculation saved passes
 
 
+def test_logit_bias_bans_and_forces_tokens_exactly_with_speculation_or_without(cluster):
+    """OpenAI's logit_bias on the target's logits: -100 bans a token, +100 forces it; greedy speculation
+    keeps target-only's biased answer token for token, and a forced token wins sampled rounds too."""
+    stub = cluster.stub()
+    plain = generate(stub, text=PROMPTS[3], max_new_tokens=24, disable_speculation=True)
+    banned = {token: -100.0 for token in set(plain.token_ids[:3])}
+    answers = [generate(stub, text=PROMPTS[3], max_new_tokens=24, sampling=common_pb2.SamplingParams(logit_bias=banned), **mode)
+               for mode in ({"draft_length_policy": FIXED}, {"disable_speculation": True})]
+    assert list(answers[0].token_ids) == list(answers[1].token_ids) != list(plain.token_ids)
+    assert not set(answers[0].token_ids) & set(banned) and answers[0].stats.draft_tokens > 0
+    forced = common_pb2.SamplingParams(logit_bias={11: 100.0})
+    for sampling in (forced, common_pb2.SamplingParams(temperature=1.0, logit_bias={11: 100.0})):
+        for mode in ({"draft_length_policy": FIXED}, {"disable_speculation": True}):
+            reply = generate(stub, text=PROMPTS[3], max_new_tokens=12, sampling=sampling, seed=3, **mode)
+            assert list(reply.token_ids) == [11] * 12, (sampling, mode)
+    vocab = cluster.gateway.servicer.backends.target_info.vocab_size
+    for bias in ({vocab: 1.0}, {3: 101.0}, {-1: 1.0}):
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stub, text=PROMPTS[0], max_new_tokens=2, sampling=common_pb2.SamplingParams(logit_bias=bias))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in refused.value.details()
+
+
 def test_identical_draft_is_always_accepted(tiny):
     running = start_cluster(tiny.target, "model", tiny.draft_same, num_draft_tokens=4)
     try:

@@ -19,7 +19,7 @@ from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_common.warping import encode_rows, warp_probs
+from specd_common.warping import biased, encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,8 @@ class Scorer:
         else: specd_common/model_thread.py). A part whose reply fails gets its exception instead, and
         the batch's other sessions their replies: one session's fault (its warp, the heads' product it
         asked for) fails that session's Verify alone."""
-        owns = [torch.argmax(rows, dim=-1) for rows in logits]  # [k + 1] each: the target's choice at each position (greedy's answer, the heads' input)
+        owns = [torch.argmax(biased(rows, part.session.warp), dim=-1)  # [k + 1] each: the target's choice at each
+                for part, rows in zip(parts, logits)]  # position (greedy's answer, the heads' input), after logit_bias
         try:
             proposals: list = self.head_drafts(parts, owns)
         except Exception as error:  # handed to the sessions that asked, as their Verify's error

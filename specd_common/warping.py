@@ -11,6 +11,7 @@ from specd.v1 import common_pb2
 from specd_common.distributions import encode_distribution
 from specd_common.params import Warp
 
+
 def biased(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     """logits [n, V] with the request's logit_bias added (the same tensor when it has none): what greedy
     takes the argmax of and sampling warps, on every side, so speculation keeps the biased answer."""

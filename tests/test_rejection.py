@@ -92,8 +92,9 @@ def speculative_first_tokens(p_logits, q_logits, warp: Warp, k: int, n: int, see
 
 @pytest.mark.parametrize(
     "warp",
-    [Warp(temperature=1.0), Warp(temperature=0.7), Warp(temperature=1.3, top_k=5), Warp(temperature=1.0, top_p=0.8)],
-    ids=["t1", "t0.7", "t1.3-topk5", "t1-topp0.8"],
+    [Warp(temperature=1.0), Warp(temperature=0.7), Warp(temperature=1.3, top_k=5), Warp(temperature=1.0, top_p=0.8),
+     Warp(temperature=1.0, logit_bias=((3, 2.0), (5, -100.0)))],
+    ids=["t1", "t0.7", "t1.3-topk5", "t1-topp0.8", "t1-logit-bias"],
 )
 def test_sampling_follows_target_distribution_on_toy_logits(warp: Warp):
     generator = torch.Generator().manual_seed(0)
@@ -205,3 +206,18 @@ def test_the_coupled_tree_rule_walks_the_target_draws():
     assert chi_square_p_value(np.array(firsts), p[0]) > SIGNIFICANCE
     assert paths[(0, 2)] / 20_000 == pytest.approx(0.5 * 0.6, abs=0.015)
     assert paths[()] / 20_000 == pytest.approx(0.2, abs=0.015)
+
+
+def test_logit_bias_is_added_before_warping_and_survives_the_wire():
+    """biased(): the bias lands on its token ids in every row (ids past a drafter's shorter rows are
+    skipped); -100 leaves a token no probability, +100 all of it; SamplingParams round-trips it."""
+    from specd.v1 import common_pb2
+    from specd_common.warping import biased
+
+    logits = torch.zeros(2, 6)
+    warp = Warp(logit_bias=((1, 2.5), (4, -1.0), (9, 7.0)))
+    assert torch.equal(biased(logits, warp), torch.tensor([[0, 2.5, 0, 0, -1.0, 0]] * 2))
+    assert biased(logits, Warp()) is logits
+    probs = warp_probs(torch.randn(3, 6), Warp(temperature=1.0, logit_bias=((2, 100.0), (0, -100.0))))
+    assert bool((probs[:, 2] > 0.999).all()) and bool((probs[:, 0] < 1e-30).all())
+    assert Warp.from_proto(warp.to_proto(common_pb2.SamplingParams)) == warp

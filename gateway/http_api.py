@@ -96,6 +96,11 @@ class HttpApi:
             await self._channel.close()
 
     @property
+    def reading_bodies(self) -> int:
+        """Request bodies being read now (at most MAX_READING_BODIES)."""
+        return self._reading
+
+    @property
     def _generate(self) -> generate_pb2_grpc.GenerateServiceStub:
         return generate_pb2_grpc.GenerateServiceStub(self._channel)
 
@@ -331,7 +336,7 @@ class HttpServer:
     def __init__(self, api: HttpApi, host: str, port: int, tls: ServerTLS = ServerTLS(), grace_s: float = 5.0):
         self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self.socket.getsockname()[1]
-        self.tls = tls
+        self.api, self.tls = api, tls
         config = uvicorn.Config(api.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=grace_s,
                                 access_log=False, **_tls_options(tls))
         self._server = uvicorn.Server(config)

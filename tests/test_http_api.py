@@ -564,7 +564,7 @@ def test_past_the_bodies_being_read_a_request_is_refused_at_once(served: Cluster
     before = metrics.http_requests.labels(CHAT, "499")._value.get()
     slow = [half_sent(http_port(served), body) for _ in range(2)]
     try:
-        time.sleep(0.5)  # both are being read
+        assert wait_for(lambda: http_server(served.gateway).api.reading_bodies == 2)
         started = time.monotonic()
         status, answer = raw_http(http_port(served), "POST", CHAT, body)
         assert status == 503 and "reading 2 request bodies" in json.loads(answer)["error"]["message"], answer

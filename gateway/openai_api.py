@@ -223,12 +223,14 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
         max_new = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS) or COMPLETION_DEFAULT_MAX_TOKENS
         request = _prompt(require(body, "prompt", _prompt_value), vocab_size)
     _sampling(body, request, vocab_size)
+    speculation = read(body, "speculation", as_bool)  # an extension: false = target-only, to compare the two
+    request.disable_speculation = speculation is False
     request.max_new_tokens = max_new or 0  # 0: the gateway's default (chat: 256 tokens)
     return ParsedRequest(model, stream, include_usage, user, request)
 
 
 _SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
-                  "logit_bias")
+                  "logit_bias", "speculation")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens"),
     "completion": (*_SHARED_FIELDS, "prompt"),

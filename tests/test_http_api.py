@@ -309,6 +309,19 @@ def test_logit_bias_bans_and_forces_tokens_as_over_grpc(served: Cluster, client:
     assert refused.value.body["param"] == "logit_bias.11"
 
 
+def test_speculation_false_is_target_only_with_the_same_greedy_answer(client: openai.OpenAI, model: str):
+    """The extension field `speculation` (default true): false decodes target-only, as gRPC's
+    disable_speculation, so a client can compare the two over HTTP."""
+    answers = [client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0,
+                                              extra_body={"speculation": flag}) for flag in (True, False)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    stats = [answer.model_extra["specd"] for answer in answers]
+    assert stats[0]["draft_tokens"] > 0 and stats[1]["draft_tokens"] == 0, stats
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body={"speculation": "no"})
+    assert refused.value.body["param"] == "speculation"
+
+
 def test_unknown_model_is_404(client: openai.OpenAI):
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)

@@ -254,12 +254,11 @@ def _logit_bias_value(value: Any, path: str, vocab_size: int) -> dict[int, float
     """OpenAI's logit_bias: an object from token ids (as strings) to numbers in [-100, 100]."""
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS_ENTRIES:
         raise invalid(path, f"must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids", value)
-    bias = {}
+    bias, high = {}, highest_token_id(vocab_size)
     for key, number in value.items():
         where = _join(path, key)
-        if not (key.isascii() and key.isdigit()) or int(key) >= min(vocab_size, INT32_MAX + 1):
-            raise invalid(where, f"must be keyed by a token id in [0, {min(vocab_size, INT32_MAX + 1) - 1}] "
-                                 "written as a decimal string", key)
+        if not (key.isascii() and key.isdigit()) or int(key) > high:
+            raise invalid(where, f"must be keyed by a token id in [0, {high}] written as a decimal string", key)
         bias[int(key)] = as_number(number, where, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return bias
 
@@ -319,9 +318,14 @@ def _prompt_value(value: Any, path: str) -> Union[str, list[int]]:
 def _prompt(prompt: Union[str, list], vocab_size: int) -> generate_pb2.GenerateRequest:
     if isinstance(prompt, str):  # completions are raw text: no chat template
         return generate_pb2.GenerateRequest(text=prompt, raw=True)
-    high, what = min(vocab_size, INT32_MAX + 1) - 1, "a token id of the model's vocabulary"
+    high, what = highest_token_id(vocab_size), "a token id of the model's vocabulary"
     ids = [as_int(token, f"prompt[{i}]", 0, high, what) for i, token in enumerate(prompt)]
     return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=ids))
+
+
+def highest_token_id(vocab_size: int) -> int:
+    """The largest token id a request may name: the model's last, and an int32 (specd.v1's type)."""
+    return min(vocab_size, INT32_MAX + 1) - 1
 
 
 def _no_effect(key: str, value: Any) -> bool:

@@ -123,7 +123,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # with fixed shapes (docs/benchmarks/bench_sampled_s36.json), 1.245x against 1.25x chosen by
         # the heads' confidence (bench_sampled_s37.json: every row's distribution comes back)
         warp = Warp.from_proto(request.sampling)
-        warp.check_vocabulary(self.backends.target_info.vocab_size)
+        validate_token_ids(warp.biased_tokens, self.backends.target_info.vocab_size, "sampling.logit_bias")
         default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches
         require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,

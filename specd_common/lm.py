@@ -361,11 +361,12 @@ class CausalLM:
             return self.runtime
         choice = autotune.choose_runtime(costs)
         if self.weights == "int4":  # exactness: every pass on one thread count, never trialled on another
-            choice = autotune.one_thread_count(choice, costs)
+            choice, self.trials = autotune.one_thread_count(choice, costs), None
+        else:
+            self.trials = autotune.ServingTrials.from_costs(choice, costs)
         torch.set_num_threads(choice.threads)
         self.use_only(choice.needs)
         self.runtime = choice
-        self.trials = autotune.ServingTrials.from_costs(choice, costs) if self.weights != "int4" else None
         return choice
 
     def use_only(self, layouts: set[str]) -> None:

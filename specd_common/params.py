@@ -43,10 +43,10 @@ class Warp:
         return cls(temperature=temperature, top_k=top_k, top_p=top_p if top_p > 0 else 1.0,
                    logit_bias=tuple(sorted((int(token), float(value)) for token, value in bias.items() if value)))
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """INVALID_ARGUMENT when logit_bias names a token id the model does not have."""
-        beyond = [token for token, _ in self.logit_bias if token >= vocab_size]
-        require(not beyond, f"logit_bias token ids must be < {vocab_size} (the vocabulary size), got {beyond[:5]}")
+    @property
+    def biased_tokens(self) -> list[int]:
+        """The token ids logit_bias names (a service checks them against its vocabulary)."""
+        return [token for token, _ in self.logit_bias]
 
     def to_proto(self, message_type):
         """Fill a specd.v1.SamplingParams (passed in to keep this module free of generated imports)."""

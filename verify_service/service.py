@@ -32,7 +32,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         require(len(request.prompt_token_ids) > 0, "prompt_token_ids must hold at least one token")
         validate_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
         warp = Warp.from_proto(request.sampling)
-        warp.check_vocabulary(self.vocab_size)
+        validate_token_ids(warp.biased_tokens, self.vocab_size, "sampling.logit_bias")
         require(request.return_features or not request.feature_layers, "feature_layers apply only with return_features")
         self.scorer.check_feature_layers(request.feature_layers)  # before a session is claimed
         prompt_tokens = len(request.prompt_token_ids)

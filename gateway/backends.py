@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, speculation_cap
+from gateway.grammar import Grammars
 from gateway.links import SessionKeeper
 from gateway.policy import POLICY
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
@@ -49,6 +50,11 @@ class Backends:
         """What the drafts are (None until one has answered: a draft pool found empty at start, e.g. a
         DNS name whose pods are not ready yet, gets its rules from the first draft that joins)."""
         return self.first.get("draft")
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for the target's tokenizer (its own tokenizer is built on first use)."""
+        return Grammars(self.target_info.tokenizer_json, self.target_info.vocab_size, self.target_info.eos_token_ids)
 
     @functools.cached_property
     def _verify_batch_costs(self) -> dict[int, dict[int, float]]:

@@ -3,8 +3,11 @@
 A round reads as its phases:
   1. plan     the planner (gateway/planner.py) weighs the proposers' offers (gateway/proposers.py): a
               lookup copy, the verify's Medusa heads, both in one tree, the draft service, or none;
+              a constrained answer (structured output, gateway/grammar.py) first drafts what its
+              grammar forces, and its drafts are cut where the grammar forbids one;
   2. propose  free drafts are already made; the draft service is asked for its k (a Propose);
-  3. verify   the target applies the last commit and scores the drafts plus one position;
+  3. verify   the target applies the last commit and scores the drafts plus one position (over the
+              tokens the grammar allows there, for a constrained answer);
   4. judge    accept / reject / correct (gateway.rejection) with the request's seeded RNG;
   5. commit   every proposer learns from the verdict; both services learn the commit on their next
               request (gateway/links.py), so a round costs one RPC per service;
@@ -24,24 +27,27 @@ import numpy as np
 
 from gateway.backends import Backends
 from gateway.features import tree_path_rows
+from gateway.grammar import CompiledGrammar
 from gateway.links import Link, SessionSet
 from gateway.observe import GenerationObserver
 from gateway.options import GatewayOptions
 from gateway.planner import RoundPlanner
 from gateway.policy import POLICY
-from gateway.proposers import DRAFT, HEADS, JOINED, DraftProposer, HeadProposer, LookupProposer, RoundContext, RoundPlan
+from gateway.proposers import DRAFT, FORCED, HEADS, JOINED, DraftProposer, HeadProposer, LookupProposer, RoundContext, RoundPlan
 from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
                                position_uniforms, rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
 from specd.v1 import common_pb2, verify_pb2
 from specd_common.distributions import decode_distribution, one_hot
 from specd_common.errors import ResourceExhausted, Unavailable
+from specd_common.masks import allowed_tokens, restrict
 from specd_common import tree
 from specd_common.params import Warp
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RPC_TIMEOUT_S = 120.0  # a call's limit when the client set no deadline
+MAX_FORCED_DRAFTS = 16  # forced tokens drafted in one round (a chain's cap is the verify's MAX_DRAFT_TOKENS, 32)
 DEADLINE_SLACK_S = 0.05  # a timed-out call is the replica's fault only while the client has this much time left
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
@@ -73,6 +79,7 @@ class GenerationSpec:
     branches: int = 1  # greedy: candidates per drafted position; > 1 drafts a tree (specd_common/tree.py)
     reproducible: bool = False  # seeded sampling: every draft is judged by the coupled rule (gateway.rejection), so
     # the answer is target-only decoding's with that seed however rounds cut it; the draft service drafts greedily
+    grammar: Optional[CompiledGrammar] = None  # structured output: the answer matches it (drafts are then chains)
 
 
 @dataclass
@@ -96,6 +103,8 @@ class SpeculationStats:
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
     tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)
     predicted_tokens: float = 0.0  # the planner's expected tokens kept, summed over rounds (RoundPlan.expected)
+    forced_rounds: int = 0  # rounds whose drafts were the tokens the grammar forces (no drafter asked)
+    forced_tokens: int = 0  # ... and those tokens
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -179,6 +188,7 @@ class Generation:
         self.heads = HeadProposer(backends.target_info.medusa_heads if spec.speculate else 0, spec.adaptive, spec.num_draft_tokens,
                                   self.draft.branches, POLICY, shared)
         self.planner = RoundPlanner(self.lookup, self.heads, self.draft)
+        self.grammar = spec.grammar.start() if spec.grammar is not None else None  # where the answer is in its grammar
 
     @property
     def speculate(self) -> bool:
@@ -223,13 +233,14 @@ class Generation:
         if ctx.allowed:  # a draft session that failed competes again once its back-off is over
             self.draft.reopen_if_due(list(self.sequence))
         # 1-2. Plan and propose
-        plan = self.planner.plan(ctx)
+        plan = self._forced_plan(ctx) or self.planner.plan(ctx)
         draft_probs = self._propose(plan)
+        masks = self._constrain(plan, draft_probs)
         proposed = time.perf_counter()
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
-        scores = self._verify_drafts(plan, self.planner.ask_heads(ctx))
+        scores = self._verify_drafts(plan, self.planner.ask_heads(ctx), masks)
         # 4. Judge
-        outcome = self._judge(plan, draft_probs, scores)
+        outcome = self._judge(plan, draft_probs, scores, masks)
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
@@ -238,6 +249,9 @@ class Generation:
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)
+        if plan.source == FORCED:
+            self.stats.forced_rounds += 1
+            self.stats.forced_tokens += len(plan.drafts)
         # 6. Emit
         emitted = outcome.emitted(plan.drafts)
         chunk = self._emit(emitted)
@@ -254,6 +268,31 @@ class Generation:
                       1e3 * (self.costs.verify_s(len(plan.drafts) + 1, self.heads.asked) or 0.0))
         self.stats.round_seconds += time.perf_counter() - started
         return chunk
+
+    def _forced_plan(self, ctx: RoundContext) -> Optional[RoundPlan]:
+        """Jump-forward: a constrained answer whose grammar allows one continuation from here drafts it
+        with no drafter asked. Such drafts are verified like any (they are the canonical tokens of the
+        forced text; the target may still prefer another split of the same bytes), and are kept almost
+        always, so they are drafted whenever the request speculates, under load too."""
+        if self.grammar is None or not self.spec.speculate:
+            return None
+        forced = self.grammar.forced(ctx.draft_cap(MAX_FORCED_DRAFTS))
+        return RoundPlan(FORCED, forced, expected=len(forced) + 1.0) if forced else None
+
+    def _constrain(self, plan: RoundPlan, draft_probs: list) -> list[common_pb2.TokenMask]:
+        """A constrained answer's allowed-token masks for the round's scored positions (the verify restricts
+        the target to them), with the drafts cut before the first one its grammar forbids (and their q
+        with them): that draft would be rejected anyway. [] when unconstrained. Chains only
+        (GenerationSpec.grammar): a tree would need a mask per branch."""
+        if self.grammar is None:
+            return []
+        allowed, masks = self.grammar.masks_along(plan.drafts, self.backends.target_info.vocab_size)
+        if allowed < len(plan.drafts):
+            del plan.drafts[allowed:], draft_probs[allowed:]
+            plan.copied = min(plan.copied, allowed)
+            if plan.head_predicted is not None:
+                plan.head_predicted = plan.head_predicted[:allowed]
+        return masks
 
     def _propose(self, plan: RoundPlan) -> list:
         """Fill the plan's drafts (the draft service's, for a DRAFT round); returns their q (sampling):
@@ -326,7 +365,7 @@ class Generation:
         """New tokens this request may still emit (its own limit and the model's context)."""
         return min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
 
-    def _verify_drafts(self, plan: RoundPlan, ask_heads: bool) -> verify_pb2.VerifyResponse:
+    def _verify_drafts(self, plan: RoundPlan, ask_heads: bool, masks: list[common_pb2.TokenMask]) -> verify_pb2.VerifyResponse:
         """Score the drafts (a tree when the plan has parents), on another replica if this one fails."""
         features = self.draft.features
         while True:
@@ -339,6 +378,7 @@ class Generation:
                 return_head_drafts=ask_heads,
                 head_candidates=self.heads.candidates_per_head(),
                 head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy) if ask_heads else 0,
+                allowed_tokens=masks,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())
@@ -356,7 +396,8 @@ class Generation:
                 features.put(scores.features)
             return scores
 
-    def _judge(self, plan: RoundPlan, draft_probs: list, scores: verify_pb2.VerifyResponse) -> RoundOutcome:
+    def _judge(self, plan: RoundPlan, draft_probs: list, scores: verify_pb2.VerifyResponse,
+               masks: list[common_pb2.TokenMask]) -> RoundOutcome:
         drafts, parents = plan.drafts, plan.parents
         if self.spec.warp.greedy:
             if parents:
@@ -372,6 +413,8 @@ class Generation:
             q_rows = [decode_distribution(d, vocab_size) if d.probs else None for d in draft_probs]
             return tree_rejection_sample(drafts, parents, q_rows, p, self.rng)
         q = np.stack([decode_distribution(d, vocab_size) for d in draft_probs]) if drafts else np.zeros((0, p.shape[1]))
+        for row, mask in zip(range(len(drafts)), masks):  # a kept draft is q's draw given the grammar allows it
+            q[row] = restrict(q[row], allowed_tokens(mask, vocab_size))
         return rejection_sample(drafts, q, p, self.rng)
 
     def _emit(self, tokens: list[int]) -> Chunk:
@@ -391,6 +434,8 @@ class Generation:
                 break
         self.sequence.extend(taken)
         self.generated.extend(taken)
+        if self.grammar is not None:
+            self.grammar.advance(taken)
         delta = self._text.push(taken)
         if delta.stopped:
             return Chunk(taken, delta.text, FinishReason.STOP)

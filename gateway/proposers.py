@@ -35,6 +35,7 @@ from specd_common.sequence import common_prefix
 log = logging.getLogger(__name__)
 
 PLAIN, LOOKUP, HEADS, JOINED, DRAFT = "plain", "lookup", "heads", "joined", "draft"  # where a round's drafts came from
+FORCED = "forced"  # structured output: the tokens the grammar forces (gateway.engine, jump-forward)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class RoundContext:
 class RoundPlan:
     """The drafts one round verifies and whose they are."""
 
-    source: str = PLAIN  # PLAIN, LOOKUP, HEADS, JOINED (a lookup copy and the heads in one tree) or DRAFT
+    source: str = PLAIN  # PLAIN, LOOKUP, HEADS, JOINED (a lookup copy and the heads in one tree), DRAFT or FORCED
     drafts: list[int] = field(default_factory=list)  # [n]; a DRAFT round's arrive with its Propose
     parents: list[int] = field(default_factory=list)  # [n] a tree's parent of each node (-1: the root); [] for a chain
     k: int = 0  # DRAFT: drafts to ask the draft service for
@@ -80,7 +81,7 @@ class RoundPlan:
 
     @property
     def free(self) -> bool:
-        return self.source in (LOOKUP, HEADS, JOINED)
+        return self.source in (LOOKUP, HEADS, JOINED, FORCED)
 
 
 @dataclass(frozen=True)

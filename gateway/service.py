@@ -124,6 +124,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         # the heads' confidence (bench_sampled_s37.json: every row's distribution comes back)
         warp = Warp.from_proto(request.sampling)
         validate_token_ids(warp.biased_tokens, self.backends.target_info.vocab_size, "sampling.logit_bias")
+        grammar = self.backends.grammars.compile(request.constraint)
         default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches
         require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
@@ -147,10 +148,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             speculate=not request.disable_speculation,
             num_draft_tokens=k,
             adaptive=adaptive,
-            branches=branches,
+            branches=1 if grammar else branches,  # a constrained answer drafts chains: its masks follow one path
             # seeded sampling whose k follows the timings: the coupled rule keeps its output the seed's
             # (under the fixed policy k is fixed, and the draft's q with the rejection rule keeps it)
             reproducible=request.HasField("seed") and not warp.greedy and adaptive,
+            grammar=grammar,
         )
 
     def _adaptive(self, request: generate_pb2.GenerateRequest) -> bool:
@@ -218,6 +220,8 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         head_rounds=stats.head_rounds,
         tree_rounds=stats.tree_rounds,
         predicted_tokens=stats.predicted_tokens,
+        forced_rounds=stats.forced_rounds,
+        forced_tokens=stats.forced_tokens,
     )
 
 

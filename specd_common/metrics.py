@@ -139,6 +139,15 @@ class GatewayMetrics(ServiceMetrics):
             "Proposed draft tokens by draft position, 0-based: the denominator of acceptance per position.",
             ["position"], registry=r,
         )
+        self.forced_rounds = Counter(
+            f"{PREFIX}_structured_forced_rounds",
+            "Structured output: rounds whose drafts were the tokens the grammar forces (jump-forward, no drafter asked).",
+            registry=r,
+        )
+        self.forced_tokens = Counter(
+            f"{PREFIX}_structured_forced_tokens", "Structured output: forced tokens drafted (in num_draft_tokens too).",
+            registry=r,
+        )
         self._per_pos: list = []
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)

@@ -5,6 +5,8 @@ The rejection rule is lossless only if p and q are warped identically, so both s
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from specd.v1 import common_pb2
@@ -23,9 +25,18 @@ def biased(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     return logits.index_add(-1, tokens, values.expand(*logits.shape[:-1], -1))
 
 
-def warp_probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
-    """logits [n, V] → probabilities [n, V] float32 after logit_bias, temperature, then top-k, then top-p."""
-    logits = biased(logits.float(), warp)
+def constrained(logits: torch.Tensor, warp: Warp, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [n, V] after logit_bias, with the tokens a grammar forbids (allowed [n, V] bool False) at -inf:
+    the target's scores a greedy step takes the argmax of, and sampling warps, restricted to the grammar
+    before anything is normalized (so the answer is the target's distribution renormalized over it)."""
+    logits = biased(logits, warp)
+    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def warp_probs(logits: torch.Tensor, warp: Warp, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits [n, V] → probabilities [n, V] float32 after logit_bias and a grammar's mask (allowed [n, V],
+    structured output), temperature, then top-k, then top-p."""
+    logits = constrained(logits.float(), warp, allowed)
     # Shifted so the best score is 0 first (softmax, top-k and top-p are shift-invariant): then a tiny
     # temperature sends every other score to -inf instead of overflowing the best to inf (inf - inf =
     # NaN), and the result tends to greedy, its limit, down to any temperature > 0.

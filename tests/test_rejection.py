@@ -221,3 +221,55 @@ def test_logit_bias_is_added_before_warping_and_survives_the_wire():
     probs = warp_probs(torch.randn(3, 6), Warp(temperature=1.0, logit_bias=((2, 100.0), (0, -100.0))))
     assert bool((probs[:, 2] > 0.999).all()) and bool((probs[:, 0] < 1e-30).all())
     assert Warp.from_proto(warp.to_proto(common_pb2.SamplingParams)) == warp
+
+
+def constrained_first_tokens(p: np.ndarray, q: np.ndarray, allowed: np.ndarray, n: int, seed: int,
+                             judge_by_restricted_q: bool = True) -> np.ndarray:
+    """The gateway's rule for a constrained round on toy rows, n times: drafts drawn from the drafter's q
+    [k, V], cut before the first one the grammar forbids (allowed [k + 1, V]), the kept ones judged by q
+    restricted to the grammar (specd_common.masks.restrict) against the verify's p [k + 1, V]; the first
+    emitted token of each round."""
+    from specd_common.masks import restrict
+
+    rng = np.random.default_rng(seed)
+    firsts = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        drafts = [int(rng.choice(q.shape[1], p=row)) for row in q]
+        kept = next((j for j, token in enumerate(drafts) if not allowed[j, token]), len(drafts))
+        q_kept = np.array([restrict(q[j], allowed[j]) if judge_by_restricted_q else q[j] for j in range(kept)] or
+                          np.zeros((0, q.shape[1])))
+        outcome = rejection_sample(drafts[:kept], q_kept, p[: kept + 1], rng)
+        firsts[i] = outcome.emitted(drafts[:kept])[0]
+    return firsts
+
+
+def follows(samples: np.ndarray, probs: np.ndarray) -> bool:
+    """The samples fit probs: nothing outside its support, and the chi-square test does not reject."""
+    return not np.isin(samples, np.flatnonzero(probs == 0)).any() and chi_square_p_value(samples, probs) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("warp", [Warp(temperature=1.0), Warp(temperature=0.8, top_k=6), Warp(temperature=1.0, top_p=0.9)],
+                         ids=["t1", "t0.8-topk6", "t1-topp0.9"])
+def test_constrained_sampling_follows_the_target_restricted_to_the_grammar(warp: Warp):
+    """Structured output, sampled: the first token of a round follows the target's distribution restricted
+    to the grammar and renormalized (the verify masks logits before warping, specd_common.warping), and
+    the test has the power to reject three wrong rules on the same rows: masking only the drafts (the
+    target unmasked), masking after normalization (p zeroed outside the grammar, not renormalized), and
+    dropping forbidden drafts but judging the kept ones by the drafter's unrestricted q."""
+    generator = torch.Generator().manual_seed(4)
+    vocab, k = 12, 2
+    p_logits = torch.randn(k + 1, vocab, generator=generator) * 1.5
+    q_logits = p_logits[:k] + torch.randn(k, vocab, generator=generator)
+    allowed = torch.zeros(k + 1, vocab, dtype=torch.bool)
+    allowed[:, [0, 2, 3, 5, 7, 8, 11]] = True  # the grammar's tokens (a toy grammar: the same at every position)
+    allowed[1, 3] = False
+    p = warp_probs(p_logits, warp, allowed).double().numpy()  # [k + 1, V] what the verify returns
+    q = warp_probs(q_logits, warp).double().numpy()  # [k, V] the drafter knows no grammar
+    q /= q.sum(axis=1, keepdims=True)
+    n = 20_000
+    assert follows(constrained_first_tokens(p, q, allowed.numpy(), n, seed=1), p[0])
+    unmasked = warp_probs(p_logits, warp).double().numpy()
+    assert not follows(constrained_first_tokens(unmasked, q, allowed.numpy(), n, seed=1), p[0])  # masking only the drafts
+    after = unmasked * allowed.numpy()  # masked after normalization
+    assert not follows(constrained_first_tokens(after, q, allowed.numpy(), n, seed=1), p[0])
+    assert not follows(constrained_first_tokens(p, q, allowed.numpy(), n, seed=1, judge_by_restricted_q=False), p[0])

@@ -19,7 +19,7 @@ from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
 from specd_common.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_common.warping import biased, encode_rows, warp_probs
+from specd_common.warping import constrained, encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Part:
     head_candidates: int = 1  # per head, when head_drafts
     parents: Sequence[int] = ()  # the drafts' tree (specd_common/tree.py); () for a chain
     head_rows: int = 0  # a sampled chain: proposals at the first head_rows rows from the pending token's (0: all)
+    allowed: Optional[torch.Tensor] = None  # [k + 1, V] bool: the tokens a grammar allows at each row (structured output)
 
 
 class HeadInputs(NamedTuple):
@@ -316,14 +317,16 @@ class Scorer:
         self.lm.settle_tree(session.sequence, tree.path_of(pending.tokens, pending.parents, walk))
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
-              features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0) -> Scores:
+              features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0,
+              allowed: Optional[torch.Tensor] = None) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
-        rows; head_rows: how many a sampled chain asks for). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
+        rows; head_rows: how many a sampled chain asks for), over the tokens `allowed` [k + 1, V] at each
+        row when a grammar constrains the answer. Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
         the batch's replies are made together (_finish)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
-        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows)
+        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed)
         if self.batcher is not None:
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:
@@ -345,8 +348,8 @@ class Scorer:
         else: specd_common/model_thread.py). A part whose reply fails gets its exception instead, and
         the batch's other sessions their replies: one session's fault (its warp, the heads' product it
         asked for) fails that session's Verify alone."""
-        owns = [torch.argmax(biased(rows, part.session.warp), dim=-1)  # [k + 1] each: the target's choice at each
-                for part, rows in zip(parts, logits)]  # position (greedy's answer, the heads' input), after logit_bias
+        owns = [torch.argmax(constrained(rows, part.session.warp, part.allowed), dim=-1)  # [k + 1] each: the target's
+                for part, rows in zip(parts, logits)]  # choice at each position (greedy's answer, the heads' input)
         try:
             proposals: list = self.head_drafts(parts, owns)
         except Exception as error:  # handed to the sessions that asked, as their Verify's error
@@ -363,6 +366,7 @@ class Scorer:
             features = self.last_features(part.session) if part.features else None
             if part.session.warp.greedy:
                 return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads)
-            return Scores(target_probs=encode_rows(warp_probs(rows, part.session.warp)), features=features, head_drafts=heads)
+            probs = warp_probs(rows, part.session.warp, part.allowed)  # [k + 1, V]
+            return Scores(target_probs=encode_rows(probs), features=features, head_drafts=heads)
         except Exception as error:  # this session's Verify fails with it (grpc_errors maps it)
             return error

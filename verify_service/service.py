@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
+from typing import Optional, Sequence
 
 import grpc
+import numpy as np
+import torch
 
 from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from specd_common.errors import grpc_errors, require
+from specd_common.masks import allowed_tokens
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
@@ -60,6 +64,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
         require(0 <= request.head_rows <= MAX_TREE_NODES + 1,
                 f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
+        allowed = self._allowed(request.allowed_tokens, len(drafts) + 1)
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
@@ -68,7 +73,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
-                                       request.head_candidates, request.head_rows)
+                                       request.head_candidates, request.head_rows, allowed)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,
@@ -78,6 +83,14 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             features=scores.features,
             head_drafts=scores.head_drafts,
         )
+
+    def _allowed(self, masks: Sequence[common_pb2.TokenMask], rows: int) -> Optional[torch.Tensor]:
+        """A constrained Verify's masks as bool [rows, V], checked (structured output); None without masks."""
+        if not masks:
+            return None
+        require(len(masks) == rows, f"allowed_tokens must hold one mask per scored position ({rows}), got {len(masks)}")
+        return torch.from_numpy(np.stack([allowed_tokens(mask, self.vocab_size, f"allowed_tokens[{row}]")
+                                          for row, mask in enumerate(masks)]))
 
     @grpc_errors
     def Release(self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext):

@@ -35,6 +35,14 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
+class TokenMask(_message.Message):
+    __slots__ = ("allowed_bitmap", "allowed_token_ids")
+    ALLOWED_BITMAP_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    allowed_bitmap: bytes
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, allowed_bitmap: _Optional[bytes] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Distribution(_message.Message):
     __slots__ = ("token_ids", "probs", "encoding", "vocab_size", "support_bitmap")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -32,7 +32,7 @@ class VerifyPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows")
+    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class VerifyRequest(_message.Message):
     RETURN_HEAD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     HEAD_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     HEAD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +50,8 @@ class VerifyRequest(_message.Message):
     return_head_drafts: bool
     head_candidates: int
     head_rows: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ...) -> None: ...
+    allowed_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenMask]
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ..., allowed_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features", "head_drafts")

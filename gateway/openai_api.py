@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 import grpc
 
+from gateway.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_BYTES
 from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from specd.v1 import common_pb2, generate_pb2
 from specd_common.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
@@ -44,7 +45,6 @@ NO_EFFECT_VALUES: dict[str, tuple] = {
     "tools": ([], None),
     "tool_choice": ("none", None),
     "parallel_tool_calls": (False, None),
-    "response_format": ({"type": "text"}, None),
     "suffix": ("", None),
     "store": (False, None),
     "service_tier": ("auto", "default", None),
@@ -223,6 +223,9 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
         max_new = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS) or COMPLETION_DEFAULT_MAX_TOKENS
         request = _prompt(require(body, "prompt", _prompt_value), vocab_size)
     _sampling(body, request, vocab_size)
+    constraint = read(body, "response_format", _response_format)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     speculation = read(body, "speculation", as_bool)  # an extension: false = target-only, to compare the two
     request.disable_speculation = speculation is False
     request.max_new_tokens = max_new or 0  # 0: the gateway's default (chat: 256 tokens)
@@ -230,7 +233,7 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
 
 
 _SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
-                  "logit_bias", "speculation")
+                  "logit_bias", "speculation", "response_format")
 _FIELDS: dict[str, tuple[str, ...]] = {
     "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens"),
     "completion": (*_SHARED_FIELDS, "prompt"),
@@ -261,6 +264,51 @@ def _logit_bias_value(value: Any, path: str, vocab_size: int) -> dict[int, float
             raise invalid(where, f"must be keyed by a token id in [0, {high}] written as a decimal string", key)
         bias[int(key)] = as_number(number, where, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     return bias
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar", "choice")  # the last three: specd's extensions
+MAX_SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name
+
+
+def _response_format(value: Any, path: str) -> Optional[generate_pb2.OutputConstraint]:
+    """OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict", "description"}}) and specd's extensions in the same shape: {"type": "regex",
+    "regex": ...}, {"type": "grammar", "grammar": <Lark>}, {"type": "choice", "choice": [...]}. None for
+    "text". Whatever the schema says is enforced, `strict` true or false (the grammar always binds)."""
+    fields = as_object(value, path, ("type", "json_schema", "regex", "grammar", "choice"))
+    kind = require(fields, "type", as_text, 1, 32, where=path)
+    if kind not in RESPONSE_FORMATS:
+        raise invalid(_join(path, "type"), f"must be one of {', '.join(RESPONSE_FORMATS)}", kind)
+    extra = set(fields) - {"type", kind}
+    if extra:
+        raise invalid(_join(path, sorted(extra)[0]), f"does not go with type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return generate_pb2.OutputConstraint(json_object=True)
+    if kind == "json_schema":
+        where = _join(path, "json_schema")
+        spec = require(fields, "json_schema", as_object, ("name", "description", "schema", "strict"), where=path)
+        name = require(spec, "name", as_text, 1, MAX_SCHEMA_NAME_CHARS, where=where)
+        if not all(c.isascii() and (c.isalnum() or c in "_-") for c in name):
+            raise invalid(_join(where, "name"), "may hold only a-z, A-Z, 0-9, underscores and dashes", name)
+        read(spec, "description", as_text, where=where)
+        read(spec, "strict", as_bool, where=where)
+        schema = require(spec, "schema", as_object_of_any, where=where)
+        return generate_pb2.OutputConstraint(json_schema=json.dumps(schema))
+    if kind == "choice":
+        choices = require(fields, "choice", as_list, 1, MAX_CHOICES, where=path)
+        texts = [as_text(choice, f"{_join(path, 'choice')}[{i}]", 1, MAX_CHOICE_CHARS) for i, choice in enumerate(choices)]
+        return generate_pb2.OutputConstraint(choice=generate_pb2.Choices(choices=texts))
+    text = require(fields, kind, as_text, 1, MAX_CONSTRAINT_BYTES, where=path)
+    return generate_pb2.OutputConstraint(regex=text) if kind == "regex" else generate_pb2.OutputConstraint(lark_grammar=text)
+
+
+def as_object_of_any(value: Any, path: str) -> dict:
+    """A JSON object, whatever its keys (a JSON Schema: the grammar compiler checks it)."""
+    if not isinstance(value, dict):
+        raise invalid(path, "must be an object (a JSON Schema)", value)
+    return value
 
 
 def _stop_value(value: Any, path: str) -> list[str]:

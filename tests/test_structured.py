@@ -4,11 +4,18 @@ constraint, greedy speculation equals constrained target-only decoding, forced t
 from __future__ import annotations
 
 import json
+import re
+from typing import Iterator
 
 import grpc
+import jsonschema
+import openai
 import pytest
 
+from gateway.grammar import MAX_CONSTRAINT_BYTES
 from specd.v1 import common_pb2, generate_pb2
+from tests.conftest import Cluster, TinyModels, start_cluster
+from tests.test_http_api import client_for
 from tests.test_services import FIXED, PROMPTS, generate, wait_for_no_sessions
 
 SCHEMA = {
@@ -41,5 +48,151 @@ def test_greedy_constrained_speculation_equals_constrained_target_only(cluster, 
         speculative = generate(stub, **request, draft_length_policy=FIXED)
         target_only = generate(stub, **request, disable_speculation=True)
         assert list(speculative.token_ids) == list(target_only.token_ids), kind
-        print(kind, repr(speculative.text), speculative.finish_reason, speculative.stats.forced_rounds, speculative.stats.forced_tokens, speculative.stats.target_passes, len(speculative.token_ids))
     assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
+
+
+def test_seeded_sampled_constrained_speculation_is_target_only_with_the_seed(cluster):
+    """Seeded sampling under the adaptive policy judges every draft by the coupled rule, so with a grammar
+    too the answer is constrained target-only decoding's with that seed, token for token."""
+    stub = cluster.stub()
+    sampling = common_pb2.SamplingParams(temperature=1.0)
+    for seed in range(3):
+        request = dict(text=PROMPTS[seed], max_new_tokens=200, constraint=CONSTRAINTS["json_schema"], sampling=sampling,
+                       seed=seed)
+        speculative = generate(stub, **request, draft_length_policy=generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE)
+        target_only = generate(stub, **request, disable_speculation=True)
+        assert list(speculative.token_ids) == list(target_only.token_ids)
+        assert speculative.stats.forced_rounds > 0
+        jsonschema.validate(json.loads(speculative.text), SCHEMA)
+
+
+def test_unseeded_sampled_constrained_answers_match_the_grammar(cluster):
+    """Sampled rounds judged by the rejection rule (fixed policy: the drafter's q, restricted to the grammar)."""
+    stub = cluster.stub()
+    for prompt in PROMPTS:
+        reply = generate(stub, text=prompt, max_new_tokens=200, constraint=CONSTRAINTS["json_schema"], draft_length_policy=FIXED,
+                         sampling=common_pb2.SamplingParams(temperature=0.8, top_k=40))
+        jsonschema.validate(json.loads(reply.text), SCHEMA)
+        assert reply.finish_reason == generate_pb2.FINISH_REASON_EOS and reply.stats.draft_tokens > reply.stats.forced_tokens
+
+
+@pytest.mark.parametrize("constraint, fragment", [
+    (generate_pb2.OutputConstraint(json_schema="{not json"), "constraint.json_schema is not valid JSON"),
+    (generate_pb2.OutputConstraint(json_schema='{"type": "object", "properties": 5}'), "constraint.json_schema cannot be used"),
+    (generate_pb2.OutputConstraint(json_schema='{"$ref": "#/nowhere"}'), "constraint.json_schema cannot be used"),
+    (generate_pb2.OutputConstraint(json_schema="[1, 2]"), "must be a JSON object"),
+    (generate_pb2.OutputConstraint(json_schema="x" * (MAX_CONSTRAINT_BYTES + 1)), f"1..{MAX_CONSTRAINT_BYTES} bytes"),
+    (generate_pb2.OutputConstraint(regex="(unclosed"), "constraint.regex cannot be used"),
+    (generate_pb2.OutputConstraint(lark_grammar="start: undefined_rule"), "constraint.lark_grammar cannot be used"),
+    (generate_pb2.OutputConstraint(choice=generate_pb2.Choices()), "constraint.choice must hold"),
+    (generate_pb2.OutputConstraint(choice=generate_pb2.Choices(choices=["ok", ""])), "each of constraint.choice"),
+], ids=["not-json", "bad-schema", "bad-ref", "not-an-object", "too-large", "bad-regex", "bad-lark", "no-choices", "empty-choice"])
+def test_a_bad_constraint_is_invalid_argument_naming_it(cluster, constraint, fragment):
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(cluster.stub(), text=PROMPTS[0], max_new_tokens=4, constraint=constraint)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in refused.value.details()
+
+
+def test_a_grammar_cut_by_max_new_tokens_ends_with_length_and_a_valid_prefix(cluster):
+    reply = generate(cluster.stub(), text=PROMPTS[0], max_new_tokens=9, constraint=CONSTRAINTS["json_schema"])
+    assert reply.finish_reason == generate_pb2.FINISH_REASON_LENGTH and len(reply.token_ids) == 9
+    assert reply.text.startswith('{"name"')
+
+
+# --- the OpenAI-compatible HTTP API ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tiny: TinyModels) -> Iterator[Cluster]:
+    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, http_port=0)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: Cluster) -> openai.OpenAI:
+    return client_for(served)
+
+
+HTTP_PROMPTS = [f"Describe pet number {i} as JSON." for i in range(20)]
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+
+
+def test_openai_client_json_schema_answers_validate_and_speculation_changes_nothing(served, client):
+    """The official client's response_format: on 20 prompts every greedy answer validates against its
+    schema (nested objects, arrays, enums) and equals constrained target-only decoding's
+    (`speculation: false`); sampled answers validate too; forced tokens were drafted free."""
+    model = served.gateway.servicer.backends.target_info.model_name
+    forced = 0
+    for prompt in HTTP_PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
+                                                response_format=RESPONSE_FORMAT)
+        target_only = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
+                                                     response_format=RESPONSE_FORMAT, extra_body={"speculation": False})
+        assert greedy.choices[0].message.content == target_only.choices[0].message.content
+        jsonschema.validate(json.loads(greedy.choices[0].message.content), SCHEMA)
+        assert greedy.choices[0].finish_reason == "stop"
+        forced += greedy.model_extra["specd"]["forced_rounds"]
+        sampled = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0.8,
+                                                 response_format=RESPONSE_FORMAT)
+        jsonschema.validate(json.loads(sampled.choices[0].message.content), SCHEMA)
+    assert forced >= len(HTTP_PROMPTS)
+
+
+def test_json_object_mode_streams_a_json_prefix_that_ends_in_an_object(served, client):
+    """{"type": "json_object"}, streamed: the deltas concatenate to the whole answer's text, which is a JSON
+    object when it finished (a tiny random model may run out of tokens first: then a prefix of one)."""
+    model = served.gateway.servicer.backends.target_info.model_name
+    for prompt in HTTP_PROMPTS[:4]:
+        messages = [{"role": "user", "content": prompt}]
+        whole = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                               response_format={"type": "json_object"})
+        streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                                  response_format={"type": "json_object"}, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+        assert text == whole.choices[0].message.content and text.startswith("{")
+        if whole.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name!", "schema": SCHEMA}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}}, "response_format.json_schema.strict"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "extra": 1}}, "response_format.json_schema.extra"),
+    ({"type": "json_object", "regex": "a"}, "response_format.regex"),
+    ({"type": "choice", "choice": []}, "response_format.choice"),
+    ({"type": "regex", "regex": ""}, "response_format.regex"),
+    ("json", "response_format"),
+], ids=["type", "no-schema-object", "no-name", "bad-name", "schema-not-object", "strict", "unknown-key", "mixed", "no-choices",
+        "empty-regex", "not-an-object"])
+def test_a_malformed_response_format_is_a_400_naming_the_field(client, served, response_format, param):
+    model = served.gateway.servicer.backends.target_info.model_name
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format=response_format)
+    assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_a_schema_the_compiler_refuses_is_a_400_from_the_gateway(client, served):
+    model = served.gateway.servicer.backends.target_info.model_name
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "object", "properties": 5}}})
+    assert "properties must be an object" in refused.value.body["message"]
+
+
+def test_specd_extension_formats_regex_grammar_and_choice(client, served):
+    model = served.gateway.servicer.backends.target_info.model_name
+    for response_format, check in (
+        ({"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+        ({"type": "grammar", "grammar": 'start: "ok(" /[a-z]{1,4}/ ")"'}, lambda text: re.fullmatch(r"ok\([a-z]{1,4}\)", text)),
+        ({"type": "choice", "choice": ["alpha", "beta gamma"]}, lambda text: text in ("alpha", "beta gamma")),
+    ):
+        reply = client.completions.create(model=model, prompt="Answer:", max_tokens=30, temperature=0,
+                                          extra_body={"response_format": response_format})
+        assert check(reply.choices[0].text), (response_format, reply.choices[0].text)

@@ -78,7 +78,7 @@ def start_gateway_server(
     if bridge_dir is not None:
         running.cleanups.append(lambda: shutil.rmtree(bridge_dir, ignore_errors=True))
         try:
-            running.companions.append(start_http_api(running, bridge[0], backends.target_info, config, http_port))
+            running.companions.append(start_http_api(running, bridge[0], backends, config, http_port))
         except BaseException:
             running.stop(0)
             raise
@@ -90,11 +90,11 @@ def http_server(running: RunningServer) -> Optional[HttpServer]:
     return next((companion for companion in running.companions if isinstance(companion, HttpServer)), None)
 
 
-def start_http_api(running: RunningServer, bridge_address: str, target: common_pb2.GetModelInfoResponse,
-                   config: ServerConfig, port: int) -> HttpServer:
+def start_http_api(running: RunningServer, bridge_address: str, backends: Backends, config: ServerConfig,
+                   port: int) -> HttpServer:
     """The HTTP API in front of the gateway's GenerateService (reached over the private bridge socket)."""
-    obs = running.observability
-    settings = HttpSettings(
+    obs, target = running.observability, backends.target_info
+    settings = HttpSettings(token_bytes=backends.grammars.token_bytes,
         bridge_address=bridge_address, service_name=SERVICE_NAME, model=target.model_name, vocab_size=target.vocab_size,
         tracer=obs.tracer if obs is not None and obs.tracing else None, metrics=obs.metrics if obs is not None else None,
     )

@@ -37,7 +37,7 @@ from gateway.proposers import DRAFT, FORCED, HEADS, JOINED, DraftProposer, HeadP
 from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
                                position_uniforms, rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
-from specd.v1 import common_pb2, verify_pb2
+from specd.v1 import common_pb2, generate_pb2, verify_pb2
 from specd_common.distributions import decode_distribution, one_hot
 from specd_common.errors import ResourceExhausted, Unavailable
 from specd_common.masks import allowed_tokens, restrict
@@ -80,6 +80,7 @@ class GenerationSpec:
     reproducible: bool = False  # seeded sampling: every draft is judged by the coupled rule (gateway.rejection), so
     # the answer is target-only decoding's with that seed however rounds cut it; the draft service drafts greedily
     grammar: Optional[CompiledGrammar] = None  # structured output: the answer matches it (drafts are then chains)
+    top_logprobs: Optional[int] = None  # report each token's logprob and this many likeliest tokens (None: no logprobs)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: Optional[str] = None
+    logprobs: list[generate_pb2.TokenLogprob] = field(default_factory=list)  # one per token, when asked for
 
 
 class Generation:
@@ -254,7 +256,7 @@ class Generation:
             self.stats.forced_tokens += len(plan.drafts)
         # 6. Emit
         emitted = outcome.emitted(plan.drafts)
-        chunk = self._emit(emitted)
+        chunk = self._emit(emitted, self._logprobs(scores, emitted))
         if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
             self.backends.observe_round(len(emitted), len(plan.drafts) + 1, time.perf_counter() - started,
                                         self._running(), ctx.allowed)
@@ -379,6 +381,7 @@ class Generation:
                 head_candidates=self.heads.candidates_per_head(),
                 head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy) if ask_heads else 0,
                 allowed_tokens=masks,
+                top_logprobs=max(self.spec.top_logprobs, 1) if self.spec.top_logprobs is not None and self.spec.warp.greedy else 0,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())
@@ -417,7 +420,18 @@ class Generation:
             q[row] = restrict(q[row], allowed_tokens(mask, vocab_size))
         return rejection_sample(drafts, q, p, self.rng)
 
-    def _emit(self, tokens: list[int]) -> Chunk:
+    def _logprobs(self, scores: verify_pb2.VerifyResponse, emitted: list[int]) -> list[generate_pb2.TokenLogprob]:
+        """Each emitted token's log probability and the likeliest tokens at its row (a chain's token i is
+        scored at row i), when the request asked: greedy from the verify's log-softmax (RowLogprobs),
+        sampled from the distributions the round was judged by (the same numbers in both modes)."""
+        top = self.spec.top_logprobs
+        if top is None:
+            return []
+        if self.spec.warp.greedy:
+            return [greedy_logprob(token, scores.logprobs[row], top) for row, token in enumerate(emitted)]
+        return [sampled_logprob(token, decode_distribution(scores.target_probs[row]), top) for row, token in enumerate(emitted)]
+
+    def _emit(self, tokens: list[int], logprobs: list[generate_pb2.TokenLogprob] = ()) -> Chunk:
         """Append tokens one by one until a stop condition; return what the client gets this round."""
         eos = set(self.backends.target_info.eos_token_ids)
         taken: list[int] = []
@@ -437,10 +451,11 @@ class Generation:
         if self.grammar is not None:
             self.grammar.advance(taken)
         delta = self._text.push(taken)
+        logprobs = list(logprobs[: len(taken)])
         if delta.stopped:
-            return Chunk(taken, delta.text, FinishReason.STOP)
+            return Chunk(taken, delta.text, FinishReason.STOP, logprobs)
         text = delta.text + (self._text.flush() if finish else "")
-        return Chunk(taken, text, finish)
+        return Chunk(taken, text, finish, logprobs)
 
     def _interrupted(self, reason: str) -> Unavailable:
         """UNAVAILABLE that reports what was generated so far (trailing metadata), so nothing is lost."""
@@ -458,3 +473,19 @@ class Generation:
             remaining = self._time_remaining()
             return remaining is None or remaining > DEADLINE_SLACK_S
         return error.code() in REPLICA_FAULTS
+
+
+def greedy_logprob(token: int, row: verify_pb2.RowLogprobs, top: int) -> generate_pb2.TokenLogprob:
+    """A greedy token's entry from its row's likeliest tokens (it is the row's best; on an exact tie the
+    listed best has its value)."""
+    listed = dict(zip(row.token_ids, row.logprobs))
+    best = [generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(row.token_ids[:top], row.logprobs[:top])]
+    return generate_pb2.TokenLogprob(token_id=token, logprob=listed.get(token, row.logprobs[0]), top=best)
+
+
+def sampled_logprob(token: int, p: np.ndarray, top: int) -> generate_pb2.TokenLogprob:
+    """A sampled token's entry from the distribution p [V] it was drawn from."""
+    best = np.argsort(-p, kind="stable")[:top] if top else []
+    with np.errstate(divide="ignore"):
+        return generate_pb2.TokenLogprob(token_id=token, logprob=float(np.log(p[token])),
+                                         top=[generate_pb2.TopLogprob(token_id=int(t), logprob=float(np.log(p[t]))) for t in best])

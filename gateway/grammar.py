@@ -76,6 +76,12 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (the HTTP API's logprobs show them; a token may hold part of a character)."""
+        with self._lock:
+            tokenizer = self._llg_tokenizer()
+        return tokenizer.decode_bytes([token])
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)

@@ -67,6 +67,7 @@ class HttpSettings:
     vocab_size: int = openai_api.INT32_MAX + 1  # the target's: token-id prompts are checked against it
     tracer: Any = None  # the gateway's OpenTelemetry tracer, None when not tracing
     metrics: Any = None  # specd_common.metrics.GatewayMetrics, None when not counted
+    token_bytes: Callable[[int], bytes] = lambda token: b""  # a token's bytes, for logprobs (Grammars.token_bytes)
 
 
 class HttpApi:
@@ -142,7 +143,7 @@ class HttpApi:
             if parsed.stream:
                 return await self._stream(request, kind, ids, parsed.request, metadata, parsed.include_usage, span, started)
             answer = await _unless_disconnected(request, self._generate.Generate(parsed.request, metadata=metadata))
-            response: Response = JSONResponse(openai_api.reply(kind, ids, answer))
+            response: Response = JSONResponse(openai_api.reply(kind, ids, answer, self.settings.token_bytes))
         except ApiError as error:
             response = _error_response(error)
         except grpc.aio.AioRpcError as error:
@@ -182,7 +183,8 @@ class HttpApi:
             while message is not grpc.aio.EOF:
                 finish = openai_api.finish_reason(message.finish_reason)
                 stats = message.stats if message.finish_reason else None
-                yield _event(openai_api.chunk(kind, ids, message.text, finish, is_first, stats))
+                yield _event(openai_api.chunk(kind, ids, message.text, finish, is_first, stats,
+                                              openai_api.logprobs(kind, message.logprobs, self.settings.token_bytes)))
                 if message.finish_reason and include_usage:
                     yield _event(openai_api.usage_chunk(kind, ids, message.usage.prompt_tokens, message.usage.completion_tokens))
                 message, is_first = await call.read(), False

@@ -15,12 +15,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
 
 import grpc
 
 from gateway.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_BYTES
-from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from specd.v1 import common_pb2, generate_pb2
 from specd_common.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
@@ -38,8 +38,6 @@ NO_EFFECT_VALUES: dict[str, tuple] = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
     "frequency_penalty": (0, None),
     "presence_penalty": (0, None),
     "tools": ([], None),
@@ -219,9 +217,15 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
         max_tokens = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS)
         max_new = read(body, "max_completion_tokens", as_int, 1, MAX_NEW_TOKENS) or max_tokens
         request = generate_pb2.GenerateRequest(messages=generate_pb2.ChatMessages(messages=messages))
+        request.logprobs = read(body, "logprobs", as_bool) or False
+        request.top_logprobs = read(body, "top_logprobs", as_int, 0, MAX_TOP_LOGPROBS) or 0
+        if request.top_logprobs and not request.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
     else:
         max_new = read(body, "max_tokens", as_int, 1, MAX_NEW_TOKENS) or COMPLETION_DEFAULT_MAX_TOKENS
         request = _prompt(require(body, "prompt", _prompt_value), vocab_size)
+        top = read(body, "logprobs", as_int, 0, MAX_COMPLETION_LOGPROBS)  # the legacy API's: how many likeliest tokens
+        request.logprobs, request.top_logprobs = top is not None, top or 0
     _sampling(body, request, vocab_size)
     constraint = read(body, "response_format", _response_format)
     if constraint is not None:
@@ -235,8 +239,8 @@ def parse_request(kind: Kind, body: Any, vocab_size: int = INT32_MAX + 1) -> Par
 _SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
                   "logit_bias", "speculation", "response_format")
 _FIELDS: dict[str, tuple[str, ...]] = {
-    "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens"),
-    "completion": (*_SHARED_FIELDS, "prompt"),
+    "chat": (*_SHARED_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs"),
+    "completion": (*_SHARED_FIELDS, "prompt", "logprobs"),
 }
 
 
@@ -266,6 +270,7 @@ def _logit_bias_value(value: Any, path: str, vocab_size: int) -> dict[int, float
     return bias
 
 
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar", "choice")  # the last three: specd's extensions
 MAX_SCHEMA_NAME_CHARS = 64  # OpenAI's limit on json_schema.name
 
@@ -430,31 +435,59 @@ def finish_reason(reason: int) -> Optional[str]:
     return FINISH_REASONS.get(reason)
 
 
-def reply(kind: Kind, ids: ReplyIds, answer: generate_pb2.GenerateResponse) -> dict:
+def reply(kind: Kind, ids: ReplyIds, answer: generate_pb2.GenerateResponse,
+          token_bytes: Callable[[int], bytes] = lambda token: b"") -> dict:
     """The whole (non-streamed) answer."""
     finish = finish_reason(answer.finish_reason)
+    scored = logprobs(kind, answer.logprobs, token_bytes)
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": scored,
                   "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": answer.text, "logprobs": scored, "finish_reason": finish}
     return {**ids.envelope(kind, False, [choice]), "usage": usage(answer.usage.prompt_tokens, answer.usage.completion_tokens),
             "specd": speculation(answer.stats)}
 
 
 def chunk(kind: Kind, ids: ReplyIds, text: str, finish: Optional[str] = None, first: bool = False,
-          stats: Optional[generate_pb2.SpeculationStats] = None) -> dict:
+          stats: Optional[generate_pb2.SpeculationStats] = None, scored: Optional[dict] = None) -> dict:
     """One streamed chunk; the chat stream's first delta names the role, the last carries finish_reason
-    (and specd's speculation stats)."""
+    (and specd's speculation stats); `scored`: its tokens' logprobs (logprobs())."""
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": scored, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": scored, "finish_reason": finish}
     message = ids.envelope(kind, True, [choice])
     if stats is not None:
         message["specd"] = speculation(stats)
     return message
+
+
+def logprobs(kind: Kind, entries: Sequence[generate_pb2.TokenLogprob], token_bytes: Callable[[int], bytes]) -> Optional[dict]:
+    """OpenAI's logprobs object for some tokens (None when the request asked for none): chat's
+    {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}, the legacy completions' {"tokens",
+    "token_logprobs", "top_logprobs", "text_offset"} (offsets counted within this piece of text)."""
+    if not entries:
+        return None
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = token_bytes(token).decode("utf-8", errors="replace")
+        return texts[token]
+
+    if kind == "chat":
+        def item(token: int, value: float) -> dict:
+            return {"token": text(token), "logprob": value, "bytes": list(token_bytes(token))}
+
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
+                            for e in entries], "refusal": None}
+    offsets = [0]
+    for entry in entries[:-1]:
+        offsets.append(offsets[-1] + len(text(entry.token_id)))
+    return {"tokens": [text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t.token_id): t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
 
 def usage_chunk(kind: Kind, ids: ReplyIds, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -25,6 +25,7 @@ MAX_NEW_TOKENS = 8192
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 CHAT_ROLES = ("system", "user", "assistant")
 SHUTTING_DOWN = "the gateway is shutting down; retry on another replica"
 _POLICIES = {generate_pb2.DRAFT_LENGTH_POLICY_FIXED, generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE}
@@ -54,11 +55,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> generate_pb2.GenerateResponse:
         generation = self._start(request, context)
-        token_ids, finish = [], None
+        token_ids, logprobs, finish = [], [], None
         with self._slot(generation, context) as ticket:
             for chunk in generation.run():
                 ticket.emitted(len(chunk.token_ids))
                 token_ids.extend(chunk.token_ids)
+                logprobs.extend(chunk.logprobs)
                 finish = chunk.finish_reason
         return generate_pb2.GenerateResponse(
             text=generation.text,
@@ -67,6 +69,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             finish_reason=_FINISH.get(finish, generate_pb2.FINISH_REASON_UNSPECIFIED),
             usage=_usage(generation),
             stats=_stats(generation),
+            logprobs=logprobs,
         )
 
     def _generate_stream(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext):
@@ -125,6 +128,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         warp = Warp.from_proto(request.sampling)
         validate_token_ids(warp.biased_tokens, self.backends.target_info.vocab_size, "sampling.logit_bias")
         grammar = self.backends.grammars.compile(request.constraint)
+        require(0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        require(request.logprobs or not request.top_logprobs, "top_logprobs needs logprobs: true")
         default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches
         require(1 <= branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
@@ -148,11 +153,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             speculate=not request.disable_speculation,
             num_draft_tokens=k,
             adaptive=adaptive,
-            branches=1 if grammar else branches,  # a constrained answer drafts chains: its masks follow one path
+            branches=1 if grammar or request.logprobs else branches,  # chains: masks and logprobs follow one path
             # seeded sampling whose k follows the timings: the coupled rule keeps its output the seed's
             # (under the fixed policy k is fixed, and the draft's q with the rejection rule keeps it)
             reproducible=request.HasField("seed") and not warp.greedy and adaptive,
             grammar=grammar,
+            top_logprobs=request.top_logprobs if request.logprobs else None,
         )
 
     def _adaptive(self, request: generate_pb2.GenerateRequest) -> bool:
@@ -226,7 +232,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
 
 
 def _stream_message(generation: Generation, chunk: Chunk, first: bool) -> generate_pb2.GenerateStreamResponse:
-    message = generate_pb2.GenerateStreamResponse(text=chunk.text, token_ids=chunk.token_ids)
+    message = generate_pb2.GenerateStreamResponse(text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
     if first:
         message.prompt_token_ids.extend(generation.spec.prompt_ids)
     if chunk.finish_reason:

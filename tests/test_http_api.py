@@ -138,7 +138,7 @@ def test_stop_strings_end_the_text_before_them(served: Cluster, client: openai.O
 @pytest.mark.parametrize(
     "extra, fragment",
     [
-        ({"logprobs": True}, "'logprobs' is not supported"),
+        ({"top_logprobs": 2}, "invalid 'top_logprobs': needs logprobs: true"),
         ({"n": 2}, "'n' is not supported by specd (only 1 is accepted)"),
         ({"frequency_penalty": 0.5}, "'frequency_penalty' is not supported"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
@@ -193,7 +193,8 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
         (CHAT, {"user": 42}, "user", "must be a string"),
         (CHAT, {"model": 3}, "model", "must be a string"),
         (CHAT, {"n": True}, "n", "only 1 is accepted"),
-        (CHAT, {"logprobs": 0}, "logprobs", "not supported"),
+        (CHAT, {"logprobs": 0}, "logprobs", "must be true or false"),
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "in [0, 20]"),
         (CHAT, {"messages": "hi"}, "messages", "must be an array"),
         (CHAT, {"messages": ["hi"]}, "messages[0]", "must be an object"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "is required"),

@@ -196,3 +196,65 @@ def test_specd_extension_formats_regex_grammar_and_choice(client, served):
         reply = client.completions.create(model=model, prompt="Answer:", max_tokens=30, temperature=0,
                                           extra_body={"response_format": response_format})
         assert check(reply.choices[0].text), (response_format, reply.choices[0].text)
+
+
+# --- logprobs -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [common_pb2.SamplingParams(), common_pb2.SamplingParams(temperature=0.9)],
+                         ids=["greedy", "sampled"])
+def test_logprobs_equal_target_only_and_speculation_does_not_change_them(cluster, sampling):
+    """Each token's logprob and its position's top 5, with speculation and without (seeded sampling: the
+    same tokens), under a constraint too (where it lists only allowed tokens: one, with logprob 0, where the
+    grammar forces a token); the token's logprob is its entry in the top list when listed."""
+    stub = cluster.stub()
+    for constraint in (None, CONSTRAINTS["json_schema"]):
+        request = dict(text=PROMPTS[1], max_new_tokens=40, sampling=sampling, seed=5, logprobs=True, top_logprobs=5)
+        if constraint is not None:
+            request["constraint"] = constraint
+        speculative = generate(stub, **request)
+        target_only = generate(stub, **request, disable_speculation=True)
+        assert list(speculative.token_ids) == list(target_only.token_ids)
+        assert [e.token_id for e in speculative.logprobs] == list(speculative.token_ids)
+        assert speculative.stats.draft_tokens > 0
+        for mine, theirs in zip(speculative.logprobs, target_only.logprobs):
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=2e-3)
+            assert [t.token_id for t in mine.top][:2] == [t.token_id for t in theirs.top][:2]
+            assert (len(mine.top) == 5 if constraint is None else 1 <= len(mine.top) <= 5) and mine.logprob <= 0
+            listed = {t.token_id: t.logprob for t in mine.top}
+            if mine.token_id in listed:
+                assert listed[mine.token_id] == pytest.approx(mine.logprob)
+        if sampling.temperature == 0:
+            assert all(e.top[0].token_id == e.token_id for e in speculative.logprobs)
+
+
+def test_top_logprobs_without_logprobs_or_past_20_is_invalid(cluster):
+    for fields in ({"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(cluster.stub(), text=PROMPTS[0], max_new_tokens=2, **fields)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in refused.value.details()
+
+
+def test_http_logprobs_in_openai_shapes_equal_the_grpc_ones(served, client):
+    """Chat's logprobs.content (token, logprob, bytes, top_logprobs), streamed too, and the legacy
+    completions' tokens / token_logprobs / top_logprobs / text_offset, with the gRPC answer's numbers."""
+    model = served.gateway.servicer.backends.target_info.model_name
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    expected = served.stub().Generate(generate_pb2.GenerateRequest(
+        messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=messages[0]["content"])]),
+        max_new_tokens=12, logprobs=True, top_logprobs=3), timeout=60)
+    content = chat.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace") == chat.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token for entry in content)
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                              top_logprobs=3, stream=True)
+    pieces = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for entry in chunk.choices[0].logprobs.content]
+    assert [entry.token for entry in pieces] == [entry.token for entry in content]
+    legacy = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
+    scored = legacy.choices[0].logprobs
+    assert "".join(scored.tokens) == legacy.choices[0].text and len(scored.token_logprobs) == 8
+    assert all(len(top) <= 2 for top in scored.top_logprobs) and scored.text_offset[0] == 0
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from specd.v1 import common_pb2
+from specd.v1 import common_pb2, verify_pb2
 from specd_common import autotune, runtime_cache, tree
 from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_common.batching import BatchPolicy, make_batcher
@@ -42,6 +42,7 @@ class Scores:
     target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling)
     features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when asked for
     head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
+    logprobs: list[verify_pb2.RowLogprobs] = field(default_factory=list)  # [k + 1] greedy rows' likeliest tokens, when asked for
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Part:
     parents: Sequence[int] = ()  # the drafts' tree (specd_common/tree.py); () for a chain
     head_rows: int = 0  # a sampled chain: proposals at the first head_rows rows from the pending token's (0: all)
     allowed: Optional[torch.Tensor] = None  # [k + 1, V] bool: the tokens a grammar allows at each row (structured output)
+    top_logprobs: int = 0  # greedy: the likeliest tokens of each row to return with their log probabilities
 
 
 class HeadInputs(NamedTuple):
@@ -318,15 +320,16 @@ class Scorer:
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
               features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0,
-              allowed: Optional[torch.Tensor] = None) -> Scores:
+              allowed: Optional[torch.Tensor] = None, top_logprobs: int = 0) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
         rows; head_rows: how many a sampled chain asks for), over the tokens `allowed` [k + 1, V] at each
-        row when a grammar constrains the answer. Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
+        row when a grammar constrains the answer (and, greedy, each row's top_logprobs likeliest tokens). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
         the batch's replies are made together (_finish)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
-        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed)
+        part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed,
+                    top_logprobs)
         if self.batcher is not None:
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:
@@ -365,8 +368,23 @@ class Scorer:
         try:
             features = self.last_features(part.session) if part.features else None
             if part.session.warp.greedy:
-                return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads)
+                logprobs = top_logprobs(constrained(rows, part.session.warp, part.allowed), part.top_logprobs)
+                return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads, logprobs=logprobs)
             probs = warp_probs(rows, part.session.warp, part.allowed)  # [k + 1, V]
             return Scores(target_probs=encode_rows(probs), features=features, head_drafts=heads)
         except Exception as error:  # this session's Verify fails with it (grpc_errors maps it)
             return error
+
+
+def top_logprobs(scores: torch.Tensor, n: int) -> list[verify_pb2.RowLogprobs]:
+    """Each row's n likeliest tokens and their log probabilities under softmax(scores) (scores [k + 1, V]:
+    the logits after logit_bias and a grammar's mask); tokens a grammar forbids are never listed. [] for n = 0."""
+    if n <= 0:
+        return []
+    logprobs = torch.log_softmax(scores.float(), dim=-1)  # [k + 1, V]
+    values, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)  # [k + 1, n]
+    rows = []
+    for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+        listed = [(token, value) for token, value in zip(row_ids, row_values) if value > float("-inf")]
+        rows.append(verify_pb2.RowLogprobs(token_ids=[t for t, _ in listed], logprobs=[v for _, v in listed]))
+    return rows

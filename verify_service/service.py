@@ -20,6 +20,7 @@ from specd_common.params import Warp
 from verify_service.scorer import Scorer, VerifySession
 
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
+MAX_TOP_LOGPROBS = 20  # VerifyRequest.top_logprobs (OpenAI's limit)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
@@ -64,6 +65,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
         require(0 <= request.head_rows <= MAX_TREE_NODES + 1,
                 f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
+        require(0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         allowed = self._allowed(request.allowed_tokens, len(drafts) + 1)
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
@@ -73,7 +75,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
-                                       request.head_candidates, request.head_rows, allowed)
+                                       request.head_candidates, request.head_rows, allowed, request.top_logprobs)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,
@@ -82,6 +84,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             model_seconds=model_seconds,
             features=scores.features,
             head_drafts=scores.head_drafts,
+            logprobs=scores.logprobs,
         )
 
     def _allowed(self, masks: Sequence[common_pb2.TokenMask], rows: int) -> Optional[torch.Tensor]:

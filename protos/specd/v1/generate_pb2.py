@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/generate.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb4\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\n \x01(\x05\x12\x38\n\x13\x64raft_length_policy\x18\x0b \x01(\x0e\x32\x1b.specd.v1.DraftLengthPolicy\x12\x16\n\x0e\x64raft_branches\x18\x0c \x01(\x05\x12.\n\nconstraint\x18\r \x01(\x0b\x32\x1a.specd.v1.OutputConstraintB\x08\n\x06promptB\x07\n\x05_seed\"\x96\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.specd.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc4\x04\n\x10SpeculationStats\x12\x15\n\rtarget_passes\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12!\n\x19\x64raft_tokens_per_position\x18\x04 \x03(\x05\x12$\n\x1c\x61\x63\x63\x65pted_tokens_per_position\x18\x05 \x03(\x05\x12\x12\n\nwire_bytes\x18\x06 \x01(\x03\x12\x15\n\rround_seconds\x18\x07 \x01(\x01\x12\x15\n\rmodel_seconds\x18\x08 \x01(\x01\x12\x17\n\x0frejected_rounds\x18\t \x01(\x05\x12\x1b\n\x13\x64raft_cache_lookups\x18\n \x01(\x05\x12\x18\n\x10\x64raft_cache_hits\x18\x0b \x01(\x05\x12\x1b\n\x13\x64raft_model_seconds\x18\x0c \x01(\x01\x12\x15\n\rlookup_rounds\x18\r \x01(\x05\x12\x13\n\x0bhead_rounds\x18\x0e \x01(\x05\x12\x13\n\x0btree_rounds\x18\x0f \x01(\x05\x12\x1a\n\x12\x64raft_wait_seconds\x18\x10 \x01(\x01\x12$\n\x1c\x64raft_cache_hit_wait_seconds\x18\x11 \x01(\x01\x12\'\n\x1f\x64raft_cache_lookup_wait_seconds\x18\x12 \x01(\x01\x12\x18\n\x10predicted_tokens\x18\x13 \x01(\x01\x12\x15\n\rforced_rounds\x18\x14 \x01(\x05\x12\x15\n\rforced_tokens\x18\x15 \x01(\x05\"\xc7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\"\xcd\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats*y\n\x11\x44raftLengthPolicy\x12#\n\x1f\x44RAFT_LENGTH_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44RAFT_LENGTH_POLICY_FIXED\x10\x01\x12 \n\x1c\x44RAFT_LENGTH_POLICY_ADAPTIVE\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xa5\x01\n\x0fGenerateService\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/generate.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdc\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x0b\n\x03raw\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\n \x01(\x05\x12\x38\n\x13\x64raft_length_policy\x18\x0b \x01(\x0e\x32\x1b.specd.v1.DraftLengthPolicy\x12\x16\n\x0e\x64raft_branches\x18\x0c \x01(\x05\x12.\n\nconstraint\x18\r \x01(\x0b\x32\x1a.specd.v1.OutputConstraint\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\x05\x42\x08\n\x06promptB\x07\n\x05_seed\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.specd.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x96\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.specd.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc4\x04\n\x10SpeculationStats\x12\x15\n\rtarget_passes\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12!\n\x19\x64raft_tokens_per_position\x18\x04 \x03(\x05\x12$\n\x1c\x61\x63\x63\x65pted_tokens_per_position\x18\x05 \x03(\x05\x12\x12\n\nwire_bytes\x18\x06 \x01(\x03\x12\x15\n\rround_seconds\x18\x07 \x01(\x01\x12\x15\n\rmodel_seconds\x18\x08 \x01(\x01\x12\x17\n\x0frejected_rounds\x18\t \x01(\x05\x12\x1b\n\x13\x64raft_cache_lookups\x18\n \x01(\x05\x12\x18\n\x10\x64raft_cache_hits\x18\x0b \x01(\x05\x12\x1b\n\x13\x64raft_model_seconds\x18\x0c \x01(\x01\x12\x15\n\rlookup_rounds\x18\r \x01(\x05\x12\x13\n\x0bhead_rounds\x18\x0e \x01(\x05\x12\x13\n\x0btree_rounds\x18\x0f \x01(\x05\x12\x1a\n\x12\x64raft_wait_seconds\x18\x10 \x01(\x01\x12$\n\x1c\x64raft_cache_hit_wait_seconds\x18\x11 \x01(\x01\x12\'\n\x1f\x64raft_cache_lookup_wait_seconds\x18\x12 \x01(\x01\x12\x18\n\x10predicted_tokens\x18\x13 \x01(\x01\x12\x15\n\rforced_rounds\x18\x14 \x01(\x05\x12\x15\n\rforced_tokens\x18\x15 \x01(\x05\"\xf1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.specd.v1.TokenLogprob\"\xf7\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x06 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.specd.v1.TokenLogprob*y\n\x11\x44raftLengthPolicy\x12#\n\x1f\x44RAFT_LENGTH_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44RAFT_LENGTH_POLICY_FIXED\x10\x01\x12 \n\x1c\x44RAFT_LENGTH_POLICY_ADAPTIVE\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xa5\x01\n\x0fGenerateService\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTLENGTHPOLICY']._serialized_start=1860
-  _globals['_DRAFTLENGTHPOLICY']._serialized_end=1981
-  _globals['_FINISHREASON']._serialized_start=1983
-  _globals['_FINISHREASON']._serialized_end=2101
+  _globals['_DRAFTLENGTHPOLICY']._serialized_start=2119
+  _globals['_DRAFTLENGTHPOLICY']._serialized_end=2240
+  _globals['_FINISHREASON']._serialized_start=2242
+  _globals['_FINISHREASON']._serialized_end=2360
   _globals['_CHATMESSAGE']._serialized_start=60
   _globals['_CHATMESSAGE']._serialized_end=104
   _globals['_CHATMESSAGES']._serialized_start=106
@@ -43,19 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=163
   _globals['_TOKENIDS']._serialized_end=186
   _globals['_GENERATEREQUEST']._serialized_start=189
-  _globals['_GENERATEREQUEST']._serialized_end=625
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=628
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=778
-  _globals['_CHOICES']._serialized_start=780
-  _globals['_CHOICES']._serialized_end=806
-  _globals['_USAGE']._serialized_start=808
-  _globals['_USAGE']._serialized_end=865
-  _globals['_SPECULATIONSTATS']._serialized_start=868
-  _globals['_SPECULATIONSTATS']._serialized_end=1448
-  _globals['_GENERATERESPONSE']._serialized_start=1451
-  _globals['_GENERATERESPONSE']._serialized_end=1650
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1653
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1858
-  _globals['_GENERATESERVICE']._serialized_start=2104
-  _globals['_GENERATESERVICE']._serialized_end=2269
+  _globals['_GENERATEREQUEST']._serialized_end=665
+  _globals['_TOKENLOGPROB']._serialized_start=667
+  _globals['_TOKENLOGPROB']._serialized_end=751
+  _globals['_TOPLOGPROB']._serialized_start=753
+  _globals['_TOPLOGPROB']._serialized_end=800
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=803
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=953
+  _globals['_CHOICES']._serialized_start=955
+  _globals['_CHOICES']._serialized_end=981
+  _globals['_USAGE']._serialized_start=983
+  _globals['_USAGE']._serialized_end=1040
+  _globals['_SPECULATIONSTATS']._serialized_start=1043
+  _globals['_SPECULATIONSTATS']._serialized_end=1623
+  _globals['_GENERATERESPONSE']._serialized_start=1626
+  _globals['_GENERATERESPONSE']._serialized_end=1867
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1870
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2117
+  _globals['_GENERATESERVICE']._serialized_start=2363
+  _globals['_GENERATESERVICE']._serialized_end=2528
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens", "draft_length_policy", "draft_branches", "constraint")
+    __slots__ = ("text", "messages", "token_ids", "raw", "max_new_tokens", "sampling", "seed", "stop", "disable_speculation", "num_draft_tokens", "draft_length_policy", "draft_branches", "constraint", "logprobs", "top_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class GenerateRequest(_message.Message):
     DRAFT_LENGTH_POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFT_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -76,7 +78,27 @@ class GenerateRequest(_message.Message):
     draft_length_policy: DraftLengthPolicy
     draft_branches: int
     constraint: OutputConstraint
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., draft_length_policy: _Optional[_Union[DraftLengthPolicy, str]] = ..., draft_branches: _Optional[int] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., raw: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., disable_speculation: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., draft_length_policy: _Optional[_Union[DraftLengthPolicy, str]] = ..., draft_branches: _Optional[int] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class OutputConstraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark_grammar", "choice")
@@ -153,33 +175,37 @@ class SpeculationStats(_message.Message):
     def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., draft_cache_lookups: _Optional[int] = ..., draft_cache_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., draft_wait_seconds: _Optional[float] = ..., draft_cache_hit_wait_seconds: _Optional[float] = ..., draft_cache_lookup_wait_seconds: _Optional[float] = ..., predicted_tokens: _Optional[float] = ..., forced_rounds: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats")
+    __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     stats: SpeculationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats")
+    __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     stats: SpeculationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -96,6 +96,12 @@ def longest_prompt(path: str) -> dict:
     return max(load_prompts(path, limit=sys.maxsize), key=lambda row: len(row["prompt"]))
 
 
+def schema_constraint(path: str) -> dict:
+    """GenerateRequest fields that constrain every answer to the JSON Schema in a file (`--json-schema`)."""
+    with open(path) as schema:
+        return {"constraint": generate_pb2.OutputConstraint(json_schema=json.dumps(json.load(schema)))}
+
+
 def stream_one(stub, row: dict, max_new_tokens: int, on_tokens: Optional[Callable[[Sample], None]] = None, **fields) -> Sample:
     """One streamed request; timestamps give time to first token and inter-token latency. on_tokens
     is called with the sample after each chunk of tokens (`--arrival` waits on it)."""
@@ -306,6 +312,8 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             lookup_round_share=round(sum(s.lookup_rounds for s in stats) / passes, 4),
             head_round_share=round(sum(s.head_rounds for s in stats) / passes, 4),
             tree_round_share=round(sum(s.tree_rounds for s in stats) / passes, 4),
+            forced_round_share=round(sum(s.forced_rounds for s in stats) / passes, 4),  # structured output (--json-schema)
+            forced_token_share=round(sum(s.forced_tokens for s in stats) / tokens, 4) if tokens else 0.0,
         )
     summary.update(speculation_cache(stats))
     if any(s.ttft_s for s in samples):

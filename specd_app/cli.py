@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0 every mode samples at this "
                        "temperature (and --top-p), the transformers modes too")
     bench.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (1: off)")
+    bench.add_argument("--json-schema", default="", help="structured output: every service mode's request must answer in JSON "
+                       "matching this schema file (GenerateRequest.constraint), target_only too; the report adds each mode's "
+                       "forced-round share. The transformers modes cannot be constrained: use --no-hf")
     bench.add_argument("--seed", type=int, default=None, help="seed every sampled prompt (reproducible samples; a seeded request "
                        "drafts a fixed k by default, so the default is no seed, as most users send)")
     bench.add_argument("--sequential-too", action="store_true", help="with --concurrency N > 1: also run every service mode one "
@@ -449,8 +452,11 @@ def run_bench(args: argparse.Namespace) -> int:
         args.num_draft_tokens, args.fixed_k, args.branches, cache_ab, args.medusa,
         args.drafter if heads_default else "", args.cap, list(heads),
     )
-    service_modes = [(mode, {**fields, **sampling.request_fields()}) for mode, fields in service_modes]
+    constraint = bench.schema_constraint(args.json_schema) if args.json_schema else {}
+    service_modes = [(mode, {**fields, **sampling.request_fields(), **constraint}) for mode, fields in service_modes]
     hf_modes = [] if args.no_hf or args.arrival else [("hf_target", None), ("hf_assisted", args.num_draft_tokens)]
+    if constraint and hf_modes:
+        raise SystemExit("--json-schema constrains the service modes only; transformers' modes would answer free text: add --no-hf")
     if args.repeats < 1 or (args.repeats > 1 and args.concurrency == 1 and not args.arrival):
         raise SystemExit("--repeats must be >= 1, and applies with --concurrency > 1 or --arrival (one stream already interleaves every prompt)")
     if args.sequential_too and (args.concurrency < 2 or args.arrival):
@@ -536,6 +542,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "drafter": args.drafter, "draft_model": args.draft_model,
         "target": args.target, "threads": args.threads, "devices": devices, "dtype": args.dtype, "cache_ab": cache_ab, "medusa": args.medusa, "heads": heads,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "sequential_too": args.sequential_too,
+        "json_schema": args.json_schema,
     }
     if args.arrival:
         report["settings"].update(arrival_streams=args.arrival_streams, arrival_after=args.arrival_after,

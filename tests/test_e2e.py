@@ -6,6 +6,7 @@ plain transformers `generate`, token for token, on prompts from ../shared/data.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -138,7 +139,7 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
     """Every curl line and the Python snippet of docs/http-api.md, against the real
     default model; the only change is the port (the stack here runs on free ports, not 8000)."""
     commands, python = readme_http_examples()
-    assert len(commands) == 5 and "127.0.0.1:8000" in python
+    assert len(commands) == 6 and "127.0.0.1:8000" in python
     here = f"127.0.0.1:{up_ports['http']}"
     outputs = {}
     for command in commands:
@@ -146,12 +147,14 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
         assert result.returncode == 0, (command, result.stderr)
         outputs[command] = result.stdout
     answers = [json.loads(out) for command, out in outputs.items() if '"stream": true' not in command]
-    models, chat, completion, health = answers
+    models, chat, completion, health, structured = answers
     assert [m["id"] for m in models["data"]] == ["embedded:smollm2-135m-instruct"]
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"].strip()
     assert chat["usage"]["completion_tokens"] == 32 or chat["choices"][0]["finish_reason"] == "stop"
     assert completion["choices"][0]["text"].strip() and "Paris" in completion["choices"][0]["text"]
     assert health == {"status": "ok"}
+    cat = json.loads(structured["choices"][0]["message"]["content"])  # response_format's JSON schema
+    assert set(cat) == {"name", "age"} and isinstance(cat["age"], int) and structured["choices"][0]["finish_reason"] == "stop"
     (stream,) = [out for command, out in outputs.items() if '"stream": true' in command]
     events = [line.removeprefix("data: ") for line in stream.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -215,3 +218,34 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
     with torch.inference_mode():  # a float verify: transformers' float32 answer, token for token
         out = default_target.model.generate(torch.tensor([list(head.prompt_token_ids)]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     assert list(head.token_ids) == out[0, len(head.prompt_token_ids) :].tolist()
+
+
+def test_json_schema_answers_of_the_default_model_validate_and_speculation_changes_nothing(specd_up, up_ports):
+    """Structured output with the real default model through `specd up`, the official openai client and
+    20 prompts the drafts never saw (docs/benchmarks/json_prompts.jsonl): every greedy answer is valid under
+    its JSON Schema (nested object, array, enum; jsonschema checks it) and equals `speculation: false`'s;
+    sampled answers validate too; json_object answers parse as JSON objects."""
+    import jsonschema
+    import openai
+
+    schema = json.loads((REPO / "docs" / "benchmarks" / "json_schema_profile.json").read_text())
+    prompts = [json.loads(line)["prompt"] for line in (REPO / "docs" / "benchmarks" / "json_prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 20
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up_ports['http']}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = "embedded:smollm2-135m-instruct"
+    response_format = {"type": "json_schema", "json_schema": {"name": "profile", "schema": schema, "strict": True}}
+    forced = 0
+    for index, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        ask = functools.partial(client.chat.completions.create, model=model, messages=messages, max_tokens=200)
+        greedy = ask(temperature=0, response_format=response_format)
+        jsonschema.validate(json.loads(greedy.choices[0].message.content), schema)
+        target_only = ask(temperature=0, response_format=response_format, extra_body={"speculation": False})
+        assert greedy.choices[0].message.content == target_only.choices[0].message.content, prompt
+        forced += greedy.model_extra["specd"]["forced_rounds"]
+        sampled = ask(temperature=0.8, seed=index, response_format=response_format)
+        jsonschema.validate(json.loads(sampled.choices[0].message.content), schema)
+        anything = ask(temperature=0, max_tokens=120, response_format={"type": "json_object"})
+        if anything.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    assert forced >= 20

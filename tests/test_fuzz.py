@@ -5,6 +5,8 @@ A fixed budget (derandomized hypothesis, bounded examples) so CI runs the same c
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,6 +63,45 @@ def test_fuzzed_requests_get_an_answer_or_a_clear_error(fuzz_stub, request):
         code = error.code()
         assert error.details(), "an error without a message"
     assert code in ALLOWED, (code, request)
+
+
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.sampled_from(["object", "array", "string", "integer", "number",
+                                                                              "boolean", "null", "#/x", "^[a-z]+$", ""])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(st.sampled_from(["type", "properties", "items", "required", "enum", "const",
+                                                             "anyOf", "$ref", "minimum", "maxLength", "pattern",
+                                                             "additionalProperties", "format", "x"]), inner, max_size=5)),
+    max_leaves=12,
+)
+REGEX_TEXT = st.text(alphabet="ab(|)*+?[]{}^$.\\d,-09", max_size=24)
+LARK_TEXT = st.one_of(st.text(alphabet='start:|"a()*+?/ \n%import', max_size=40),
+                      st.builds(lambda body: "start: " + body, st.text(alphabet='"ab |()*+?/[]', max_size=30)))
+
+constraints = st.one_of(
+    st.builds(lambda value: generate_pb2.OutputConstraint(json_schema=json.dumps(value)), JSON_VALUES),
+    st.builds(lambda text: generate_pb2.OutputConstraint(json_schema=text), TEXT),
+    st.builds(lambda text: generate_pb2.OutputConstraint(regex=text), REGEX_TEXT),
+    st.builds(lambda text: generate_pb2.OutputConstraint(lark_grammar=text), LARK_TEXT),
+    st.builds(lambda items: generate_pb2.OutputConstraint(choice=generate_pb2.Choices(choices=items)), st.lists(TEXT, max_size=4)),
+)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(constraint=constraints, greedy=st.booleans())
+def test_fuzzed_constraints_get_an_answer_or_invalid_argument(fuzz_stub, constraint, greedy):
+    """Schemas, regexes, Lark grammars and choice lists, well-formed or not: a constrained answer or
+    INVALID_ARGUMENT with a message, never an internal error."""
+    request = generate_pb2.GenerateRequest(text="hi", max_new_tokens=6, constraint=constraint,
+                                           sampling=common_pb2.SamplingParams(temperature=0.0 if greedy else 1.0))
+    try:
+        reply = fuzz_stub.Generate(request, timeout=30)
+        code = grpc.StatusCode.OK
+        assert reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+    except grpc.RpcError as error:
+        code = error.code()
+        assert error.details(), "an error without a message"
+    assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, (code, constraint)
 
 
 def test_invalid_utf8_in_a_stop_string_is_invalid_argument(cluster):

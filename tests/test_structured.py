@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.grammar import MAX_CONSTRAINT_BYTES
-from specd.v1 import common_pb2, generate_pb2
+from specd.v1 import common_pb2, generate_pb2, verify_pb2, verify_pb2_grpc
 from tests.conftest import Cluster, TinyModels, start_cluster
 from tests.test_http_api import client_for
 from tests.test_services import FIXED, PROMPTS, generate, wait_for_no_sessions
@@ -258,3 +258,39 @@ def test_http_logprobs_in_openai_shapes_equal_the_grpc_ones(served, client):
     assert all(len(top) <= 2 for top in scored.top_logprobs) and scored.text_offset[0] == 0
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+# --- the verify's side of the contract -------------------------------------------------------------------
+def test_verify_restricts_the_target_to_each_rows_mask_and_refuses_bad_masks(cluster):
+    """VerifyRequest.allowed_tokens: the argmax of each row is the target's best allowed token (ids or a
+    bitmap), and a malformed mask is INVALID_ARGUMENT naming what to fix."""
+    vocab = cluster.gateway.servicer.backends.target_info.vocab_size
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.verify.port}") as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="masks", prompt_token_ids=[5, 6, 7]), timeout=10)
+        try:
+            keep = common_pb2.Commit(prefix_length=3)  # the prompt, dropping the last pass's draft
+            free = stub.Verify(verify_pb2.VerifyRequest(session_id="masks", commit=keep, draft_token_ids=[9]),
+                               timeout=10).argmax_token_ids
+            only = (free[0] + 1) % vocab
+            bitmap = bytearray((vocab + 7) // 8)
+            bitmap[free[1] // 8] |= 1 << free[1] % 8
+            other = next(t for t in range(vocab) if t != free[1])
+            bitmap[other // 8] |= 1 << other % 8
+            masks = [common_pb2.TokenMask(allowed_token_ids=[only]), common_pb2.TokenMask(allowed_bitmap=bytes(bitmap))]
+            scored = stub.Verify(verify_pb2.VerifyRequest(session_id="masks", commit=keep,
+                                                          draft_token_ids=[9], allowed_tokens=masks), timeout=10)
+            assert list(scored.argmax_token_ids) == [only, free[1]]
+            for bad, fragment in (
+                ([masks[0]], "one mask per scored position (2)"),
+                ([masks[0], common_pb2.TokenMask(allowed_bitmap=b"\x01")], "allowed_bitmap must be"),
+                ([masks[0], common_pb2.TokenMask(allowed_token_ids=[vocab])], "allowed_token_ids must be in"),
+                ([masks[0], common_pb2.TokenMask()], "must allow at least one token"),
+                ([masks[0], common_pb2.TokenMask(allowed_token_ids=[1], allowed_bitmap=bytes(bitmap))], "not both"),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Verify(verify_pb2.VerifyRequest(session_id="masks", commit=keep,
+                                                         draft_token_ids=[9], allowed_tokens=bad), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in refused.value.details()
+        finally:
+            stub.Release(common_pb2.ReleaseRequest(session_id="masks"), timeout=10)

@@ -44,3 +44,19 @@ def test_node_client_reports_grpc_errors(stack):
     result = run_client("--address", stack.address("gateway"), "--prompt", "hello", "--max-new-tokens=-1")
     assert result.returncode == 2
     assert "INVALID_ARGUMENT" in result.stderr
+
+
+def test_node_client_asks_for_json_under_a_schema(stack, tmp_path):
+    """--json-schema: the answer streamed to the Node client is JSON that its schema accepts."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    (tmp_path / "cat.schema.json").write_text(json.dumps(schema))
+    result = run_client("--address", stack.address("gateway"), "--prompt", "Invent a cat.", "--max-new-tokens", "60",
+                        "--json-schema", str(tmp_path / "cat.schema.json"), "--quiet")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["finish_reason"] == "eos" and summary["stats"]["forced_rounds"] >= 1
+    jsonschema.validate(json.loads(summary["text"]), schema)

@@ -224,7 +224,8 @@ def test_json_schema_answers_of_the_default_model_validate_and_speculation_chang
     """Structured output with the real default model through `specd up`, the official openai client and
     20 prompts the drafts never saw (docs/benchmarks/json_prompts.jsonl): every greedy answer is valid under
     its JSON Schema (nested object, array, enum; jsonschema checks it) and equals `speculation: false`'s;
-    sampled answers validate too; json_object answers parse as JSON objects."""
+    sampled answers validate too; json_object answers that end parse as JSON objects (2 of 20 ended within
+    120 tokens on 2026-11-27: the others repeat list items until the limit)."""
     import jsonschema
     import openai
 
@@ -245,7 +246,9 @@ def test_json_schema_answers_of_the_default_model_validate_and_speculation_chang
         forced += greedy.model_extra["specd"]["forced_rounds"]
         sampled = ask(temperature=0.8, seed=index, response_format=response_format)
         jsonschema.validate(json.loads(sampled.choices[0].message.content), schema)
-        anything = ask(temperature=0, max_tokens=120, response_format={"type": "json_object"})
-        if anything.choices[0].finish_reason == "stop":
-            assert isinstance(json.loads(anything.choices[0].message.content), dict)
+        if index < 5:  # json_object: unbounded strings, where this 135M model mostly repeats itself to the limit
+            anything = ask(temperature=0, max_tokens=80, response_format={"type": "json_object"})
+            assert anything.choices[0].message.content.startswith("{")
+            if anything.choices[0].finish_reason == "stop":
+                assert isinstance(json.loads(anything.choices[0].message.content), dict)
     assert forced >= 20

@@ -288,6 +288,9 @@ class Generation:
         (GenerationSpec.grammar): a tree would need a mask per branch."""
         if self.grammar is None:
             return []
+        if plan.parents:  # never planned (GenerationSpec.branches is 1): judged as a plain round, still exact
+            log.warning("a constrained request drafted a tree (%d nodes); verifying none of it", len(plan.drafts))
+            del plan.drafts[:], plan.parents[:], draft_probs[:]
         allowed, masks = self.grammar.masks_along(plan.drafts, self.backends.target_info.vocab_size)
         if allowed < len(plan.drafts):
             del plan.drafts[allowed:], draft_probs[allowed:]

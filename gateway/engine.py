@@ -488,7 +488,18 @@ def greedy_logprob(token: int, row: verify_pb2.RowLogprobs, top: int) -> generat
 
 def sampled_logprob(token: int, p: np.ndarray, top: int) -> generate_pb2.TokenLogprob:
     """A sampled token's entry from the distribution p [V] it was drawn from."""
-    best = np.argsort(-p, kind="stable")[:top] if top else []
+    best = likeliest(p, top)
     with np.errstate(divide="ignore"):
         return generate_pb2.TokenLogprob(token_id=token, logprob=float(np.log(p[token])),
                                          top=[generate_pb2.TopLogprob(token_id=int(t), logprob=float(np.log(p[t]))) for t in best])
+
+
+def likeliest(p: np.ndarray, n: int) -> np.ndarray:
+    """The n likeliest ids of p [V], best first, ties by id: a full stable argsort's first n, from a
+    partition (0.19 ms against 5.5 ms for 49,152 entries on the 2-vCPU EPYC VM, paid per sampled token)."""
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    n = min(n, p.size)
+    kth = np.partition(p, p.size - n)[p.size - n]  # the n-th largest value
+    candidates = np.flatnonzero(p >= kth)  # [>= n] ascending ids, so the stable sort breaks ties by id
+    return candidates[np.argsort(-p[candidates], kind="stable")][:n]

@@ -36,7 +36,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 class CompiledGrammar:
     """A constraint checked and compiled once; each request runs its own copy (GrammarState)."""
 
-    kind: str  # which OutputConstraint field it came from, for messages
     matcher: llguidance.LLMatcher  # at the start of the answer; never advanced itself
 
     def start(self) -> "GrammarState":
@@ -69,7 +68,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # compiles (without the GIL)
         if matcher.is_error():
             raise InvalidArgument(f"constraint.{kind} cannot be used: {_first_lines(matcher.get_error())}")
-        compiled = CompiledGrammar(kind, matcher)
+        compiled = CompiledGrammar(matcher)
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_CACHE_SIZE:

@@ -20,9 +20,9 @@ from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
 import grpc
 
 from gateway.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_BYTES
-from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from gateway.service import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from specd.v1 import common_pb2, generate_pb2
-from specd_common.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from specd_common.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # Chat without max_tokens gets the gateway's default (GenerateRequest.max_new_tokens = 0): 256 tokens.

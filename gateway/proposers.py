@@ -79,10 +79,6 @@ class RoundPlan:
     head_predicted: Optional[list[float]] = None  # the heads' nodes' values by depth, unscaled (HeadCalibration learns from them)
     expected: float = 1.0  # tokens the planner expects the round to keep (drafts + the recovered/bonus token)
 
-    @property
-    def free(self) -> bool:
-        return self.source in (LOOKUP, HEADS, JOINED, FORCED)
-
 
 @dataclass(frozen=True)
 class Verdict:

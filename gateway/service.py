@@ -14,7 +14,7 @@ from gateway.engine import Chunk, FinishReason, Generation, GenerationSpec
 from gateway.options import GatewayOptions
 from specd.v1 import generate_pb2, generate_pb2_grpc
 from specd_common.errors import grpc_errors, grpc_stream_errors, require
-from specd_common.params import Warp
+from specd_common.params import Warp, check_top_logprobs
 from specd_common.sequence import validate_token_ids
 from specd_common.server import CallGate
 from specd_common.tree import MAX_BRANCHES, MAX_DRAFT_TOKENS, MAX_TREE_NODES
@@ -25,7 +25,6 @@ MAX_NEW_TOKENS = 8192
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_PROMPT_CHARS = 1_000_000
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 CHAT_ROLES = ("system", "user", "assistant")
 SHUTTING_DOWN = "the gateway is shutting down; retry on another replica"
 _POLICIES = {generate_pb2.DRAFT_LENGTH_POLICY_FIXED, generate_pb2.DRAFT_LENGTH_POLICY_ADAPTIVE}
@@ -128,7 +127,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         warp = Warp.from_proto(request.sampling)
         validate_token_ids(warp.biased_tokens, self.backends.target_info.vocab_size, "sampling.logit_bias")
         grammar = self.backends.grammars.compile(request.constraint)
-        require(0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        check_top_logprobs(request.top_logprobs)
         require(request.logprobs or not request.top_logprobs, "top_logprobs needs logprobs: true")
         default_branches = min(self.options.draft_branches, max(1, MAX_TREE_NODES // k)) if adaptive and warp.greedy else 1
         branches = request.draft_branches or default_branches

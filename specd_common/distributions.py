@@ -49,6 +49,12 @@ def bitmap_bytes(vocab_size: int) -> int:
     return (vocab_size + 7) // 8
 
 
+def bitmap_bits(raw: bytes) -> np.ndarray:
+    """A little-endian bitmap (token i: bit i % 8, least significant first, of byte i / 8) as 0/1 per token
+    [8 * len(raw)]: the layout of Distribution.support_bitmap and TokenMask.allowed_bitmap."""
+    return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+
+
 def encode_half_support(tokens: np.ndarray, values: np.ndarray, vocab_size: int) -> common_pb2.Distribution:
     """float16 `values` [S] of ascending token ids `tokens` [S] (zero elsewhere), with the support as ids
     or as a bitmap (Distribution.support_bitmap), whichever is smaller: ids below ~1/24 of the vocabulary."""
@@ -97,7 +103,7 @@ def support_ids(message: common_pb2.Distribution, values: np.ndarray, size: int)
     if message.token_ids and message.support_bitmap:
         raise InvalidArgument("a distribution sets token_ids or support_bitmap, not both")
     if message.support_bitmap:
-        ids = np.flatnonzero(np.unpackbits(np.frombuffer(message.support_bitmap, dtype=np.uint8), bitorder="little"))
+        ids = np.flatnonzero(bitmap_bits(message.support_bitmap))
     else:
         ids = np.asarray(message.token_ids, dtype=np.int64)
     if ids.shape != values.shape or not ids.size or ids.min() < 0 or ids.max() >= size:

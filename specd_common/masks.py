@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from specd.v1 import common_pb2
-from specd_common.distributions import bitmap_bytes
+from specd_common.distributions import bitmap_bits, bitmap_bytes
 from specd_common.errors import InvalidArgument, require
 
 LISTED_ID_BYTES = 3  # a token id below 2^21 as a packed varint: a list beats the bitmap below bitmap_bytes / 3 ids
@@ -21,11 +21,10 @@ def encode_mask(bitmap: bytes, vocab_size: int) -> common_pb2.TokenMask:
     """A little-endian bitmap of allowed tokens (llguidance's u32 words are laid out so; it may run past
     the vocabulary to a whole word) as a TokenMask: the ids when few are allowed, else the bitmap."""
     size = bitmap_bytes(vocab_size)
-    bits = np.frombuffer(bitmap, dtype=np.uint8)[:size]
-    allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab_size])  # [A]
+    allowed = np.flatnonzero(bitmap_bits(bitmap[:size])[:vocab_size])  # [A]
     if allowed.size * LISTED_ID_BYTES < size:
         return common_pb2.TokenMask(allowed_token_ids=allowed.tolist())
-    return common_pb2.TokenMask(allowed_bitmap=bits.tobytes())
+    return common_pb2.TokenMask(allowed_bitmap=bytes(bitmap[:size]))
 
 
 def allowed_tokens(mask: common_pb2.TokenMask, vocab_size: int, what: str = "allowed_tokens") -> np.ndarray:
@@ -35,7 +34,7 @@ def allowed_tokens(mask: common_pb2.TokenMask, vocab_size: int, what: str = "all
         require(len(mask.allowed_bitmap) == bitmap_bytes(vocab_size),
                 f"{what}: allowed_bitmap must be {bitmap_bytes(vocab_size)} bytes for a vocabulary of {vocab_size}, "
                 f"got {len(mask.allowed_bitmap)}")
-        allowed = np.unpackbits(np.frombuffer(mask.allowed_bitmap, dtype=np.uint8), bitorder="little")[:vocab_size].astype(bool)
+        allowed = bitmap_bits(mask.allowed_bitmap)[:vocab_size].astype(bool)
     else:
         ids = np.asarray(mask.allowed_token_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):

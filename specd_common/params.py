@@ -9,6 +9,12 @@ from specd_common.errors import require
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: ±100 bans or forces a token whatever the logits
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit; a bias is applied to every row of every pass
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the likeliest tokens reported at each position
+
+
+def check_top_logprobs(top_logprobs: int) -> None:
+    """INVALID_ARGUMENT unless top_logprobs is in [0, MAX_TOP_LOGPROBS] (the gateway's and the verify's field)."""
+    require(0 <= top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
 
 
 @dataclass(frozen=True)

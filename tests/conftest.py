@@ -164,6 +164,33 @@ def start_cluster(
     return Cluster(verify, draft, gateway, calls)
 
 
+def http_port(cluster: Cluster) -> int:
+    from gateway.app import http_server
+
+    return http_server(cluster.gateway).port
+
+
+def client_for(cluster: Cluster, api_key: str = "unused") -> "openai.OpenAI":
+    """The official OpenAI client on a cluster's HTTP port."""
+    import openai
+
+    # max_retries=0: a refusal must reach the test as the status the server sent, not be retried away
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(cluster)}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tiny: TinyModels) -> Iterator[Cluster]:
+    """Target + a partly-agreeing model draft, with the gateway's OpenAI-compatible HTTP API on a free port."""
+    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, http_port=0)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: Cluster) -> "openai.OpenAI":
+    return client_for(served)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny: TinyModels) -> Iterator[Cluster]:
     """Target + a partly-agreeing model draft."""

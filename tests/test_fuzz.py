@@ -55,14 +55,18 @@ def fuzz_stub(cluster):
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(request=requests())
 def test_fuzzed_requests_get_an_answer_or_a_clear_error(fuzz_stub, request):
+    assert answer_code(fuzz_stub, request) in ALLOWED, request
+
+
+def answer_code(stub, request: generate_pb2.GenerateRequest) -> grpc.StatusCode:
+    """OK with a finished answer, or the error's code (an error must say what is wrong)."""
     try:
-        reply = fuzz_stub.Generate(request, timeout=30)
-        code = grpc.StatusCode.OK
-        assert reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+        reply = stub.Generate(request, timeout=30)
     except grpc.RpcError as error:
-        code = error.code()
         assert error.details(), "an error without a message"
-    assert code in ALLOWED, (code, request)
+        return error.code()
+    assert reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+    return grpc.StatusCode.OK
 
 
 JSON_VALUES = st.recursive(
@@ -94,14 +98,7 @@ def test_fuzzed_constraints_get_an_answer_or_invalid_argument(fuzz_stub, constra
     INVALID_ARGUMENT with a message, never an internal error."""
     request = generate_pb2.GenerateRequest(text="hi", max_new_tokens=6, constraint=constraint,
                                            sampling=common_pb2.SamplingParams(temperature=0.0 if greedy else 1.0))
-    try:
-        reply = fuzz_stub.Generate(request, timeout=30)
-        code = grpc.StatusCode.OK
-        assert reply.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
-    except grpc.RpcError as error:
-        code = error.code()
-        assert error.details(), "an error without a message"
-    assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, (code, constraint)
+    assert answer_code(fuzz_stub, request) in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, constraint
 
 
 def test_invalid_utf8_in_a_stop_string_is_invalid_argument(cluster):

@@ -19,31 +19,10 @@ import pytest
 
 from specd.v1 import common_pb2, generate_pb2
 from gateway.app import http_server
-from tests.conftest import Cluster, TinyModels, start_cluster
+from tests.conftest import Cluster, TinyModels, client_for, http_port, start_cluster
 from tests.specd_stack import gateway_health
 
 TOKEN = "s3cret-http-token"
-
-
-def http_port(cluster: Cluster) -> int:
-    return http_server(cluster.gateway).port
-
-
-def client_for(cluster: Cluster, api_key: str = "unused") -> openai.OpenAI:
-    # max_retries=0: a refusal must reach the test as the status the server sent, not be retried away
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(cluster)}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def served(tiny: TinyModels) -> Iterator[Cluster]:
-    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, http_port=0)
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served: Cluster) -> openai.OpenAI:
-    return client_for(served)
 
 
 @pytest.fixture(scope="module")

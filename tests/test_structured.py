@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
-
 import grpc
 import jsonschema
 import openai
@@ -14,8 +12,6 @@ import pytest
 
 from gateway.grammar import MAX_CONSTRAINT_BYTES
 from specd.v1 import common_pb2, generate_pb2, verify_pb2, verify_pb2_grpc
-from tests.conftest import Cluster, TinyModels, start_cluster
-from tests.test_http_api import client_for
 from tests.test_services import FIXED, PROMPTS, generate, wait_for_no_sessions
 
 SCHEMA = {
@@ -101,18 +97,7 @@ def test_a_grammar_cut_by_max_new_tokens_ends_with_length_and_a_valid_prefix(clu
 
 
 # --- the OpenAI-compatible HTTP API ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def served(tiny: TinyModels) -> Iterator[Cluster]:
-    cluster = start_cluster(tiny.target, "model", tiny.draft_noisy, http_port=0)
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served: Cluster) -> openai.OpenAI:
-    return client_for(served)
-
-
+# (fixtures `served` and `client`: tests/conftest.py)
 HTTP_PROMPTS = [f"Describe pet number {i} as JSON." for i in range(20)]
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
 
@@ -294,3 +279,17 @@ def test_verify_restricts_the_target_to_each_rows_mask_and_refuses_bad_masks(clu
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in refused.value.details()
         finally:
             stub.Release(common_pb2.ReleaseRequest(session_id="masks"), timeout=10)
+
+
+def test_likeliest_is_a_stable_argsorts_first_n_ties_included():
+    """The sampled logprobs' top-N (gateway.engine.likeliest) orders as a full stable argsort does, ties by
+    id: float16 rows hold many equal values."""
+    import numpy as np
+
+    from gateway.engine import likeliest
+
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        p = rng.integers(0, 5, int(rng.integers(1, 300))).astype(float)
+        for n in (0, 1, 3, 20, p.size + 2):
+            assert likeliest(p, n).tolist() == np.argsort(-p, kind="stable")[:n].tolist()

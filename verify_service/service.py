@@ -16,11 +16,10 @@ from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
 from specd_common.tree import MAX_DRAFT_TOKENS, MAX_TREE_NODES, validate_tree
-from specd_common.params import Warp
+from specd_common.params import Warp, check_top_logprobs
 from verify_service.scorer import Scorer, VerifySession
 
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
-MAX_TOP_LOGPROBS = 20  # VerifyRequest.top_logprobs (OpenAI's limit)
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
 
 
@@ -65,7 +64,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
         require(0 <= request.head_rows <= MAX_TREE_NODES + 1,
                 f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
-        require(0 <= request.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        check_top_logprobs(request.top_logprobs)
         allowed = self._allowed(request.allowed_tokens, len(drafts) + 1)
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):

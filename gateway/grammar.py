@@ -146,8 +146,11 @@ def _grammar(kind: str, text: str) -> str:
             schema = json.loads(text)
         except ValueError as error:
             raise InvalidArgument(f"constraint.json_schema is not valid JSON: {error}") from None
-        require(isinstance(schema, (dict, bool)), "constraint.json_schema must be a JSON object (a schema)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        require(isinstance(schema, dict), "constraint.json_schema must be a JSON object (a schema)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except ValueError as error:  # what llguidance refuses before compiling
+            raise InvalidArgument(f"constraint.json_schema cannot be used: {error}") from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "lark_grammar":

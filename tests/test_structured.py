@@ -77,12 +77,13 @@ def test_unseeded_sampled_constrained_answers_match_the_grammar(cluster):
     (generate_pb2.OutputConstraint(json_schema='{"type": "object", "properties": 5}'), "constraint.json_schema cannot be used"),
     (generate_pb2.OutputConstraint(json_schema='{"$ref": "#/nowhere"}'), "constraint.json_schema cannot be used"),
     (generate_pb2.OutputConstraint(json_schema="[1, 2]"), "must be a JSON object"),
+    (generate_pb2.OutputConstraint(json_schema="false"), "must be a JSON object"),  # a boolean schema (was a 500)
     (generate_pb2.OutputConstraint(json_schema="x" * (MAX_CONSTRAINT_BYTES + 1)), f"1..{MAX_CONSTRAINT_BYTES} bytes"),
     (generate_pb2.OutputConstraint(regex="(unclosed"), "constraint.regex cannot be used"),
     (generate_pb2.OutputConstraint(lark_grammar="start: undefined_rule"), "constraint.lark_grammar cannot be used"),
     (generate_pb2.OutputConstraint(choice=generate_pb2.Choices()), "constraint.choice must hold"),
     (generate_pb2.OutputConstraint(choice=generate_pb2.Choices(choices=["ok", ""])), "each of constraint.choice"),
-], ids=["not-json", "bad-schema", "bad-ref", "not-an-object", "too-large", "bad-regex", "bad-lark", "no-choices", "empty-choice"])
+], ids=["not-json", "bad-schema", "bad-ref", "not-an-object", "boolean", "too-large", "bad-regex", "bad-lark", "no-choices", "empty-choice"])
 def test_a_bad_constraint_is_invalid_argument_naming_it(cluster, constraint, fragment):
     with pytest.raises(grpc.RpcError) as refused:
         generate(cluster.stub(), text=PROMPTS[0], max_new_tokens=4, constraint=constraint)

@@ -39,6 +39,16 @@ def expected_tokens(chain: Sequence[float], k: int, rescue: Sequence[float] = ()
     return total
 
 
+def extrapolate(costs: dict[int, float], positions: int) -> float:
+    """Cost at `positions` from measured sizes: linear between neighbours, flat below the smallest,
+    above the largest along the two largest's slope (a pass grows with its positions; never down)."""
+    sizes = sorted(costs)
+    if positions > sizes[-1] and len(sizes) >= 2:
+        low, high = sizes[-2:]
+        return costs[high] + max(0.0, (costs[high] - costs[low]) / (high - low)) * (positions - high)
+    return autotune.interpolate(costs, positions)
+
+
 def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float],
               rescue: Sequence[float] = ()) -> tuple[int, float]:
     """The k in [0, max_k] that maximizes expected tokens per second (ties: the smaller k) and that rate.
@@ -362,7 +372,13 @@ class StepCosts:
     One slow pass must not price a size out for good (nothing chosen is re-measured): a size not
     measured in the last `stale_after` Verifies is priced from the fresh sizes around it, and its
     next measurement replaces the old average instead of moving it; no size costs more than a fresh
-    larger one. docs/design/step-costs.md has the measurements.
+    larger one.
+
+    With the verify's start-up pass costs (`prior`: what one session's pass over n positions took
+    there, RuntimeProfile.pass_costs), a size that is not fresh costs the nearest fresh size's
+    average plus what the start-up table says the difference is. Without them it is priced
+    optimistically, so it gets tried; on the 2-core EPYC those tries were trees of 7-18 nodes at
+    110-330 ms a round, each kept ~1.5 tokens. docs/design/step-costs.md has the measurements.
     """
 
     def __init__(self, policy: SpeculationPolicy = POLICY):
@@ -376,7 +392,14 @@ class StepCosts:
         self.heads_share = 0.0  # moving share of Verifies that asked (what a round of either kind pays on average)
         self._draft: dict[int, float] = {}
         self.tree_extra_s = 0.0  # what a tree Verify takes beyond a chain over as many positions
+        self._prior: dict[int, float] = {}  # positions → seconds of one session's pass at the verify's start-up
         self._lock = threading.Lock()
+
+    def set_prior(self, pass_s: dict[int, float]) -> None:
+        """The verify's start-up cost of one session's pass by positions (seconds): what sizes not
+        measured here are priced from (_chain_cost)."""
+        with self._lock:
+            self._prior = dict(pass_s)
 
     def observe_verify(self, positions: int, seconds: float, heads: bool = False, tree: bool = False) -> None:
         """A Verify over `positions` took `seconds`; heads: it asked for the heads' proposals; tree: it
@@ -427,30 +450,25 @@ class StepCosts:
     def _chain_cost(self, positions: int) -> float:
         """The table's price of a chain Verify over `positions` (some size measured); under the lock.
 
-        Fresh: its own average. Stale: what the fresh sizes around it say (between two: interpolated;
-        above the largest: extrapolated from the two largest), not its old average, which may be the
-        spike that made it stale, nor the cheaper neighbour's (every rarely used size would then be
-        tried again each `stale_after` Verifies). Never measured: the largest measured size below it
-        (optimistic, so it gets tried once). No size costs more than a fresh larger one."""
+        Fresh: its own average. With the start-up prior, any other size: the nearest fresh size's
+        average plus the prior's difference between the two (the served overhead of a pass is
+        shared by every size; what positions add is the model's). Without it, stale: what the fresh
+        sizes around it say (extrapolated), not its old average, which may be the spike that made it
+        stale, nor the cheaper neighbour's (every rarely used size would then be tried again each
+        `stale_after` Verifies); never measured: the largest measured size below it (optimistic, so
+        it gets tried once). No size costs more than a fresh larger one."""
         measured, fresh = self._verify, self._fresh_sizes()
         if positions in fresh:
             cost = measured[positions]
+        elif self._prior:
+            anchor = min(fresh, key=lambda n: (abs(n - positions), n))
+            cost = measured[anchor] + extrapolate(self._prior, positions) - extrapolate(self._prior, anchor)
         elif positions in measured:
-            cost = self._from_fresh(positions, fresh)
+            cost = extrapolate({n: measured[n] for n in fresh}, positions)
         else:
             smaller = [n for n in measured if n < positions]
             cost = self._chain_cost(max(smaller) if smaller else min(measured))
         return min([cost] + [measured[n] for n in fresh if n > positions])
-
-    def _from_fresh(self, positions: int, fresh: set[int]) -> float:
-        """A stale size's price from the fresh sizes: autotune.interpolate's (linear between two, flat
-        below the smallest), but above the largest extrapolated along the two largest's slope."""
-        table = {n: self._verify[n] for n in fresh}
-        below = sorted(n for n in fresh if n < positions)
-        if len(below) >= 2 and below[-1] == max(fresh):
-            low, high = below[-2:]
-            return table[high] + max(0.0, (table[high] - table[low]) / (high - low)) * (positions - high)
-        return autotune.interpolate(table, positions)
 
     def draft_s(self, k: int) -> float:
         if k == 0:

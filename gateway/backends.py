@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, speculation_cap
 from gateway.grammar import Grammars
+from gateway.guard import PlainRounds
 from gateway.links import SessionKeeper
 from gateway.policy import POLICY
 from gateway.pool import Pool, PoolMetrics, RESOLVE_PERIOD_S
@@ -38,12 +39,21 @@ class Backends:
     sampled_costs: StepCosts = field(default_factory=StepCosts)  # ... sampled ones: each position's distribution is warped, sent and decoded
     greedy_estimates: SharedEstimates = field(default_factory=SharedEstimates.fresh)  # what drafters kept across greedy requests
     sampled_estimates: SharedEstimates = field(default_factory=SharedEstimates.fresh)  # ... and across sampled ones
+    greedy_plain: PlainRounds = field(default_factory=PlainRounds)  # what a plain greedy round costs as served (gateway/guard.py)
+    sampled_plain: PlainRounds = field(default_factory=PlainRounds)  # ... a sampled one
     rounds: RoundShapes = field(default_factory=RoundShapes)  # what speculating rounds yield and verify, for the speculation cap
     keeper: SessionKeeper = field(default_factory=lambda: SessionKeeper(lease_s=0))  # leases renewed, failed releases retried
     report_cap: Callable[[int], None] = field(default=lambda cap: None, repr=False)  # the speculation cap changed (a gauge)
     _last_cap: Optional[int] = field(default=None, repr=False)  # logged and reported when it changes
     _replica_cap: tuple[int, int] = field(default=(-1, 0), repr=False)  # (rounds observed, one replica's cap) last computed
     _cap_changed_at: int = field(default=-POLICY.cap_hold_rounds, repr=False)  # rounds observed at the cap's last change (it then holds)
+
+    def __post_init__(self) -> None:
+        """Round sizes not served yet are priced from the verify's start-up pass costs (StepCosts.set_prior)."""
+        pass_s = {cost.positions: cost.milliseconds / 1e3 for cost in self.target_info.runtime_profile.pass_costs}
+        if pass_s:
+            self.costs.set_prior(pass_s)
+            self.sampled_costs.set_prior(pass_s)
 
     @property
     def draft_info(self) -> Optional[common_pb2.GetModelInfoResponse]:

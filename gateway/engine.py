@@ -28,6 +28,7 @@ import numpy as np
 from gateway.backends import Backends
 from gateway.features import tree_path_rows
 from gateway.grammar import CompiledGrammar
+from gateway.guard import PlainRounds, SpeculationGuard
 from gateway.links import Link, SessionSet
 from gateway.observe import GenerationObserver
 from gateway.options import GatewayOptions
@@ -47,7 +48,7 @@ from specd_common.params import Warp
 log = logging.getLogger(__name__)
 
 DEFAULT_RPC_TIMEOUT_S = 120.0  # a call's limit when the client set no deadline
-MAX_FORCED_DRAFTS = 16  # forced tokens drafted in one round (a chain's cap is the verify's MAX_DRAFT_TOKENS, 32)
+MAX_FORCED_DRAFTS = 16  # forced tokens drafted in one round (at most tree.MAX_DRAFT_TOKENS, a chain's cap)
 DEADLINE_SLACK_S = 0.05  # a timed-out call is the replica's fault only while the client has this much time left
 REPLICA_FAULTS = (
     grpc.StatusCode.UNAVAILABLE,
@@ -106,6 +107,7 @@ class SpeculationStats:
     predicted_tokens: float = 0.0  # the planner's expected tokens kept, summed over rounds (RoundPlan.expected)
     forced_rounds: int = 0  # rounds whose drafts were the tokens the grammar forces (no drafter asked)
     forced_tokens: int = 0  # ... and those tokens
+    rested_rounds: int = 0  # rounds run plain because the request's speculation lost to plain rounds (gateway/guard.py)
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
@@ -190,6 +192,8 @@ class Generation:
         self.heads = HeadProposer(backends.target_info.medusa_heads if spec.speculate else 0, spec.adaptive, spec.num_draft_tokens,
                                   self.draft.branches, POLICY, shared)
         self.planner = RoundPlanner(self.lookup, self.heads, self.draft)
+        plain = getattr(backends, "greedy_plain" if spec.warp.greedy else "sampled_plain", None) or PlainRounds()
+        self.guard = SpeculationGuard(plain, lambda: self.costs.verify_s(1, heads=False), judges=spec.adaptive)
         self.grammar = spec.grammar.start() if spec.grammar is not None else None  # where the answer is in its grammar
 
     @property
@@ -223,15 +227,19 @@ class Generation:
         if self._cut_off():
             raise self._interrupted("the gateway shut down before the answer was complete; retry on another replica")
 
-    def context(self) -> RoundContext:
-        """What the proposers read to plan this round (the load is asked once a round)."""
-        return RoundContext(self.sequence, self._tokens_left(), self._speculation_allowed(), self._running() <= 1,
+    def context(self, load_allows: Optional[bool] = None) -> RoundContext:
+        """What the proposers read to plan this round: speculation is allowed when the load allows it
+        (load_allows; None: asked now, once a round) and the request's own speculation has not lost to
+        plain rounds as served (gateway/guard.py)."""
+        load_allows = self._speculation_allowed() if load_allows is None else load_allows
+        return RoundContext(self.sequence, self._tokens_left(), load_allows and self.guard.allows(), self._running() <= 1,
                             self.costs)
 
     def _round(self) -> Chunk:
         started = time.perf_counter()
-        ctx = self.context()
-        self.draft.stop_if_unfed(ctx.allowed)
+        load_allows = self._speculation_allowed()
+        ctx = self.context(load_allows)
+        self.draft.stop_if_unfed(load_allows)
         if ctx.allowed:  # a draft session that failed competes again once its back-off is over
             self.draft.reopen_if_due(list(self.sequence))
         # 1-2. Plan and propose
@@ -264,11 +272,16 @@ class Generation:
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self._measure_costs(plan, started, proposed)
+        seconds = time.perf_counter() - started
+        self.guard.observe(len(emitted), seconds, plain=not plan.drafts and not self.heads.asked, alone=ctx.alone,
+                           forced=plan.source == FORCED, expected=plan.expected)
+        self.stats.rested_rounds = self.guard.rested
         if log.isEnabledFor(logging.DEBUG):  # what the planner chose and expected against what the round did
-            log.debug("round %s: %d drafts, expected %.2f tokens, kept %d, %.1f ms (verify priced %.1f ms)", plan.source,
-                      len(plan.drafts), plan.expected, outcome.accepted + 1, 1e3 * (time.perf_counter() - started),
+            log.debug("round %s %s: %d drafts%s, expected %.2f tokens, kept %d, %.1f ms (verify priced %.1f ms)",
+                      self.request_id[:8], plan.source, len(plan.drafts), " asking for proposals" if self.heads.asked else "",
+                      plan.expected, outcome.accepted + 1, 1e3 * seconds,
                       1e3 * (self.costs.verify_s(len(plan.drafts) + 1, self.heads.asked) or 0.0))
-        self.stats.round_seconds += time.perf_counter() - started
+        self.stats.round_seconds += seconds
         return chunk
 
     def _forced_plan(self, ctx: RoundContext) -> Optional[RoundPlan]:

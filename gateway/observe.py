@@ -89,7 +89,7 @@ class GenerationObserver:
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
         predicted_before = stats.predicted_tokens
         lookups_before, heads_before, trees_before = stats.lookup_rounds, stats.head_rounds, stats.tree_rounds
-        forced_before, forced_tokens_before = stats.forced_rounds, stats.forced_tokens
+        forced_before, forced_tokens_before, rested_before = stats.forced_rounds, stats.forced_tokens, stats.rested_rounds
         cache_lookups_before, cache_hits_before = stats.draft_cache_lookups, stats.draft_cache_hits
         started = time.perf_counter()
         with telemetry.span("specd.round", {"specd.round.index": self.rounds}) as span, telemetry.timing_rpcs() as rpcs:
@@ -116,6 +116,7 @@ class GenerationObserver:
                         "specd.round.heads": stats.head_rounds > heads_before,
                         "specd.round.tree": stats.tree_rounds > trees_before,
                         "specd.round.forced": stats.forced_rounds > forced_before,
+                        "specd.round.rested": stats.rested_rounds > rested_before,
                         "specd.accepted.length": accepted,
                         "specd.round.expected_tokens": stats.predicted_tokens - predicted_before,
                         "specd.emitted.length": emitted,
@@ -137,6 +138,8 @@ class GenerationObserver:
             self._count(draft_length, accepted, emitted, draft_wait, verify_wait, accept, now)
             if cache:
                 self.metrics.draft_cache_wait.labels(cache).observe(draft_wait)
+            if stats.rested_rounds > rested_before:
+                self.metrics.rested_rounds.inc()
             if stats.forced_rounds > forced_before:
                 self.metrics.forced_rounds.inc()
                 self.metrics.forced_tokens.inc(stats.forced_tokens - forced_tokens_before)

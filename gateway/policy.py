@@ -23,6 +23,12 @@ class SpeculationPolicy:
     shared_decay: float = 0.99  # the server-wide estimate a new request starts from follows the last ~100 rounds of its kind
     probe_every_rounds: int = 8  # a drafter declined this many rounds in a row drafts once, to re-measure itself
 
+    # --- never slower as served (gateway/guard.py) ---
+    guard_trial_rounds: int = 8  # a verdict on 8 rounds of 1-4 tokens each: fewer say too little, more lose longer
+    guard_rest_rounds: int = 8  # a losing trial rests as long as a trial took, so a probe costs at most what it found
+    guard_max_rest_rounds: int = 64  # rests double while trials keep losing, but text that changes kind is found again
+    guard_own_plain_rounds: int = 3  # a request's own plain rounds price plain once it ran this many (its context's length)
+
     # --- shared measured costs (StepCosts) ---
     cost_smoothing: float = 0.1  # moving averages of step times follow a change within ~10 passes
     stale_after_verifies: int = 100  # a Verify size unmeasured this long is priced from fresh sizes, not its old average

@@ -227,6 +227,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         predicted_tokens=stats.predicted_tokens,
         forced_rounds=stats.forced_rounds,
         forced_tokens=stats.forced_tokens,
+        rested_rounds=stats.rested_rounds,
     )
 
 

@@ -314,6 +314,7 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             tree_round_share=round(sum(s.tree_rounds for s in stats) / passes, 4),
             forced_round_share=round(sum(s.forced_rounds for s in stats) / passes, 4),  # structured output (--json-schema)
             forced_token_share=round(sum(s.forced_tokens for s in stats) / tokens, 4) if tokens else 0.0,
+            rested_round_share=round(sum(s.rested_rounds for s in stats) / passes, 4),  # speculation that lost, resting (gateway/guard.py)
         )
     summary.update(speculation_cache(stats))
     if any(s.ttft_s for s in samples):

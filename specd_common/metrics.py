@@ -139,6 +139,11 @@ class GatewayMetrics(ServiceMetrics):
             "Proposed draft tokens by draft position, 0-based: the denominator of acceptance per position.",
             ["position"], registry=r,
         )
+        self.rested_rounds = Counter(
+            f"{PREFIX}_speculation_rested_rounds",
+            "Rounds run plain because the request's own speculation had lost to plain rounds as served (the never-slower guard).",
+            registry=r,
+        )
         self.forced_rounds = Counter(
             f"{PREFIX}_structured_forced_rounds",
             "Structured output: rounds whose drafts were the tokens the grammar forces (jump-forward, no drafter asked).",

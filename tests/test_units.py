@@ -389,6 +389,24 @@ def test_stale_sizes_are_priced_from_the_fresh_ones_around_them():
     assert costs.verify_s(10) == pytest.approx(0.050)  # never measured: the largest measured below it (tried once)
 
 
+def test_with_the_verifys_start_up_costs_unserved_sizes_are_priced_not_guessed():
+    """A size not served yet costs the nearest fresh size plus what the verify's start-up table says
+    the extra positions add: a 12-node tree beside a served 2-position chain is dear, not the
+    chain's price (the optimistic guess had trees of 7-18 nodes tried at 110-330 ms a round)."""
+    from gateway.adaptive import StepCosts
+
+    costs = StepCosts(SpeculationPolicy(cost_smoothing=1.0, stale_after_verifies=5))
+    costs.set_prior({1: 0.040, 2: 0.050, 4: 0.065, 8: 0.107})  # the 2-core EPYC's int4 passes
+    costs.observe_verify(1, 0.047)  # served: a pass plus ~7 ms of RPC and batching
+    costs.observe_verify(2, 0.058)
+    assert costs.verify_s(4) == pytest.approx(0.058 + 0.015)  # from the nearest served size, 2
+    assert costs.verify_s(13) == pytest.approx(0.058 + 0.107 + 0.042 / 4 * 5 - 0.050)  # beyond 8: the slope of 4..8
+    assert costs.verify_s(3) == pytest.approx(0.058 + 0.0075)  # the tie 2 / 4 goes to the served one
+    for _ in range(5):
+        costs.observe_verify(1, 0.047)  # 2 goes stale: priced from 1 and the table, not its old average
+    assert costs.verify_s(2) == pytest.approx(0.047 + 0.010)
+
+
 def test_a_size_is_priced_no_dearer_than_a_fresh_larger_one():
     from gateway.adaptive import StepCosts
 

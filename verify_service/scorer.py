@@ -120,6 +120,8 @@ class Scorer:
         self._info.runtime_profile.batch_costs.extend(
             common_pb2.BatchCost(rows=rows, positions=positions, milliseconds=ms)
             for rows, by_positions in runtime.batch_costs_ms.items() for positions, ms in by_positions.items())
+        self._info.runtime_profile.pass_costs.extend(  # the gateway's prices of round sizes it has not served yet
+            common_pb2.BatchCost(rows=1, positions=positions, milliseconds=ms) for positions, ms in runtime.pass_costs_ms().items())
 
     def timing_key(self, threads: int, max_threads: int, batching: BatchPolicy) -> dict:
         """What the start-up timings depend on (specd_common/runtime_cache.py): the machine, the model, and

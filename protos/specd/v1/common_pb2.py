@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\xb2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12;\n\nlogit_bias\x18\x04 \x03(\x0b\x32\'.specd.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\">\n\tTokenMask\x12\x16\n\x0e\x61llowed_bitmap\x18\x01 \x01(\x0c\x12\x19\n\x11\x61llowed_token_ids\x18\x02 \x03(\x05\"\x86\x01\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x01(\x0c\x12(\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x16.specd.v1.ProbEncoding\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x16\n\x0esupport_bitmap\x18\x05 \x01(\x0c\"9\n\x06\x43ommit\x12\x15\n\rprefix_length\x18\x01 \x01(\x05\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\"K\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"o\n\nHeadDrafts\x12\x16\n\x0estart_position\x18\x01 \x01(\x05\x12\r\n\x05heads\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ncandidates\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onfidences\x18\x05 \x03(\x02\"\x15\n\x13GetModelInfoRequest\"\xbd\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x14\n\x0cvocab_digest\x18\t \x01(\t\x12\x0f\n\x07\x64rafter\x18\n \x01(\t\x12\x1d\n\x15wants_target_features\x18\x0b \x01(\x08\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x16\n\x0eruntime_config\x18\r \x01(\t\x12\x14\n\x0cmedusa_heads\x18\x0e \x01(\x05\x12\x31\n\x0fruntime_profile\x18\x0f \x01(\x0b\x32\x18.specd.v1.RuntimeProfile\x12\x1d\n\x15target_feature_layers\x18\x10 \x03(\x05\x12\x19\n\x11speculation_cache\x18\x11 \x01(\x08\"h\n\x0eRuntimeProfile\x12(\n\x0b\x62\x61tch_costs\x18\x01 \x03(\x0b\x32\x13.specd.v1.BatchCost\x12\x0e\n\x06ragged\x18\x02 \x01(\x08\x12\x1c\n\x14prefill_ms_per_token\x18\x03 \x01(\x01\"B\n\tBatchCost\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x11\n\tpositions\x18\x02 \x01(\x05\x12\x14\n\x0cmilliseconds\x18\x03 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\'\n\x10KeepAliveRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"A\n\x11KeepAliveResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x1b\n\x13unknown_session_ids\x18\x02 \x03(\t*c\n\x0cProbEncoding\x12\x1d\n\x19PROB_ENCODING_UNSPECIFIED\x10\x00\x12\x19\n\x15PROB_ENCODING_FLOAT16\x10\x01\x12\x19\n\x15PROB_ENCODING_FLOAT32\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\xb2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12;\n\nlogit_bias\x18\x04 \x03(\x0b\x32\'.specd.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\">\n\tTokenMask\x12\x16\n\x0e\x61llowed_bitmap\x18\x01 \x01(\x0c\x12\x19\n\x11\x61llowed_token_ids\x18\x02 \x03(\x05\"\x86\x01\n\x0c\x44istribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x01(\x0c\x12(\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x16.specd.v1.ProbEncoding\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x16\n\x0esupport_bitmap\x18\x05 \x01(\x0c\"9\n\x06\x43ommit\x12\x15\n\rprefix_length\x18\x01 \x01(\x05\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\"K\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"o\n\nHeadDrafts\x12\x16\n\x0estart_position\x18\x01 \x01(\x05\x12\r\n\x05heads\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\ncandidates\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onfidences\x18\x05 \x03(\x02\"\x15\n\x13GetModelInfoRequest\"\xbd\x03\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x14\n\x0cvocab_digest\x18\t \x01(\t\x12\x0f\n\x07\x64rafter\x18\n \x01(\t\x12\x1d\n\x15wants_target_features\x18\x0b \x01(\x08\x12\x13\n\x0bhidden_size\x18\x0c \x01(\x05\x12\x16\n\x0eruntime_config\x18\r \x01(\t\x12\x14\n\x0cmedusa_heads\x18\x0e \x01(\x05\x12\x31\n\x0fruntime_profile\x18\x0f \x01(\x0b\x32\x18.specd.v1.RuntimeProfile\x12\x1d\n\x15target_feature_layers\x18\x10 \x03(\x05\x12\x19\n\x11speculation_cache\x18\x11 \x01(\x08\"\x91\x01\n\x0eRuntimeProfile\x12(\n\x0b\x62\x61tch_costs\x18\x01 \x03(\x0b\x32\x13.specd.v1.BatchCost\x12\x0e\n\x06ragged\x18\x02 \x01(\x08\x12\x1c\n\x14prefill_ms_per_token\x18\x03 \x01(\x01\x12\'\n\npass_costs\x18\x04 \x03(\x0b\x32\x13.specd.v1.BatchCost\"B\n\tBatchCost\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x11\n\tpositions\x18\x02 \x01(\x05\x12\x14\n\x0cmilliseconds\x18\x03 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\'\n\x10KeepAliveRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"A\n\x11KeepAliveResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x1b\n\x13unknown_session_ids\x18\x02 \x03(\t*c\n\x0cProbEncoding\x12\x1d\n\x19PROB_ENCODING_UNSPECIFIED\x10\x00\x12\x19\n\x15PROB_ENCODING_FLOAT16\x10\x01\x12\x19\n\x15PROB_ENCODING_FLOAT32\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PROBENCODING']._serialized_start=1494
-  _globals['_PROBENCODING']._serialized_end=1593
+  _globals['_PROBENCODING']._serialized_start=1536
+  _globals['_PROBENCODING']._serialized_end=1635
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=214
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=166
@@ -53,16 +53,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_end=687
   _globals['_GETMODELINFORESPONSE']._serialized_start=690
   _globals['_GETMODELINFORESPONSE']._serialized_end=1135
-  _globals['_RUNTIMEPROFILE']._serialized_start=1137
-  _globals['_RUNTIMEPROFILE']._serialized_end=1241
-  _globals['_BATCHCOST']._serialized_start=1243
-  _globals['_BATCHCOST']._serialized_end=1309
-  _globals['_RELEASEREQUEST']._serialized_start=1311
-  _globals['_RELEASEREQUEST']._serialized_end=1347
-  _globals['_RELEASERESPONSE']._serialized_start=1349
-  _globals['_RELEASERESPONSE']._serialized_end=1384
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1386
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1425
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1427
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1492
+  _globals['_RUNTIMEPROFILE']._serialized_start=1138
+  _globals['_RUNTIMEPROFILE']._serialized_end=1283
+  _globals['_BATCHCOST']._serialized_start=1285
+  _globals['_BATCHCOST']._serialized_end=1351
+  _globals['_RELEASEREQUEST']._serialized_start=1353
+  _globals['_RELEASEREQUEST']._serialized_end=1389
+  _globals['_RELEASERESPONSE']._serialized_start=1391
+  _globals['_RELEASERESPONSE']._serialized_end=1426
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1428
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1467
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1469
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1534
 # @@protoc_insertion_point(module_scope)

@@ -132,14 +132,16 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., vocab_digest: _Optional[str] = ..., drafter: _Optional[str] = ..., wants_target_features: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., runtime_config: _Optional[str] = ..., medusa_heads: _Optional[int] = ..., runtime_profile: _Optional[_Union[RuntimeProfile, _Mapping]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ..., speculation_cache: _Optional[bool] = ...) -> None: ...
 
 class RuntimeProfile(_message.Message):
-    __slots__ = ("batch_costs", "ragged", "prefill_ms_per_token")
+    __slots__ = ("batch_costs", "ragged", "prefill_ms_per_token", "pass_costs")
     BATCH_COSTS_FIELD_NUMBER: _ClassVar[int]
     RAGGED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
     batch_costs: _containers.RepeatedCompositeFieldContainer[BatchCost]
     ragged: bool
     prefill_ms_per_token: float
-    def __init__(self, batch_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ..., ragged: _Optional[bool] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
+    pass_costs: _containers.RepeatedCompositeFieldContainer[BatchCost]
+    def __init__(self, batch_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ..., ragged: _Optional[bool] = ..., prefill_ms_per_token: _Optional[float] = ..., pass_costs: _Optional[_Iterable[_Union[BatchCost, _Mapping]]] = ...) -> None: ...
 
 class BatchCost(_message.Message):
     __slots__ = ("rows", "positions", "milliseconds")

@@ -427,43 +427,49 @@ def test_reshaped_heads_start_as_the_heads_they_were_made_from(tiny):
     assert [len(head) for head in deeper.heads] == [2, 2, 2] and deeper.config.num_layers == 2
 
 
-def test_bfloat16_products_propose_what_float32_does(tiny):
-    """top_columns in bfloat16 rescores its best candidates in float32: two vocabulary columns whose
-    scores differ by less than bfloat16 can tell apart still give float32's argmax (without the
-    rescoring the rounded scores tie and the first column wins), and chained random heads propose
-    the same tokens in either precision."""
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_reduced_precision_products_propose_what_float32_does(tiny, precision):
+    """top_columns in bfloat16 or int8 rescores its best candidates in float32: two vocabulary columns
+    whose scores differ by less than the reduced precision can tell apart still give float32's argmax
+    (without the rescoring the rounded scores tie and the first column wins), and chained random heads
+    propose the same tokens in either precision."""
     heads, loaded = random_token_heads(tiny, chained=True)
     h = loaded.model.config.hidden_size
     with torch.no_grad():
         heads.head_columns[:, 0] = 1.0  # for x = 1 a score of H, far above every other column's
-        heads.head_columns[:, 1] = 1.0 + 1e-3  # 0.1% above column 0's: bfloat16 resolves 0.4%
-    heads.bf16_columns = heads.head_columns.to(torch.bfloat16)
+        heads.head_columns[:, 1] = 1.0 + 1e-3  # 0.1% above column 0's: bfloat16 resolves 0.4%, int8 0.8%
+    heads.reduced = {}  # the columns changed: reduce them again
     ones = torch.ones(3, h)
-    assert ((ones.to(torch.bfloat16) @ heads.bf16_columns).argmax(dim=-1) == 0).all()  # the rounding ties them
-    assert heads.top_columns(ones, 1, "bfloat16").tolist() == heads.top_columns(ones, 1, "float32").tolist() == [[1]] * 3
-    assert heads.top_columns(ones, 2, "bfloat16").tolist() == heads.top_columns(ones, 2, "float32").tolist() == [[1, 0]] * 3
+    assert (heads._reduced_scores(ones, precision).argmax(dim=-1) == 0).all()  # the rounding ties them
+    assert heads.top_columns(ones, 1, precision).tolist() == heads.top_columns(ones, 1, "float32").tolist() == [[1]] * 3
+    assert heads.top_columns(ones, 2, precision).tolist() == heads.top_columns(ones, 2, "float32").tolist() == [[1, 0]] * 3
     features, next_tokens = torch.randn(8, h), torch.randint(0, 50, (8,))
     in_float32 = heads.propose(features, next_tokens)
-    heads.product_dtypes = {1: "bfloat16"}
+    heads.product_dtypes = {1: precision}
     assert torch.equal(heads.propose(features, next_tokens), in_float32)
 
 
 def test_heads_product_precision_chosen_from_fake_timings(tiny, monkeypatch):
-    """tune_product: bfloat16 for the row counts where it measured BF16_MARGIN faster, float32 elsewhere
-    (and no bfloat16 copy of the columns kept when no size uses it); the record names the timings."""
+    """tune_product: the fastest reduced precision for the row counts where it measured REDUCED_MARGIN
+    faster than float32, float32 elsewhere (and no reduced copy of the columns kept that no size
+    uses); the record names the timings."""
     from specd_common import autotune
     from verify_service import medusa
 
     heads, _ = random_token_heads(tiny, chained=True)
-    ms = {(1, "float32"): 0.50, (1, "bfloat16"): 0.69, (4, "float32"): 2.42, (4, "bfloat16"): 0.81, (8, "float32"): 3.0, (8, "bfloat16"): 2.9}
+    ms = {(1, "float32"): 0.50, (1, "bfloat16"): 0.69, (1, "int8"): 0.48, (4, "float32"): 2.42, (4, "bfloat16"): 0.81,
+          (4, "int8"): 1.0, (8, "float32"): 3.0, (8, "bfloat16"): 2.9, (8, "int8"): 5.0}
     monkeypatch.setattr(autotune, "measure_interleaved", lambda runs, repeats: {key: ms[key[1:]] / 1e3 for key in runs})
     record = heads.tune_product(rows=(1, 4, 8))
-    assert heads.product_dtypes == {1: "float32", 4: "bfloat16", 8: "float32"}  # 8 rows: 3% faster is within the margin
-    assert record[4] == "bfloat16 (2.42 ms float32, 0.81 ms bfloat16)" and heads.bf16_columns is not None
-    assert medusa.BF16_MARGIN > 3.0 / 2.9
-    ms[(4, "bfloat16")] = 2.5
+    assert heads.product_dtypes == {1: "float32", 4: "bfloat16", 8: "float32"}  # 1 row and 8 rows: within the margin
+    assert record[4] == "bfloat16 (2.42 ms float32, 0.81 ms bfloat16, 1.00 ms int8)" and set(heads.reduced) == {"bfloat16"}
+    assert medusa.REDUCED_MARGIN > 3.0 / 2.9
+    ms[(1, "int8")], ms[(4, "bfloat16")] = 0.42, 2.5  # the AVX2-only EPYC: int8 at one row
     heads.tune_product(rows=(1, 4, 8))
-    assert set(heads.product_dtypes.values()) == {"float32"} and heads.bf16_columns is None
+    assert heads.product_dtypes == {1: "int8", 4: "int8", 8: "float32"} and set(heads.reduced) == {"int8"}
+    ms[(1, "int8")] = ms[(4, "int8")] = 2.5
+    heads.tune_product(rows=(1, 4, 8))
+    assert set(heads.product_dtypes.values()) == {"float32"} and heads.reduced == {}
 
 
 def test_simulated_rounds_with_perfect_proposals():

@@ -55,9 +55,10 @@ from specd_common.head_files import save_head_files
 
 WEIGHTS_FILE = "medusa_heads.safetensors"
 CONFIG_FILE = "medusa_heads.json"
-FLOAT32, BFLOAT16 = "float32", "bfloat16"  # precisions of the heads' product (MedusaHeads.tune_product)
-RESCORED_CANDIDATES = 4  # a bfloat16 product's best candidates, rescored in float32
-BF16_MARGIN = 1.1  # bfloat16 must be this much faster than float32 to be used (it rescores, and timings are noisy)
+FLOAT32, BFLOAT16, INT8 = "float32", "bfloat16", "int8"  # precisions of the heads' product (MedusaHeads.tune_product)
+REDUCED = (BFLOAT16, INT8)  # the precisions whose best candidates are rescored in float32
+RESCORED_CANDIDATES = 4  # a reduced precision's best candidates, rescored in float32
+REDUCED_MARGIN = 1.1  # a reduced precision must be this much faster than float32 to be used (it rescores; timings are noisy)
 
 
 @dataclass
@@ -115,8 +116,8 @@ class MedusaHeads(nn.Module):
         # "rows" layout of specd_common/lm.py)
         columns = lm_head.detach().float()[vocab_ids.long()].T.contiguous()  # [H, V']
         self.register_buffer("head_columns", columns, persistent=False)
-        self.product_dtypes: dict[int, str] = {}  # rows → FLOAT32 | BFLOAT16 for the heads' product (tune_product); {}: float32
-        self.bf16_columns: Optional[torch.Tensor] = None  # head_columns in bfloat16 [H, V'], where a size uses them
+        self.product_dtypes: dict[int, str] = {}  # rows → a precision for the heads' product (tune_product); {}: float32
+        self.reduced: dict[str, tuple[torch.Tensor, ...]] = {}  # the columns in the reduced precisions some size uses
         if config.next_token_input:
             if embedding is None:
                 raise ValueError("Medusa heads with next_token_input need the target's input embedding")
@@ -200,17 +201,17 @@ class MedusaHeads(nn.Module):
         best first, in the product precision measured fastest for N rows (tune_product; `precision`
         overrides); with_probs: (columns, their softmax probabilities [N, count]). In bfloat16 the
         candidates are its max(RESCORED_CANDIDATES, count) best, rescored exactly in float32: a
-        bfloat16 score has 8 bits of mantissa, too few to order close logits, and a proposal that
-        differs from the float32 one would cost acceptance (never exactness: the verify judges every
-        draft); the softmax's normalizer comes from the bfloat16 scores (a confidence, not a
-        probability the sampling rule uses)."""
+        bfloat16 score has 8 bits of mantissa, too few to order close logits (int8 columns fewer), and
+        a proposal that differs from the float32 one would cost acceptance (never exactness: the
+        verify judges every draft); the softmax's normalizer comes from the reduced scores (a
+        confidence, not a probability the sampling rule uses)."""
         precision = precision or autotune.by_size(self.product_dtypes, outputs.shape[0], FLOAT32)
-        if precision != BFLOAT16:
+        if precision not in REDUCED:
             scores = outputs @ self.head_columns  # [N, V']
             best = scores.topk(count, dim=-1)
             columns, top_scores = best.indices, best.values  # [N, count] each
         else:
-            scores = (outputs.to(torch.bfloat16) @ self.bf16_columns).float()  # [N, V']
+            scores = self._reduced_scores(outputs, precision)  # [N, V']
             rescored = scores.topk(max(RESCORED_CANDIDATES, count), dim=-1).indices  # [N, c]
             exact = torch.einsum("nh,hnc->nc", outputs, self.head_columns[:, rescored])  # [N, c]
             order = exact.topk(count, dim=-1)
@@ -219,35 +220,56 @@ class MedusaHeads(nn.Module):
             return columns
         return columns, (top_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
 
+    def _reduced_scores(self, outputs: torch.Tensor, precision: str) -> torch.Tensor:
+        """outputs [N, H] → float32 scores [N, V'] from the columns in a reduced precision: bfloat16
+        columns, or int8 ones with a bfloat16 scale per column (the CPU int8 kernel the int4
+        target's LM head uses; it reads a quarter of float32's bytes)."""
+        columns = self.reduced.get(precision) or self._reduce(precision)
+        if precision == INT8:
+            rows, scales = columns  # [V', H] int8, [V'] bfloat16
+            return torch.ops.aten._weight_int8pack_mm(outputs.to(torch.bfloat16), rows, scales).float()
+        return (outputs.to(torch.bfloat16) @ columns[0]).float()
+
+    def _reduce(self, precision: str) -> tuple[torch.Tensor, ...]:
+        """head_columns in `precision`, kept in self.reduced."""
+        if precision == INT8:
+            rows = self.head_columns.T  # [V', H]
+            scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127  # [V']
+            self.reduced[INT8] = (torch.round(rows / scale[:, None]).to(torch.int8).contiguous(), scale.to(torch.bfloat16))
+        else:
+            self.reduced[BFLOAT16] = (self.head_columns.to(torch.bfloat16),)  # [H, V']
+        return self.reduced[precision]
+
     @torch.inference_mode()
     def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7,
                      measure: autotune.Measure = autotune.measure_now) -> dict[int, str]:
-        """Time the heads' product (one head's argmax over N rows) in float32 and in bfloat16 (with the
-        float32 rescoring) for each N in rows, interleaved, and use bfloat16 for the row counts where
-        it is BF16_MARGIN faster; returns rows → the choice and its timings, for the service's
-        runtime record. Why measured: on a 2-core AMD EPYC with AVX512-BF16, 4 rows took 0.81 ms in
-        bfloat16 against 2.42 in float32, one row 0.69 against 0.50; a CPU without bfloat16
-        instructions converts and loses at every size. Greedy sessions score one row
+        """Time the heads' product (one head's argmax over N rows) in float32 and in each reduced
+        precision (with the float32 rescoring) for each N in rows, interleaved, and use the fastest
+        reduced one for the row counts where it is REDUCED_MARGIN faster than float32; returns rows →
+        the choice and its timings, for the service's runtime record. Why measured: on a 2-core AMD
+        EPYC with AVX512-BF16, 4 rows took 0.81 ms in bfloat16 against 2.42 in float32, one row 0.69
+        against 0.50; a CPU without bfloat16 instructions converts and loses at every size (23 ms a
+        row on the AVX2-only EPYC), where the int8 kernel took 0.42 ms against float32's 1.10 (a
+        proposal costs three products, chained). Greedy sessions score one row
         (verify_service/scorer.py), sampling ones every row of the pass. Float32, unmeasured, off the CPU."""
         self.product_dtypes = {}
         if self.head_columns.device.type != "cpu":
             return {}
-        self.bf16_columns = self.head_columns.to(torch.bfloat16)  # [H, V']
+        for precision in REDUCED:
+            self._reduce(precision)
         threads = torch.get_num_threads()
         outputs = {n: torch.randn(n, self.config.hidden_size) for n in rows}  # [n, H], made before the timing
 
         def runs() -> dict:
             return {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
-                    for n in rows for precision in (FLOAT32, BFLOAT16)}
+                    for n in rows for precision in (FLOAT32, *REDUCED)}
 
         costs = {key[1:]: seconds * 1e3 for key, seconds in measure("heads product", runs, repeats).items()}  # (rows, precision) → ms
-        if not costs:  # no start-up time left to measure: float32 everywhere
-            self.bf16_columns = None
-            return {}
-        self.product_dtypes = {n: BFLOAT16 if costs[n, BFLOAT16] * BF16_MARGIN < costs[n, FLOAT32] else FLOAT32 for n in rows}
-        if BFLOAT16 not in self.product_dtypes.values():
-            self.bf16_columns = None
-        return {n: f"{chosen} ({costs[n, FLOAT32]:.2f} ms float32, {costs[n, BFLOAT16]:.2f} ms bfloat16)"
+        for n in rows if costs else ():
+            fastest = min(REDUCED, key=lambda precision: costs[n, precision])
+            self.product_dtypes[n] = fastest if costs[n, fastest] * REDUCED_MARGIN < costs[n, FLOAT32] else FLOAT32
+        self.reduced = {precision: columns for precision, columns in self.reduced.items() if precision in self.product_dtypes.values()}
+        return {n: f"{chosen} (" + ", ".join(f"{costs[n, precision]:.2f} ms {precision}" for precision in (FLOAT32, *REDUCED)) + ")"
                 for n, chosen in self.product_dtypes.items()}
 
 

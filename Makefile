@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -79,6 +79,9 @@ eval-medusa-heads: setup  ## Medusa heads side by side on a train-draft work dir
 
 wire-bytes: setup  ## bytes a sampled round's distributions take on the wire, as sent against dense (WIRE_ARGS="--limit 14 --tokens 32"; docs/design/sampling.md)
 	$(PY) scripts/wire_bytes.py $(WIRE_ARGS)
+
+ab-gateways: setup  ## two gateways' speculation side by side on one verify, with target-only (AB_ARGS="--new HOST:PORT --old HOST:PORT --prompts FILE ..."; docs/design/policy.md)
+	$(PY) scripts/ab_gateways.py $(AB_ARGS)
 
 tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)
 	$(PY) scripts/tracing_overhead.py $(TRACING_ARGS)

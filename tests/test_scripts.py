@@ -22,7 +22,7 @@ from tests.tiny_models import build_model, build_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
-                "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py"}
+                "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -89,6 +89,23 @@ def test_wire_bytes_reports_what_a_round_sends_below_the_dense_rows():
     for line in lines:
         dense, sent, q_ids, q_sent = (float(x) for x in re.findall(r"([0-9.]+) KB", line))
         assert 0 < sent < dense and 0 < q_sent < q_ids, line
+
+
+def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path):
+    """Smoke mode: the same tiny gateway as both sides, one prompt, a few tokens; the report holds
+    every mode's records and a ratio over target-only per mode, per kind and per repeat."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "category": "chat", "prompt": "hello world"}) + "\n")
+    out = tmp_path / "ab.json"
+    make("ab-gateways", AB_ARGS=f"--new {cluster.address} --old {cluster.address} --prompts {prompts} --limit 1 "
+                                f"--repeats 1 --max-new-tokens 4 --output {out}")
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python scripts/ab_gateways.py") and report["machine"]["date"]
+    assert sorted(record["mode"] for record in report["records"]) == ["new", "old", "target_only"]
+    assert all(record["tokens"] == 4 for record in report["records"])
+    for mode in ("new", "old"):
+        assert set(report["summary"][mode]["speedup"]) == {"all", "kind:chat", "repeat:0"}
+        assert report["summary"][mode]["speedup"]["all"] > 0
 
 
 def test_tracing_overhead_times_the_three_stacks():

@@ -193,7 +193,7 @@ class Generation:
                                   self.draft.branches, POLICY, shared)
         self.planner = RoundPlanner(self.lookup, self.heads, self.draft)
         plain = getattr(backends, "greedy_plain" if spec.warp.greedy else "sampled_plain", None) or PlainRounds()
-        self.guard = SpeculationGuard(plain, lambda: self.costs.verify_s(1, heads=False), judges=spec.adaptive)
+        self.guard = SpeculationGuard(plain, lambda: self.costs.verify_s(1, heads=False), judges=spec.adaptive and spec.speculate)
         self.grammar = spec.grammar.start() if spec.grammar is not None else None  # where the answer is in its grammar
 
     @property

@@ -59,7 +59,7 @@ class SpeculationGuard:
         self.shared = shared
         self.own = PlainRounds(policy)
         self.policy = policy
-        self.judges = judges  # False: a request whose drafts the client fixed (the fixed policy) only measures plain rounds
+        self.judges = judges  # False (target-only, or drafts the client fixed): it only measures plain rounds
         self.plain_price_s = plain_price_s  # the planner's price of a plain Verify: the reference while no plain round ran
         self.rested = 0  # rounds this request rested (SpeculationStats)
         self._trial_tokens, self._trial_seconds, self._trial_rounds = 0.0, 0.0, 0  # tokens: the planner's expected

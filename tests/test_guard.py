@@ -122,7 +122,7 @@ def test_a_resting_request_plans_plain_rounds_and_asks_for_no_proposals():
     generation.heads.proposals = HeadProposals([[7], [8], [9]])
     assert not generation.context().allowed
     assert not asks_heads(generation) and head_round(generation) == ([], [])
-    fixed = head_policy_generation(costs, adaptive=False)
-    for _ in range(3 * fixed.guard.policy.guard_trial_rounds):
-        fixed.guard.observe(1, 2 * PLAIN_S, plain=False, alone=True, expected=1.0)
-    assert fixed.context().allowed
+    for unjudged in (head_policy_generation(costs, adaptive=False), head_policy_generation(costs, speculate=False)):
+        for _ in range(3 * unjudged.guard.policy.guard_trial_rounds):
+            unjudged.guard.observe(1, 2 * PLAIN_S, plain=False, alone=True, expected=1.0)
+        assert unjudged.guard.allows() and unjudged.guard.rested == 0  # target-only answers report no rested rounds

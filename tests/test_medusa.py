@@ -1037,3 +1037,18 @@ def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
             assert reply.head_drafts.candidates == 4 and len(reply.head_drafts.token_ids) == HEADS * 4
         finally:
             stub.Release(common_pb2.ReleaseRequest(session_id="many"), timeout=10)
+
+
+def test_a_start_up_cache_of_other_precisions_is_measured_over(tiny, tmp_path):
+    """A verify started on a cache written before int8 was a choice must measure the heads' product
+    again (a cached table without int8 once stopped the verify at start-up with a KeyError)."""
+    from specd_common import runtime_cache
+
+    heads, _ = random_token_heads(tiny, chained=True)
+    before = runtime_cache.StartupTimings("verify", {"model": "tiny"}, tmp_path)
+    before.measured["heads product"] = {(1, 1, "float32"): 0.001, (1, 1, "bfloat16"): 0.002}
+    assert before.finish() is not None
+    timings = runtime_cache.StartupTimings("verify", {"model": "tiny"}, tmp_path)
+    assert "heads product" in timings.cached
+    record = heads.tune_product(rows=(1,), repeats=1, measure=timings.measure)
+    assert "int8" in record[1] and heads.product_dtypes[1] in ("float32", "bfloat16", "int8")

@@ -3,15 +3,15 @@
 The planner prices each round from estimates: acceptance per position, the heads' calibrated
 confidence, step costs by size. Each estimate can be right on average and the request still lose:
 a pass that asks for the heads' proposals costs ~20% more on a 2-core CPU whether the next round
-drafts or not, a round of a size never served is a guess, and on text unlike the drafts' training
-the drafts that are taken keep little. So the guard judges the policy by what it did, not by what
+drafts or not, a size never served is priced from start-up costs, not as served, and on text unlike
+the drafts' training the drafts that are taken keep little. So the guard judges the policy by what it did, not by what
 it expected: over a trial of policy.guard_trial_rounds rounds run alone, the tokens emitted per
 second of round (everything a round costs: planning, the Verify, judging, emitting) against what a
 plain round costs as served (this request's own plain rounds, else this server's of its kind,
 else the planner's price of one). The trial's tokens are the planner's expected tokens of its
 rounds times what the request's rounds have kept of what was expected so far: a round keeps 1 to
-4 tokens, so 8 rounds' realized tokens are ±20% noise, and a request that paid 1.1x rested one
-trial in three; expectations vary little round to round, and the request's whole history
+4 tokens, so 8 rounds' realized tokens are ±20% noise, and most answers that paid 1.1-1.5x rested
+once when judged by them; expectations vary little round to round, and the request's whole history
 corrects their bias. A trial that loses rests the request for a number of plain
 rounds, then it tries again (a probe: the text may have changed kind); each loss in a row doubles
 the rest, up to policy.guard_max_rest_rounds, and a trial that pays resets it. Rounds run beside

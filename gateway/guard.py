@@ -62,7 +62,7 @@ class SpeculationGuard:
         self.judges = judges  # False (target-only, or drafts the client fixed): it only measures plain rounds
         self.plain_price_s = plain_price_s  # the planner's price of a plain Verify: the reference while no plain round ran
         self.rested = 0  # rounds this request rested (SpeculationStats)
-        self._trial_tokens, self._trial_seconds, self._trial_rounds = 0.0, 0.0, 0  # tokens: the planner's expected
+        self._start_trial()
         self._kept, self._expected = 0.0, 0.0  # over every trial round of the request: realized and expected tokens
         self._rest_left = 0
         self._next_rest = policy.guard_rest_rounds
@@ -93,7 +93,7 @@ class SpeculationGuard:
             self.rested += 1
             return
         if not alone or forced:
-            self._trial_tokens, self._trial_seconds, self._trial_rounds = 0.0, 0.0, 0  # a trial's rounds are alike
+            self._start_trial()  # a trial's rounds are alike
             return
         expected = float(tokens) if expected is None else expected
         self._kept += tokens
@@ -107,6 +107,10 @@ class SpeculationGuard:
         if plain_s is not None:
             kept = self._trial_tokens * self._kept / max(self._expected, 1e-9)
             self._judge(kept / max(self._trial_seconds, 1e-9), 1.0 / max(plain_s, 1e-9))
+        self._start_trial()
+
+    def _start_trial(self) -> None:
+        """A trial from nothing: tokens (the planner's expected), seconds and rounds."""
         self._trial_tokens, self._trial_seconds, self._trial_rounds = 0.0, 0.0, 0
 
     def _judge(self, speculating_rate: float, plain_rate: float) -> None:

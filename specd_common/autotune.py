@@ -98,17 +98,9 @@ class RuntimeChoice:
 
     def pass_costs_ms(self) -> dict[int, float]:
         """positions → ms of one session's pass at each measured size, at the threads and layout that
-        serve it ({} when nothing was measured). costs_ms read back from the start-up cache has its
-        keys as JSON strings."""
-        def entry(table: dict, key):
-            return table.get(key, table.get(str(key))) if isinstance(table, dict) else None
-
-        costs = {}
-        for n in sizes():
-            ms = entry(entry(entry(self.costs_ms, self.threads_for(n)) or {}, self.layout_for(n)) or {}, n)
-            if ms is not None:
-                costs[n] = float(ms)
-        return costs
+        serve it ({} when nothing was measured)."""
+        by_size = {n: self.costs_ms.get(self.threads_for(n), {}).get(self.layout_for(n), {}).get(n) for n in sizes()}
+        return {n: ms for n, ms in by_size.items() if ms is not None}
 
     def summary(self) -> str:
         """One log line: the choice and what it was chosen from."""

@@ -36,6 +36,14 @@ def test_each_size_gets_the_layout_measured_faster():
     assert choice.needs == {PLAIN, PREPACKED}
 
 
+def test_pass_costs_are_the_served_thread_count_and_layout_at_each_size():
+    """What the verify reports to the gateway (RuntimeProfile.pass_costs): at each measured size, the
+    cost of the threads and layout chosen for it, in ms."""
+    choice = choose_runtime({2: AMD})
+    assert choice.pass_costs_ms() == {1: 57.0, 2: 75.0, 3: 73.0, 4: 83.0, 5: 77.0, 8: 91.0}  # plain at 1, prepacked from 2
+    assert RuntimeChoice("cpu", 0).pass_costs_ms() == {}
+
+
 def test_a_layout_that_never_wins_is_dropped():
     choice = choose_runtime({2: INTEL})
     assert choice.layouts == {1: PLAIN} and choice.needs == {PLAIN}

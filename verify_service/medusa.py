@@ -268,7 +268,7 @@ class MedusaHeads(nn.Module):
         timed = measure(f"heads product ({', '.join(precisions)})", runs, repeats)
         costs = {key[1:]: seconds * 1e3 for key, seconds in timed.items()}  # (rows, precision) → ms
         for n in rows if costs else ():
-            fastest = min(REDUCED, key=lambda precision: costs.get((n, precision), float("inf")))
+            fastest = min(REDUCED, key=lambda precision: costs[n, precision])
             self.product_dtypes[n] = fastest if costs[n, fastest] * REDUCED_MARGIN < costs[n, FLOAT32] else FLOAT32
         self.reduced = {precision: columns for precision, columns in self.reduced.items() if precision in self.product_dtypes.values()}
         return {n: f"{chosen} (" + ", ".join(f"{costs[n, precision]:.2f} ms {precision}" for precision in precisions) + ")"

@@ -68,8 +68,12 @@ def otlp_sink():
 
 
 @contextmanager
-def stacks(target, draft, endpoint: str):
-    """Three gateway+draft+verify stacks, one per mode, all running at once; yields {mode: stub}."""
+def stacks(target: Path, draft: Path, endpoint: str):
+    """Three gateway+draft+verify stacks, one per mode, all running at once; yields {mode: stub}.
+
+    Each stack loads its own models: a service owns its model and changes it in place at start-up
+    (CausalLM drops the weight layouts its timings did not pick), so stacks sharing one model would
+    depend on which layouts the first one's timings happened to pick."""
     saved_env = {n: os.environ.pop(n) for n in [n for n in os.environ if n.startswith("OTEL_")]}
     saved = telemetry.Observability.server_interceptors, server_module.instrument_channel
     config = ServerConfig(host="127.0.0.1", port=0, max_workers=8)
@@ -81,8 +85,8 @@ def stacks(target, draft, endpoint: str):
                 server_module.instrument_channel = lambda channel, address: channel
             if mode == "tracing on":
                 os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
-            verify = start_verify_server(target, config)
-            drafter = start_draft_server(ModelDrafter(draft), config)
+            verify = start_verify_server(load_causal_lm(str(target), device="cpu"), config)
+            drafter = start_draft_server(ModelDrafter(load_causal_lm(str(draft), device="cpu")), config)
             started += [verify, drafter]
             started.append(
                 start_gateway_server(f"127.0.0.1:{verify.port}", f"127.0.0.1:{drafter.port}", config, GatewayOptions(connect_timeout_s=30))
@@ -120,8 +124,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root, otlp_sink() as endpoint:
         tokenizer = build_tokenizer()
-        target = load_causal_lm(str(build_model(Path(root) / "target", seed=1, tokenizer=tokenizer)), device="cpu")
-        draft = load_causal_lm(str(build_model(Path(root) / "draft", seed=2, layers=1, tokenizer=tokenizer)), device="cpu")
+        target = build_model(Path(root) / "target", seed=1, tokenizer=tokenizer)
+        draft = build_model(Path(root) / "draft", seed=2, layers=1, tokenizer=tokenizer)
         per_round = {mode: [] for mode in MODES}  # wall ms per round, one entry per request
         cpu_per_round = {mode: [] for mode in MODES}  # CPU ms per round, one entry per request
         passes_total = {mode: 0 for mode in MODES}

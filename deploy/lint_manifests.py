@@ -112,7 +112,7 @@ def lint(path: Path) -> list:
                 problem(f"{name}: the gateway must not ask for a GPU")
         elif config_value(objects, env, env_from, "SPECD_DEVICE") == "cpu":
             # Guaranteed QoS with whole CPUs: the static CPU manager then gives the pod cores of its
-            # own, and the service measures its threads on exactly those (specd_common/autotune.py).
+            # own, and the service measures its threads on exactly those (specd_engine/autotune.py).
             if asks_gpu:
                 problem(f"{name}: a model service on CPU must not ask for a GPU")
             if any(str(requests.get(kind)) != str(limits.get(kind)) for kind in ("cpu", "memory")):

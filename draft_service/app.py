@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.service import SERVICE_NAME, DraftServicer, add_to_server
-from specd_common import autotune, runtime_cache
-from specd_common.batching import BatchPolicy
+from specd_engine import autotune, runtime_cache
+from specd_engine.batching import BatchPolicy
 from specd_common.config import HEAD_DRAFTERS, ServerConfig, StartupMeasurement
 from specd_common.lookup import SHORTEST_NGRAM
 from specd_common.security import token_interceptors
@@ -28,13 +28,13 @@ def make_drafter(
     `batching`; 'feature' → a feature head folder (`model`) over its target's embedding and LM head
     (`target`, default: the target named in the head); 'eagle3' → an EAGLE-3 head folder in a published
     layout (draft_service/eagle3_head.py) over `target`'s. startup: where a head drafter caches its
-    start-up timings and how long they may take (specd_common/runtime_cache.py)."""
+    start-up timings and how long they may take (specd_engine/runtime_cache.py)."""
     if kind == "ngram":
         return NgramDrafter(min_ngram=lookup_min_ngram)
     if kind in HEAD_DRAFTERS:
         return load_feature_drafter(model, target, dtype, threads, max_threads, startup, device, kind=kind)
     if kind == "model":
-        from specd_common.models import load_causal_lm
+        from specd_engine.models import load_causal_lm
 
         return ModelDrafter(load_causal_lm(model, device=device, dtype=dtype), batching)
     raise ValueError(f"unknown drafter {kind!r}; use 'eagle3', 'feature', 'model' or 'ngram'")
@@ -60,7 +60,7 @@ def load_feature_drafter(
 
     from draft_service.feature_drafter import FeatureDrafter
     from draft_service.feature_head import load_head_over, target_matrices
-    from specd_common.models import (describe_model, load_causal_lm, load_model_shell, max_sequence_length, parse_dtype,
+    from specd_engine.models import (describe_model, load_causal_lm, load_model_shell, max_sequence_length, parse_dtype,
                                      pick_device, read_model_matrices, use_device)
 
     torch_device = pick_device(device)
@@ -127,7 +127,7 @@ def tune_feature_drafter(drafters: dict, threads: int = 0, max_threads: int = 0,
     import numpy as np
     import torch
 
-    from specd_common.features import encode_features
+    from specd_engine.features import encode_features
     from specd_common.params import Warp
 
     counts = autotune.threads_to_try(threads, max_threads)

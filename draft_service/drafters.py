@@ -16,14 +16,14 @@ import torch
 from specd_common import tree
 from specd_common.lookup import LONGEST_NGRAM, SHORTEST_NGRAM, prompt_lookup
 from specd.v1 import common_pb2
-from specd_common.autotune import kv_bytes_per_token
-from specd_common.batching import BatchPolicy, make_batcher
+from specd_engine.autotune import kv_bytes_per_token
+from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.distributions import decode_distribution, one_hot, sample_from
-from specd_common.lm import CausalLM
-from specd_common.models import LoadedModel, describe_model
+from specd_engine.lm import CausalLM
+from specd_engine.models import LoadedModel, describe_model
 from specd_common.sequence import TokenSequence
 from specd_common.params import Warp
-from specd_common.warping import encode_rows, warp_probs
+from specd_engine.warping import encode_rows, warp_probs
 
 NGRAM_MAX_LENGTH = 1 << 20  # a model-free drafter has no context limit of its own; the target's applies
 

@@ -31,12 +31,12 @@ from draft_service.speculation import Outcome, likeliest_outcomes
 from specd.v1 import common_pb2
 from specd_common.distributions import decode_distribution, encode_over, sample_from, sample_sparse
 from specd_common.errors import FailedPrecondition, InvalidArgument
-from specd_common.features import decode_features
+from specd_engine.features import decode_features
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
 from specd_common import tree
-from specd_common.warping import warp_probs
+from specd_engine.warping import warp_probs
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd_common.head_files import save_head_files
+from specd_engine.head_files import save_head_files
 
 WEIGHTS_FILE = "feature_head.safetensors"
 CONFIG_FILE = "feature_head.json"
@@ -302,7 +302,7 @@ def load_head(folder: Path, target_model, dtype: torch.dtype = torch.float32) ->
 
 def load_head_over(folder: Path, embedding: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype = torch.float32) -> FeatureHead:
     """A saved head over the target's embedding [V, H] and LM head [V, H] alone (the serving path
-    reads just these two from the target's files: specd_common/models.py read_model_matrices)."""
+    reads just these two from the target's files: specd_engine/models.py read_model_matrices)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)

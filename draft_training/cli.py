@@ -79,7 +79,7 @@ def add_train_draft_parser(commands) -> None:
 def run_corpus(args: argparse.Namespace) -> int:
     from draft_training.corpus import CorpusRecipe, corpus_dir, extend_corpus
     from draft_training.distill_data import Budget
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     if args.threads > 0:
         import torch

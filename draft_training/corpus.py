@@ -163,7 +163,7 @@ def self_prompts(target, index: int, count: int, recipe: CorpusRecipe, max_token
     same machine and count). Kept: user turns that ended within max_tokens, at least
     SELF_PROMPT_MIN_TOKENS long, not on the held-out side of the split by id; rows
     {id: "self-<index>-<j>", category: "self", prompt}."""
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
 
     tokenizer, eos = target.tokenizer, eos_token_ids(target)
     writing = replace(recipe, max_new_tokens=max_tokens, temperature=1.0, top_p=1.0)  # the target's own distribution of user turns
@@ -208,7 +208,7 @@ def extend_corpus(target, directory: Path, data_dir: Path, recipe: CorpusRecipe,
     one shard per batch; with `written_prompts`, once the prompt sets are answered, prompts the target
     writes itself (self_prompt_batches). The batch size only sets speed (a CPU decodes 64 rows ~9x
     faster per token than one, measured on a 2-core EPYC), not the answers, so it is not part of the recipe."""
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
 
     save_recipe(directory, recipe)
     corpus = Corpus.open(directory)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specd_common.features import encode_features
-from specd_common.lm import CausalLM
+from specd_engine.features import encode_features
+from specd_engine.lm import CausalLM
 from specd_common.lookup import prompt_lookup
 from specd_common.params import Warp
 

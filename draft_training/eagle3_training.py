@@ -176,7 +176,7 @@ def training_records(target, recipe: Eagle3Recipe, data_dir: Path, work: Path) -
     with use_corpus, the committed corpus's answers, cut to max_length; held-out answers to evaluation prompts
     (gen-eval), never trained on."""
     from draft_training.feature_training import corpus_sources
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
 
     rows = load_all_prompts(data_dir)
     data = work / "data"

@@ -83,7 +83,7 @@ FEATURE_RECIPES = {
 def run_feature_data(target, recipe: FeatureRecipe, data_dir: Path, work: Path) -> list[dict]:
     """Stage 1: eval answers, training answers (budgeted), then features (budgeted). Returns the
     feature sources (id, category, tokens, start), in the order their features are extracted."""
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
 
     rows = load_all_prompts(data_dir)
     eos = eos_token_ids(target)
@@ -217,7 +217,7 @@ def choose_vocab(records: list[dict], size: int, vocab_size: int, always: list[i
 def run_vocab(work: Path, records: list[dict], size: int, target) -> torch.Tensor:
     """The draft vocabulary of the run in `work` (choose_vocab, always holding EOS): chosen once and
     kept in train/vocab.pt, so a resumed run trains the same head."""
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
 
     path = work / "train" / "vocab.pt"
     if not path.exists():
@@ -277,7 +277,7 @@ def feature_loss(head, batch: list[dict], device: torch.device, noise: float = 0
 def build_head(target, vocab_ids: torch.Tensor, target_spec: str):
     """A fresh head for `target`: the layer starts as the target's last layer, fc passes features through."""
     from draft_service.feature_head import FeatureHead, FeatureHeadConfig, target_matrices
-    from specd_common.models import vocab_digest
+    from specd_engine.models import vocab_digest
 
     model = target.model
     config = FeatureHeadConfig.from_target(model.config, len(vocab_ids), target_spec, vocab_digest(target.tokenizer))
@@ -290,7 +290,7 @@ def starting_head(target, folder: Path):
     """A saved head to train further (fine-tuning is far cheaper on a CPU than starting over): its weights
     and its vocabulary map, after checking it was trained for this target's vocabulary."""
     from draft_service.feature_head import CONFIG_FILE, load_head
-    from specd_common.models import vocab_digest
+    from specd_engine.models import vocab_digest
 
     saved = json.loads((folder / CONFIG_FILE).read_text())
     digest = vocab_digest(target.tokenizer)
@@ -344,7 +344,7 @@ def feature_evaluation(head, target, work: Path, limit: int, target_spec: str) -
     from draft_training.draft_eval import evaluate_drafter, forward_ms
     from draft_service.drafters import NgramDrafter
     from draft_service.feature_drafter import FeatureDrafter
-    from specd_common.models import describe_model, max_sequence_length
+    from specd_engine.models import describe_model, max_sequence_length
 
     records = eval_records(target, work, limit)
     drafter = FeatureDrafter(head.eval(), describe_model(target), max_sequence_length(target))

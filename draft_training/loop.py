@@ -168,7 +168,7 @@ def _log_to_file(path: Path) -> None:
 def start_run(args, recipe) -> tuple[Path, torch.device, object]:
     """What every train-draft run does first: threads, the log mirrored into the work dir, the recipe
     recorded, the target loaded (float32). Returns (work dir, device, loaded target)."""
-    from specd_common.models import load_causal_lm, pick_device
+    from specd_engine.models import load_causal_lm, pick_device
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -182,7 +182,7 @@ def medusa_evaluation(heads, target, work: Path, limit: int,
 
 
 def build_heads(target, vocab_ids: torch.Tensor, target_spec: str, recipe: MedusaRecipe):
-    from specd_common.models import vocab_digest
+    from specd_engine.models import vocab_digest
     from verify_service.medusa import MedusaConfig, MedusaHeads
 
     model = target.model
@@ -215,7 +215,7 @@ def starting_heads(target, folder: Path, recipe: MedusaRecipe):
     """Saved heads to train further (weights and vocabulary), after checking they fit this target and
     this recipe's shape (token-input heads may go on as chained ones, and heads may gain blocks): a
     warm start costs a fraction of training from scratch on a CPU."""
-    from specd_common.models import vocab_digest
+    from specd_engine.models import vocab_digest
     from verify_service.medusa import load_heads
 
     heads = load_heads(folder, target.model, vocab_digest(target.tokenizer))
@@ -243,7 +243,7 @@ def starting_heads(target, folder: Path, recipe: MedusaRecipe):
 def run_medusa_recipe(args) -> int:
     """`specd train-draft --recipe medusa-*`: data → train → eval → save, each stage resumable."""
     from draft_training.loop import start_run, train_draft, write_run_records
-    from specd_common.models import eos_token_ids
+    from specd_engine.models import eos_token_ids
     from verify_service.medusa import save_heads
 
     recipe = with_overrides(MEDUSA_RECIPES[args.recipe], args)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from gateway.policy import POLICY, SpeculationPolicy
-from specd_common import autotune, tree
+from specd_common import tree
+from specd_common.cost_curve import interpolate
 
 
 def expected_tokens(chain: Sequence[float], k: int, rescue: Sequence[float] = ()) -> float:
@@ -46,7 +47,7 @@ def extrapolate(costs: dict[int, float], positions: int) -> float:
     if positions > sizes[-1] and len(sizes) >= 2:
         low, high = sizes[-2:]
         return costs[high] + max(0.0, (costs[high] - costs[low]) / (high - low)) * (positions - high)
-    return autotune.interpolate(costs, positions)
+    return interpolate(costs, positions)
 
 
 def best_rate(acceptance: Union[float, Sequence[float]], max_k: int, round_cost_s: Callable[[int], float],
@@ -215,12 +216,12 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
     row to the longest, so it costs as much as its longest row, Σ_p P(max = p) · cost(p) with
     P(max ≤ p) = F(p)^rows: one copy of 8 tokens among 8 rows makes all 8 verify 9 positions."""
     if ragged:
-        return autotune.interpolate(by_positions, sum(n * share for n, share in positions_share.items()))
+        return interpolate(by_positions, sum(n * share for n, share in positions_share.items()))
     total, below, cumulative = 0.0, 0.0, 0.0
     for positions in sorted(positions_share):
         cumulative += positions_share[positions]
         at_most = min(cumulative, 1.0) ** rows
-        total += (at_most - below) * autotune.interpolate(by_positions, positions)
+        total += (at_most - below) * interpolate(by_positions, positions)
         below = at_most
     return total
 
@@ -265,7 +266,7 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             by_positions = batch_costs_ms[rows]
             cost = expected_batch_cost(by_positions, shape.positions_share, rows, ragged) * (
                 policy.cap_hysteresis if held else policy.speculation_margin)
-            pays = cost < autotune.interpolate(by_positions, 1) * shape.tokens_per_pass
+            pays = cost < interpolate(by_positions, 1) * shape.tokens_per_pass
         if not pays:
             return max(cap, 1)
         provisional, cap = speculating or provisional, rows

@@ -8,7 +8,7 @@ of its service time fits (`ServiceEstimate`):
     time to first token ≈ (its prompt + the prompts pending ahead of it) × seconds a prompt token
     time to finish      ≈ time to first token + max_new_tokens × seconds a generated token
 
-"Ahead" follows the verify's prefill order (specd_common/batching.py), roughly: of each pending
+"Ahead" follows the verify's prefill order (specd_engine/batching.py), roughly: of each pending
 prompt, as many tokens as this one holds (shorter ones go first, the oldest gets half of a pass).
 While other requests run, a request is refused with RESOURCE_EXHAUSTED (HTTP 429) and a Retry-After
 when its time to finish passes DEADLINE_HEADROOM of its deadline or, without a deadline, when its
@@ -72,7 +72,7 @@ class ServiceEstimate:
 
     def pending_ahead(self, prompt_tokens: int) -> int:
         """Prompt tokens the verify prefills before a prompt of `prompt_tokens` arriving now is done: of each
-        pending prompt, at most as many as this one holds (specd_common/batching.py's prefill_shares:
+        pending prompt, at most as many as this one holds (specd_engine/batching.py's prefill_shares:
         shorter prompts go first, the oldest gets half of every pass; a fair share, roughly)."""
         with self._lock:
             return sum(min(t.prompt_tokens, prompt_tokens) for t in self._pending)

@@ -56,7 +56,7 @@ def simulated(head, target, records: list[dict], k: int) -> dict:
     """Simulated greedy rounds at fixed k, the head alone and with prompt lookup first (as served)."""
     from draft_service.feature_drafter import FeatureDrafter
     from draft_training.draft_eval import evaluate_drafter
-    from specd_common.models import describe_model, max_sequence_length
+    from specd_engine.models import describe_model, max_sequence_length
 
     head = head.to(torch.bfloat16)
     results = {}
@@ -71,7 +71,7 @@ def main() -> None:
     from draft_service.feature_head import load_head
     from draft_training.feature_training import eval_records
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", required=True, help="a train-draft work dir with held-out answers (data/gen-eval-*)")

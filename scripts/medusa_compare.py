@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     from draft_training.medusa_training import medusa_evaluation
     from draft_training.train_prompts import passage_check
     from specd_app.bench import emit_report, machine_facts
-    from specd_common.models import load_causal_lm, vocab_digest
+    from specd_engine.models import load_causal_lm, vocab_digest
     from verify_service.medusa import load_heads
 
     target = load_causal_lm(args.target, device="cpu", dtype="float32")

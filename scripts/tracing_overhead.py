@@ -43,7 +43,7 @@ from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc  # noqa: E402
 from specd_common import server as server_module  # noqa: E402
 from specd_common import telemetry  # noqa: E402
 from specd_common.config import ServerConfig  # noqa: E402
-from specd_common.models import load_causal_lm  # noqa: E402
+from specd_engine.models import load_causal_lm  # noqa: E402
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 from verify_service.app import start_verify_server  # noqa: E402
 

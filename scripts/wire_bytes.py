@@ -14,9 +14,9 @@ import torch
 
 from draft_service.app import make_drafter
 from specd_common.distributions import encode_over
-from specd_common.models import load_causal_lm
+from specd_engine.models import load_causal_lm
 from specd_common.params import Warp
-from specd_common.warping import encode_rows, warp_probs
+from specd_engine.warping import encode_rows, warp_probs
 
 HEAD = "draft_service/heads/smollm2-135m-instruct"
 

@@ -176,7 +176,7 @@ class HFRunner:
         import torch
 
         from gateway.tokenizer import GatewayTokenizer
-        from specd_common.models import describe_model, load_causal_lm, synchronize
+        from specd_engine.models import describe_model, load_causal_lm, synchronize
 
         self.torch, self.synchronize = torch, synchronize
         self.sampling = sampling

@@ -31,7 +31,7 @@ from gateway.options import GatewayOptions
 from specd_app.long_prompts import LONG_PROMPTS
 from specd_app.stack import (draft_has_own_device, service_commands, service_devices, share_stack_token, spawn_in_own_session,
                              start_in_order, start_local_stack, stop_children, wait_until_serving)
-from specd_common import autotune
+from specd_engine import autotune
 from specd_common.config import (
     DEFAULT_HTTP_PORT,
     DEFAULT_PORTS,
@@ -46,7 +46,6 @@ from specd_common.config import (
     add_server_flags,
     client_tls_from_args,
     draft_service_default,
-    resolve_drafter,
     resolve_medusa_heads,
 )
 from specd_common.lookup import LONGEST_NGRAM, SHORTEST_NGRAM
@@ -86,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
              "mkl (MKL-packed one-row GEMM), tall (W·xᵀ for the LM head and MLP gate/up), cols (W·xᵀ for every layer), "
              "rows (x·Wᵀ from a transposed copy), off (plain)",
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
-    add_flag(verify, "forward", "auto", "the target's passes: auto (specd_common/lean_forward.py where it serves the model and "
+    add_flag(verify, "forward", "auto", "the target's passes: auto (specd_engine/lean_forward.py where it serves the model and "
              "agrees with transformers on a start-up probe) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
     add_flag(verify, "weights", "auto", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
              "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
@@ -263,9 +262,9 @@ def _set_threads(threads: int) -> None:
 
 
 def serve_verify(args: argparse.Namespace) -> None:
-    from specd_common import model_thread
-    from specd_common.batching import BatchPolicy
-    from specd_common.models import load_causal_lm
+    from specd_engine import model_thread
+    from specd_engine.batching import BatchPolicy
+    from specd_engine.models import load_causal_lm
     from specd_common.server import wait_for_termination
     from verify_service.app import start_verify_server
 
@@ -282,7 +281,7 @@ def serve_verify(args: argparse.Namespace) -> None:
 
 def serve_draft(args: argparse.Namespace) -> None:
     from draft_service.app import make_drafter, start_draft_server
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from specd_common.server import wait_for_termination
 
     if args.drafter not in HEAD_DRAFTERS:  # a head drafter measures its own threads (tune_feature_drafter)
@@ -344,7 +343,7 @@ def run_up(args: argparse.Namespace) -> int:
         log.info("drafter auto → %s", "measuring the draft service's stack against heads-only first" if calibrate else
                  f"{' '.join(filter(None, chosen))} (measured {record['measured_at']}: {record['tokens_per_s']} tok/s; --remeasure to measure again)")
     else:
-        chosen = resolve_drafter(args.drafter, args.draft_model, args.target)
+        chosen = stack_choice.resolve_drafter(args.drafter, args.draft_model, args.target)
         if args.drafter == "auto":
             log.info("drafter auto → %s (a draft service)", " ".join(filter(None, chosen)))
     args.drafter, args.draft_model = chosen
@@ -440,6 +439,8 @@ def run_bench(args: argparse.Namespace) -> int:
     heads = parse_heads_flags(args.heads)
     if heads and args.gateway:
         raise SystemExit("--heads starts a verify and a gateway for each heads folder next to the local stack; with --gateway there is none")
+    from specd_app.stack_choice import resolve_drafter
+
     args.drafter, args.draft_model = resolve_drafter(args.drafter, args.draft_model, args.target)
     heads_default = args.drafter == HEADS_ONLY and not args.gateway  # a given gateway is benched as it is
     if heads_default:  # specd runs on the no-draft gateway; the draft service serves the modes that need one
@@ -630,7 +631,7 @@ def in_process_baselines(hf, hf_modes: list, args: argparse.Namespace, warm_prom
         return modes
     from specd_app import bench
     from specd_common.errors import FailedPrecondition
-    from specd_common.models import embedded_gguf_path, eos_token_ids
+    from specd_engine.models import embedded_gguf_path, eos_token_ids
 
     try:
         import llama_cpp  # noqa: F401  (optional: `make setup-llama-cpp`)
@@ -647,7 +648,7 @@ def in_process_baselines(hf, hf_modes: list, args: argparse.Namespace, warm_prom
 def weights_for(choice: str, model: str) -> str:
     """--weights auto → CausalLM's "auto" (int4 where it serves) for a model whose file stores its
     decoder in 4 bits or fewer, "float" for any other: 4-bit products would coarsen finer weights."""
-    from specd_common.models import stored_weight_bits
+    from specd_engine.models import stored_weight_bits
 
     if choice != "auto":
         return choice

@@ -123,7 +123,7 @@ def default_token_counter() -> Callable[[str], int]:
     from transformers import AutoTokenizer
 
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.models import resolve_model_path
+    from specd_engine.models import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_TARGET))
     return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)

@@ -203,7 +203,7 @@ def start_stack(target: str, threads: int) -> tuple[dict, dict, dict]:
     import socket
 
     from specd_app.stack import service_commands, start_in_order, wait_until_serving
-    from specd_common.config import resolve_drafter
+    from specd_app.stack_choice import resolve_drafter
 
     drafter, draft_model = resolve_drafter("auto", "", target)
     names = ("gateway", "draft", "verify", "http", "m-verify", "m-draft", "m-gateway")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, MutableMapping, Optional, Sequence
 
 from gateway.options import GatewayOptions
-from specd_common import autotune
+from specd_engine import autotune
 from specd_common.config import HEADS_ONLY
 from specd_common.security import load_token
 
@@ -56,7 +56,7 @@ def service_devices(verify: str = "auto", draft: str = "auto", count: Optional[i
     visible (default: counted now). Why spread: the draft and the verify on one GPU take turns on it,
     and the draft's work while the target verifies (its speculation cache) needs a device of its own."""
     if count is None:
-        from specd_common.models import visible_cuda_devices
+        from specd_engine.models import visible_cuda_devices
 
         count = visible_cuda_devices()
     spread = {"verify": "cuda:0", "draft": "cuda:1" if count > 1 else "cuda:0"} if count else {"verify": "cpu", "draft": "cpu"}
@@ -106,7 +106,7 @@ def draft_has_own_device(devices: Optional[dict]) -> bool:
 def start_in_order(commands: dict, host: str, ports: dict, stop: Optional[dict] = None,
                    spawn: Callable[[list[str]], subprocess.Popen] = subprocess.Popen) -> dict:
     """Start the services one after another: each model service measures its own forward passes at
-    start-up to choose its runtime (specd_common/autotune.py), and two services measuring at once on
+    start-up to choose its runtime (specd_engine/autotune.py), and two services measuring at once on
     shared cores would each time the other's load. The draft starts once the verify serves, the
     gateway once the draft does. Returns name → Popen (fewer if one died while starting, or a stop
     was requested: stop["requested"])."""
@@ -130,7 +130,7 @@ def stack_thread_caps(cores: int) -> dict:
     takes 2: 80 vs 87–110 ms), the uncapped stack was faster in every mode on that VM, side by side
     with transformers (2026-11-23, `specd bench ... --fixed-k 3`: target-only 0.95x vs 0.86x of
     transformers, adaptive specd 0.99x vs 0.91x; HISTORY.md). Both services still measure within their
-    cap (specd_common/autotune.py)."""
+    cap (specd_engine/autotune.py)."""
     return {"verify": cores, "draft": 1}
 
 

@@ -6,7 +6,7 @@ and verify would share cores the verify needs. Which holds depends on the machin
 `specd up` measures it on the first start. Both gateways run in front of one verify and one draft,
 the calibration prompts go through them in turn (A B, then B A), and the faster stack in greedy
 tokens per second is kept (a tie keeps heads-only). The choice is cached per machine, target and heads, like the services'
-start-up timings (specd_common/runtime_cache.py); `specd up --remeasure` measures again.
+start-up timings (specd_engine/runtime_cache.py); `specd up --remeasure` measures again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from specd_app.stack import (free_ports, gateway_command, service_commands, spawn_in_own_session, split_gateway_flags,
                              start_in_order, stop_children, wait_until_serving)
-from specd_common import runtime_cache
+from specd_engine import runtime_cache
 from specd_common.config import HEADS_ONLY, draft_service_default, resolve_medusa_heads
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,29 @@ CALIBRATION_TOKENS = 48  # enough rounds per prompt for the adaptive policy to s
 CALIBRATION_PASSES = 2  # A B, then B A: a drift of the machine's speed hits both stacks alike
 
 Generate = Callable[[str, str, int], int]  # (gateway address, prompt, max new tokens) → tokens generated
+
+
+def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Optional[bool] = None) -> tuple[str, str]:
+    """'auto' → HEADS_ONLY where the draft and the verify would share one CPU (no CUDA device; pass
+    one_cpu to decide for another machine) and the target has shipped Medusa heads, else the draft
+    service's own default (draft_service_default). Any other choice is returned as given. This is
+    `specd bench`'s rule (which runs both stacks anyway) and `specd up`'s for targets without
+    Medusa heads; with them, `specd up` measures both stacks (specd_app/stack_choice.py).
+
+    Why heads on one CPU: a draft service there runs on the cores the target needs, and every round
+    pays its gRPC hop, its own step and the verify's feature shipping; the heads cost ~3 ms inside
+    the verify's pass. Side by side on the 2-core EPYC VM the heads-only stack was faster in every
+    run (8 of 8; README's table: `make bench` 2026-11-24 06:46, 25.82 vs 24.67 tok/s).
+    On a GPU the draft service keeps its own device, so the feature head stays the choice there."""
+    if drafter != "auto":
+        return drafter, draft_model
+    if one_cpu is None:
+        import torch
+
+        one_cpu = not torch.cuda.is_available()
+    if one_cpu and resolve_medusa_heads("auto", target):
+        return HEADS_ONLY, ""
+    return draft_service_default(target)
 
 
 def measure_stacks(addresses: dict[str, str], generate: Generate, prompts: Sequence[str] = CALIBRATION_PROMPTS,

@@ -1,5 +1,4 @@
-"""Code that more than one specd service needs: config, errors, model loading, KV sessions, gRPC plumbing.
-
-Modules that import torch (models, kv, warping) are only imported by the draft and verify services;
-the gateway uses the torch-free ones (errors, codec, tokenization, server, config).
+"""Code that every specd service shares, torch-free: config, errors, gRPC server plumbing, token
+sessions, trees, grammar masks, distributions on the wire, telemetry and metrics. The gateway
+imports only this; what runs a model lives in specd_engine (tests/test_layout.py holds both rules).
 """

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from specd_common.autotune import STARTUP_BUDGET_S
 from specd_common.metrics import DEFAULT_METRICS_PORTS
 from specd_common.security import ClientTLS, ServerTLS
 
@@ -23,6 +22,10 @@ HEAD_DRAFTERS = ("feature", "eagle3")  # drafters that read the target's feature
 # Kept beside the code, not in the wheel, so the gateway image never carries weights (draft.Dockerfile copies it).
 DEFAULT_FEATURE_HEAD = Path(__file__).resolve().parents[1] / "draft_service" / "heads" / "smollm2-135m-instruct"
 
+# A service's start-up measurements stop taking rounds after this many seconds in all, keeping what they
+# timed (at least one timed round each): a restart on a busy machine must not wait minutes for them.
+# Sized to let an idle 2-core VM finish the default target's (~40 s on the AMD EPYC, 2026-11-26).
+STARTUP_BUDGET_S = 60.0
 
 # Medusa heads for DEFAULT_TARGET, served by the verify service (`specd train-draft --recipe medusa-corpus`).
 DEFAULT_MEDUSA_HEADS = Path(__file__).resolve().parents[1] / "verify_service" / "heads" / "smollm2-135m-instruct"
@@ -39,29 +42,6 @@ def resolve_medusa_heads(choice: str, target: str) -> str:
 
 
 HEADS_ONLY = "heads"  # `specd up --drafter heads`: no draft service; the verify's Medusa heads (and lookup copies) draft
-
-
-def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Optional[bool] = None) -> tuple[str, str]:
-    """'auto' → HEADS_ONLY where the draft and the verify would share one CPU (no CUDA device; pass
-    one_cpu to decide for another machine) and the target has shipped Medusa heads, else the draft
-    service's own default (draft_service_default). Any other choice is returned as given. This is
-    `specd bench`'s rule (which runs both stacks anyway) and `specd up`'s for targets without
-    Medusa heads; with them, `specd up` measures both stacks (specd_app/stack_choice.py).
-
-    Why heads on one CPU: a draft service there runs on the cores the target needs, and every round
-    pays its gRPC hop, its own step and the verify's feature shipping; the heads cost ~3 ms inside
-    the verify's pass. Side by side on the 2-core EPYC VM the heads-only stack was faster in every
-    run (8 of 8; README's table: `make bench` 2026-11-24 06:46, 25.82 vs 24.67 tok/s).
-    On a GPU the draft service keeps its own device, so the feature head stays the choice there."""
-    if drafter != "auto":
-        return drafter, draft_model
-    if one_cpu is None:
-        import torch
-
-        one_cpu = not torch.cuda.is_available()
-    if one_cpu and resolve_medusa_heads("auto", target):
-        return HEADS_ONLY, ""
-    return draft_service_default(target)
 
 
 def draft_service_default(target: str) -> tuple[str, str]:
@@ -186,7 +166,7 @@ class BatchPolicy:
 
 @dataclass(frozen=True)
 class StartupMeasurement:
-    """Where a model service caches its start-up timings (specd_common/runtime_cache.py) and how long it
+    """Where a model service caches its start-up timings (specd_engine/runtime_cache.py) and how long it
     may take them (autotune.Budget)."""
 
     cache_dir: Optional[str] = None  # None: no cache (a service built in-process); '': the default folder; else that folder

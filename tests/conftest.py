@@ -127,7 +127,7 @@ def start_cluster(
     from gateway.app import start_gateway_server
     from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     calls = CallCounter()
@@ -202,6 +202,6 @@ def cluster(tiny: TinyModels) -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def default_target():
     """The real embedded default target (SmolLM2-135M-Instruct), loaded once in this process."""
-    from specd_common.models import DEFAULT_TARGET, load_causal_lm
+    from specd_engine.models import DEFAULT_TARGET, load_causal_lm
 
     return load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32")

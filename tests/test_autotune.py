@@ -1,4 +1,4 @@
-"""The start-up runtime choice (specd_common/autotune.py) on fake timings, and on a real tiny model."""
+"""The start-up runtime choice (specd_engine/autotune.py) on fake timings, and on a real tiny model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specd_common.autotune import (
+from specd_engine.autotune import (
     PLAIN, PREPACKED, TALL, RuntimeChoice, ServingTrials, available_cores, choose_runtime, compress, fewest_threads, interpolate,
     one_thread_count, thread_candidates,
 )
@@ -89,8 +89,8 @@ def test_one_thread_count_serves_every_size_where_exactness_needs_it():
 def test_an_int4_model_runs_every_pass_on_the_thread_count_it_chose(tiny):
     """Timings where one thread wins a 1-position pass and two win longer ones: a float model runs each
     size on its winner and trials the other while serving; an int4 model (exactness) runs all on one."""
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     def timings(name, runs, repeats):  # (threads, layout, positions) → seconds
         return {(t, layout, n): (0.010 if t == 1 else 0.012) if n == 1 else (0.040 if t == 1 else 0.020)
@@ -166,8 +166,8 @@ def test_serving_trials_keep_the_start_up_choice_on_a_tie_of_thread_counts():
 
 def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
     torch = pytest.importorskip("torch")
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
     from tests.tiny_models import build_model
 
     loaded = load_causal_lm(str(build_model(tmp_path / "m", seed=0)))
@@ -195,14 +195,14 @@ def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
 
 
 def test_batch_sizes_timed_at_start_up():
-    from specd_common.autotune import batch_sizes
+    from specd_engine.autotune import batch_sizes
 
     assert batch_sizes(8) == [2, 4, 8] and batch_sizes(6) == [2, 4, 6] and batch_sizes(2) == [2] and batch_sizes(1) == []
 
 
 def test_thread_caps_of_the_stack_and_the_candidates_within_them():
     from specd_app.stack import stack_thread_caps
-    from specd_common.autotune import threads_to_try
+    from specd_engine.autotune import threads_to_try
 
     assert stack_thread_caps(1) == {"verify": 1, "draft": 1} and stack_thread_caps(16)["verify"] == 16
     assert threads_to_try(3) == [3] and threads_to_try(0, max_threads=1) == [1]
@@ -214,7 +214,7 @@ def test_thread_caps_of_the_stack_and_the_candidates_within_them():
      ("50000", "100000", 1), ("", "100000", None)],
 )
 def test_a_cfs_quota_allows_whole_cpus(quota, period, cores):
-    from specd_common.autotune import quota_cores
+    from specd_engine.autotune import quota_cores
 
     assert quota_cores(quota, period) == cores
 
@@ -224,7 +224,7 @@ def test_available_cores_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch)
     many threads at most; cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) both read."""
     import os
 
-    from specd_common import autotune
+    from specd_engine import autotune
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     affinity = len(os.sched_getaffinity(0))
@@ -244,7 +244,7 @@ def test_available_cores_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch)
     assert autotune.available_cores() == 3  # set by the user: taken as is
 
 
-# --- start-up timings cached per machine (specd_common/runtime_cache.py) and bounded by a budget ---
+# --- start-up timings cached per machine (specd_engine/runtime_cache.py) and bounded by a budget ---
 
 
 def counted_runs(calls: list, keys=((1, "a"), (2, "a")), seconds: float = 0.0):
@@ -259,7 +259,7 @@ def counted_runs(calls: list, keys=((1, "a"), (2, "a")), seconds: float = 0.0):
 
 
 def test_a_second_start_with_the_same_key_reads_the_timings_and_measures_nothing(tmp_path, caplog):
-    from specd_common.runtime_cache import StartupTimings
+    from specd_engine.runtime_cache import StartupTimings
 
     key, calls = {"cpu": "test cpu", "cores": 2, "torch": "1.0"}, []
     first = StartupTimings("verify", key, tmp_path)
@@ -277,7 +277,7 @@ def test_a_second_start_with_the_same_key_reads_the_timings_and_measures_nothing
 
 @pytest.mark.parametrize("change", [{"torch": "2.0"}, {"cores": 4}, {"cpu": "other cpu"}, {"model": "other", "config": "x"}])
 def test_a_changed_machine_software_or_model_is_a_miss(tmp_path, change):
-    from specd_common.runtime_cache import StartupTimings
+    from specd_engine.runtime_cache import StartupTimings
 
     key, calls = {"cpu": "test cpu", "cores": 2, "torch": "1.0", "model": "m", "config": "c"}, []
     warm = StartupTimings("verify", key, tmp_path)
@@ -291,8 +291,8 @@ def test_a_changed_machine_software_or_model_is_a_miss(tmp_path, change):
 def test_the_key_follows_the_torch_version_the_cores_and_the_model(tmp_path, monkeypatch):
     import torch
 
-    from specd_common import runtime_cache
-    from specd_common.models import load_causal_lm
+    from specd_engine import runtime_cache
+    from specd_engine.models import load_causal_lm
     from tests.tiny_models import build_model
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -310,7 +310,7 @@ def test_the_key_follows_the_torch_version_the_cores_and_the_model(tmp_path, mon
 def test_cache_root_follows_specd_cache_dir_then_xdg(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from specd_common.runtime_cache import cache_root, runtime_folder
+    from specd_engine.runtime_cache import cache_root, runtime_folder
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "specd"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -326,7 +326,7 @@ def test_cache_root_follows_specd_cache_dir_then_xdg(tmp_path, monkeypatch):
 def test_a_corrupt_or_old_cache_file_is_measured_over_with_a_warning(tmp_path, caplog, content):
     import json
 
-    from specd_common.runtime_cache import StartupTimings
+    from specd_engine.runtime_cache import StartupTimings
 
     key, calls = {"cpu": "test cpu"}, []
     timings = StartupTimings("verify", key, tmp_path)
@@ -339,8 +339,8 @@ def test_a_corrupt_or_old_cache_file_is_measured_over_with_a_warning(tmp_path, c
 
 
 def test_a_budget_cuts_the_rounds_short_and_such_timings_are_not_cached(tmp_path, caplog):
-    from specd_common.autotune import Budget
-    from specd_common.runtime_cache import StartupTimings
+    from specd_engine.autotune import Budget
+    from specd_engine.runtime_cache import StartupTimings
 
     calls = []
     timings = StartupTimings("verify", {"cpu": "test cpu"}, tmp_path, budget=Budget(seconds=0.05))
@@ -360,9 +360,9 @@ def test_a_budget_cuts_the_rounds_short_and_such_timings_are_not_cached(tmp_path
 def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, monkeypatch):
     """Scorer's start-up: the forward costs, the batch costs, the prefill cost (and the heads' product) are
     timed on the first start and read on the second, which chooses the same runtime from them."""
-    from specd_common import autotune
+    from specd_engine import autotune
     from specd_common.config import BatchPolicy, StartupMeasurement
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from tests.tiny_models import build_model
     from verify_service.scorer import Scorer
 

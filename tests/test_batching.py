@@ -15,10 +15,10 @@ from typing import Sequence
 import pytest
 import torch
 
-from specd_common.batching import BatchPolicy, ForwardBatcher, make_batcher
+from specd_engine.batching import BatchPolicy, ForwardBatcher, make_batcher
 from specd_common.errors import InvalidArgument
-from specd_common.lm import CausalLM, Feed
-from specd_common.models import load_causal_lm
+from specd_engine.lm import CausalLM, Feed
+from specd_engine.models import load_causal_lm
 
 ATOL = 1e-4
 
@@ -77,7 +77,7 @@ def count_passes(monkeypatch, method: str) -> list[int]:
 def test_a_batch_of_sessions_is_one_model_pass(lm, reference_lm, monkeypatch):
     """Sessions as new_session makes them, one after a tree, share one pass: the lean forward's ragged
     pass, and transformers' padded one (its caches packable)."""
-    from specd_common import kv_batch
+    from specd_engine import kv_batch
 
     ragged, padded = count_passes(monkeypatch, "_run_ragged"), count_passes(monkeypatch, "_run_batch")
     for model in (lm, reference_lm):
@@ -96,7 +96,7 @@ def test_a_ragged_pass_attends_in_place_and_its_cost_does_not_grow_with_the_othe
     all three caches, every layer)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specd_common import kv_batch
+    from specd_engine import kv_batch
 
     monkeypatch.setattr(kv_batch, "pack", lambda *args, **kwargs: pytest.fail("a ragged pass must not pack caches"))
 
@@ -377,7 +377,7 @@ def test_concurrent_streams_through_the_services_match_single_streams(tiny):
 def test_a_prompt_prefilled_in_chunks_equals_one_pass(lm, monkeypatch):
     """Chunked prefill (PREFILL_CHUNK positions a pass) leaves the same cache, next logits and target
     features as feeding the whole prompt at once."""
-    import specd_common.lm as lm_module
+    import specd_engine.lm as lm_module
 
     prompt = [(11 * i) % 300 + 1 for i in range(23)]
     whole = lm.new_session(prompt, keep_features=True)
@@ -429,8 +429,8 @@ def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
     (7 × 38 ms / 4 ms = 66); nobody protected: a whole chunk; unmeasured: the smallest chunk. A whole
     chunk's positions (unpriced) and a pass of prompt positions alone teach nothing of the price;
     dearer positions (a long prompt's late chunks attend to more) shrink the next chunks."""
-    from specd_common.batching import MIN_PREFILL_CHUNK, MIN_PREFILL_SHARE, PrefillBudget, _Line
-    from specd_common.lm import PREFILL_CHUNK
+    from specd_engine.batching import MIN_PREFILL_CHUNK, MIN_PREFILL_SHARE, PrefillBudget, _Line
+    from specd_engine.lm import PREFILL_CHUNK
 
     assert MIN_PREFILL_SHARE == pytest.approx(1 / 3)
     budget = PrefillBudget()
@@ -459,9 +459,9 @@ def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, 
     """A stream prefilled before the oldest waiting prompt arrived keeps its share of the pass (the
     prompt gets what the budget leaves it: the smallest chunk while no pass was measured); streams
     that started after it (a burst's first answers) do not: it gets a whole chunk."""
-    import specd_common.batching as batching_module
-    import specd_common.lm as lm_module
-    from specd_common.batching import MIN_PREFILL_CHUNK, _Prefill
+    import specd_engine.batching as batching_module
+    import specd_engine.lm as lm_module
+    from specd_engine.batching import MIN_PREFILL_CHUNK, _Prefill
 
     monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 64)  # the tiny model holds 512 positions
     monkeypatch.setattr(batching_module, "PREFILL_CHUNK", 64)

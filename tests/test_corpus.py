@@ -51,7 +51,7 @@ def test_prompts_cover_every_kind_early_and_skip_held_out_ones(data_dir):
 
 
 def test_the_corpus_grows_across_runs_without_repeating_and_keeps_its_recipe(tiny, data_dir, tmp_path):
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target = load_causal_lm(str(tiny.target))
     directory = tmp_path / "corpus"
@@ -117,7 +117,7 @@ def test_the_target_writes_prompts_once_the_sets_are_answered(tiny, tmp_path, mo
     never on the held-out side; extend_corpus answers them after the prompt sets (emptied here) and a
     second run goes on at the next batch index instead of rewriting an id."""
     import draft_training.corpus as corpus_module
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target = load_causal_lm(str(tiny.target))
     first = corpus_module.self_prompts(target, 0, 16, RECIPE, max_tokens=48)
@@ -186,7 +186,7 @@ def test_the_fresh_benchmark_prompts_hold_no_corpus_passage():
     from draft_training.feature_training import corpus_prompts
     from draft_training.train_prompts import passage_check
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.models import resolve_model_path
+    from specd_engine.models import resolve_model_path
 
     benchmarks = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_TARGET))

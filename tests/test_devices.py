@@ -25,13 +25,13 @@ def flag(command: list[str], name: str) -> str | None:
 
 @pytest.mark.parametrize("count, verify, draft", [(0, "cpu", "cpu"), (1, "cuda:0", "cuda:0"), (2, "cuda:0", "cuda:1"), (4, "cuda:0", "cuda:1")])
 def test_auto_spreads_draft_and_verify_over_the_visible_gpus(monkeypatch, count, verify, draft):
-    monkeypatch.setattr("specd_common.models.visible_cuda_devices", lambda: count)
+    monkeypatch.setattr("specd_engine.models.visible_cuda_devices", lambda: count)
     assert stack.service_devices() == {"verify": verify, "draft": draft}
     assert stack.service_devices("cuda:3", "auto", count=count) == {"verify": "cuda:3", "draft": draft}
 
 
 def test_up_passes_each_service_its_device_and_dtype_on_its_command_line(monkeypatch):
-    monkeypatch.setattr("specd_common.models.visible_cuda_devices", lambda: 2)
+    monkeypatch.setattr("specd_engine.models.visible_cuda_devices", lambda: 2)
     args = cli.build_parser().parse_args(["up", "--drafter", "ngram"])
     assert (args.verify_device, args.draft_device) == ("auto", "auto")
     commands = stack.service_commands("127.0.0.1", PORTS, "t", "ngram", "", 0, 3, stack.service_devices(args.verify_device, args.draft_device))
@@ -53,7 +53,7 @@ def test_bench_takes_the_devices_and_the_dtype():
 
 
 def test_a_timing_waits_on_the_services_own_gpu(monkeypatch):
-    from specd_common.models import synchronize
+    from specd_engine.models import synchronize
 
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
@@ -76,7 +76,7 @@ def test_no_code_waits_on_or_moves_to_an_unnamed_gpu():
 
 def test_the_draft_budget_reads_the_memory_of_the_drafters_device(monkeypatch):
     from draft_service import app
-    from specd_common import autotune
+    from specd_engine import autotune
 
     asked = []
     monkeypatch.setattr(autotune, "available_memory_bytes", lambda device: asked.append(device) or 2**30)
@@ -105,8 +105,8 @@ def test_the_feature_drafter_reads_only_its_targets_two_matrices(monkeypatch, ti
     """Same drafts as the head over the whole loaded target, without loading the target."""
     from draft_service import app
     from draft_service.feature_head import load_head
-    from specd_common import models
-    from specd_common.features import encode_features
+    from specd_engine import models
+    from specd_engine.features import encode_features
     from specd_common.params import Warp
 
     full = models.load_causal_lm(str(tiny.target), device="cpu", dtype="float32")

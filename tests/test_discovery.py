@@ -87,7 +87,7 @@ def test_a_draft_pool_found_empty_at_start_speculates_once_a_draft_joins(tiny):
     from gateway.app import start_gateway_server
     from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     config = ServerConfig(port=0)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from draft_service.eagle3_head import Eagle3Config, write_eagle3_checkpoint
 from specd.v1 import common_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
-from specd_common.features import decode_features
+from specd_engine.features import decode_features
 from tests.conftest import start_cluster
 from tests.test_services import PROMPTS, assert_greedy_exact_with_drafts
 from tests.tiny_models import build_model, build_tokenizer

@@ -80,7 +80,7 @@ def held_out_agreement_of_a_fresh_head(trained) -> list[float]:
     """The same held-out measure for the head the run started from (the target's last layer)."""
     from draft_training import distill_data
     from draft_training.eagle3_training import build_head, held_out_agreement
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target = load_causal_lm(str(trained["target"]))
     head = build_head(target, torch.load(trained["root"] / "work" / "train" / "vocab.pt"))

@@ -11,10 +11,10 @@ import torch
 
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 from specd_common.errors import AlreadyExists, ResourceExhausted
-from specd_common.features import encode_features
+from specd_engine.features import encode_features
 from specd_common.params import Warp
 from specd_common.sessions import SessionStore
-from specd_common.warping import warp_probs
+from specd_engine.warping import warp_probs
 from tests.conftest import start_cluster
 from tests.test_services import generate
 
@@ -144,7 +144,7 @@ def test_the_token_budget_counts_what_sessions_hold_and_refuses_growth_past_it()
 def test_the_default_budget_comes_from_free_memory_and_the_kv_bytes_per_position():
     from types import SimpleNamespace
 
-    from specd_common.autotune import kv_bytes_per_token, kv_token_budget
+    from specd_engine.autotune import kv_bytes_per_token, kv_token_budget
 
     smollm2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
     assert kv_bytes_per_token(smollm2, 4) == 2 * 30 * 3 * 64 * 4 == 46_080
@@ -154,7 +154,7 @@ def test_the_default_budget_comes_from_free_memory_and_the_kv_bytes_per_position
 
 def test_verify_refuses_past_its_kv_budget_before_any_forward(tiny, monkeypatch):
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     running = start_verify_server(load_causal_lm(str(tiny.target)), ServerConfig(port=0), kv_token_budget=100)
@@ -214,7 +214,7 @@ def test_draft_refuses_past_its_kv_budget_before_drafting(tiny, monkeypatch):
 KV_BUDGET_TOKENS = 8100
 PROMPT_TOKENS = 2000
 # A prefill's transient (activations, the allocator's retained free memory) is measured on the
-# first prompt; it must show chunked prefill (specd_common/lm.py PREFILL_CHUNK: 150-270 MiB seen on
+# first prompt; it must show chunked prefill (specd_engine/lm.py PREFILL_CHUNK: 150-270 MiB seen on
 # 2-core VMs; a whole 2,000-token pass at once takes 400-570 MiB, attention being 9 heads × 2,000²
 # floats a matrix). The later prompts may add only their KV and the heap's fragmentation (30-50 MiB
 # seen here, more on CI's VM); a KV accounting off by a third of the budget would still fail.
@@ -240,8 +240,8 @@ def test_a_full_kv_budget_refuses_at_once_and_bounds_the_verify_rss(tmp_path):
     import sys
     import time
 
-    from specd_common.autotune import kv_bytes_per_token
-    from specd_common.kv_cache import SPARE_COLUMNS
+    from specd_engine.autotune import kv_bytes_per_token
+    from specd_engine.kv_cache import SPARE_COLUMNS
     from tests.specd_stack import REPO, free_ports, repo_env, serving
 
     (port,) = free_ports(1)

@@ -11,8 +11,8 @@ from draft_training import feature_data
 from draft_service.feature_head import HeadCache, load_head
 from gateway.features import FeatureLog
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
-from specd_common.features import decode_features, encode_features
-from specd_common.models import load_causal_lm
+from specd_engine.features import decode_features, encode_features
+from specd_engine.models import load_causal_lm
 from tests.conftest import start_cluster
 from tests.test_services import FIXED, PROMPTS, assert_greedy_exact_with_drafts, generate, wait_for_no_sessions
 
@@ -122,7 +122,7 @@ def test_draft_greedy_tokens_match_a_full_recompute(tiny, target):
     """The serving path (cache, true features re-read after acceptance) drafts what a head reading
     the whole sequence from scratch would."""
     from draft_service.feature_drafter import FeatureDrafter
-    from specd_common.models import describe_model
+    from specd_engine.models import describe_model
     from specd_common.params import Warp
 
     head = load_head(tiny.feature_head, target.model)
@@ -147,6 +147,7 @@ def test_draft_greedy_tokens_match_a_full_recompute(tiny, target):
 def test_auto_drafter_is_the_shipped_head_only_for_the_default_target(monkeypatch, tmp_path):
     """With a draft service of its own (a GPU): the shipped feature head for the default target, else
     n-gram. Where draft and verify would share one CPU: the verify's Medusa heads, when shipped."""
+    from specd_app import stack_choice
     from specd_common import config
 
     heads, head = tmp_path / "medusa", tmp_path / "feature"
@@ -154,15 +155,15 @@ def test_auto_drafter_is_the_shipped_head_only_for_the_default_target(monkeypatc
     monkeypatch.setattr(config, "DEFAULT_FEATURE_HEAD", head)
     monkeypatch.setattr(config, "DEFAULT_MEDUSA_HEADS", heads)
     for one_cpu in (False, True):  # no Medusa heads shipped yet: the same answer either way
-        assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu) == ("ngram", "")  # no head shipped there
+        assert stack_choice.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu) == ("ngram", "")  # no head shipped there
     (head / "feature_head.json").write_text("{}")
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == ("feature", str(head))
+    assert stack_choice.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
+    assert stack_choice.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == ("feature", str(head))
     (heads / "medusa_heads.json").write_text("{}")
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == (config.HEADS_ONLY, "")
-    assert config.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
-    assert config.resolve_drafter("auto", "", "my/other-model", one_cpu=True) == ("ngram", "")
-    assert config.resolve_drafter("model", "m", config.DEFAULT_TARGET, one_cpu=True) == ("model", "m")
+    assert stack_choice.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=True) == (config.HEADS_ONLY, "")
+    assert stack_choice.resolve_drafter("auto", "", config.DEFAULT_TARGET, one_cpu=False) == ("feature", str(head))
+    assert stack_choice.resolve_drafter("auto", "", "my/other-model", one_cpu=True) == ("ngram", "")
+    assert stack_choice.resolve_drafter("model", "m", config.DEFAULT_TARGET, one_cpu=True) == ("model", "m")
     assert config.draft_service_default(config.DEFAULT_TARGET) == ("feature", str(head))
 
 

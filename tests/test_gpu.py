@@ -56,7 +56,7 @@ def start_on_device(target: Path, drafter: str = "", draft_model: Path | None = 
     from gateway.app import start_gateway_server
     from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     config = ServerConfig(port=0)
@@ -91,7 +91,7 @@ def tiny_heads(tiny, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_tiny(tiny):
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     return load_causal_lm(str(tiny.target), DEVICE, "float32").model
 
@@ -186,7 +186,7 @@ def default_on_device():
 
 
 def test_default_target_greedy_equals_transformers_generate_in_float32(default_on_device):
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target, drafter, head = default_on_device
     running = start_on_device(target, drafter, Path(head) if head else None, dtype="float32")

@@ -428,7 +428,7 @@ def test_verify_down_is_a_quick_503_and_health_follows_the_verify(tiny: TinyMode
     """While no verify replica serves, requests get 503 at once and the gateway's health (gRPC and
     /health) says NOT_SERVING; a verify back on its address brings both back."""
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     cluster = start_cluster(tiny.target, "", http_port=0)
@@ -457,7 +457,7 @@ def test_a_verify_back_after_a_long_outage_is_used_within_2_s_of_serving(tiny: T
     16 s restart the gateway refused requests for 7.2 s after the new verify served. Now the channel
     dials every RECONNECT_BACKOFF_MS and the health watch waits for it, so requests succeed at once."""
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     cluster = start_cluster(tiny.target, "", http_port=0)

@@ -1,4 +1,4 @@
-"""The in-place KV cache (specd_common/kv_cache.py) against transformers' DynamicLayer: the same
+"""The in-place KV cache (specd_engine/kv_cache.py) against transformers' DynamicLayer: the same
 keys and values after any sequence of appends, crops and kept tree paths, without copying the past
 on an append."""
 
@@ -9,8 +9,8 @@ import random
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from specd_common import kv_cache
-from specd_common.kv_cache import GrowingLayer
+from specd_engine import kv_cache
+from specd_engine.kv_cache import GrowingLayer
 
 
 def reference_keep_rows(layer: DynamicLayer, first: int, rows: list[int]) -> None:
@@ -59,8 +59,8 @@ def test_an_append_within_the_buffer_copies_nothing_of_the_past():
 
 
 def test_the_cache_of_a_model_is_made_of_growing_layers(tiny):
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
     session = lm.new_session([5, 17, 42, 9])
@@ -70,8 +70,8 @@ def test_the_cache_of_a_model_is_made_of_growing_layers(tiny):
 def test_a_copied_session_scores_as_its_original_and_apart_from_it(tiny):
     """CausalLM.copy_session (the verify's batch timings start many sessions from one prefill): the
     copy's next logits are the original's, and a round on one leaves the other's cache alone."""
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
     original = lm.new_session([5, 17, 42, 9, 11, 3])

@@ -4,7 +4,9 @@
         │ may import everything below            │ may import the serving packages
   gateway   draft_service   verify_service       (serving: never imports the two above,
         │            │             │               nor one service another)
-  specd_common (shared) ── specd.v1 (generated protos)
+        │       specd_engine (the engine room: models, passes, KV, batcher, model thread; torch)
+        │            │
+  specd_common (shared, torch-free) ── specd.v1 (generated protos)
 
 Imports are read with `ast`, function-level imports included, so a lazy import cannot hide a
 dependency that points the wrong way.
@@ -22,8 +24,9 @@ SERVING = ("gateway", "draft_service", "verify_service")
 ABOVE_SERVING = ("specd_app", "draft_training")
 # package → packages of this repository it must never import
 FORBIDDEN = {
-    "specd_common": SERVING + ABOVE_SERVING,
-    "gateway": ("draft_service", "verify_service") + ABOVE_SERVING,
+    "specd_common": ("specd_engine",) + SERVING + ABOVE_SERVING,
+    "specd_engine": SERVING + ABOVE_SERVING,
+    "gateway": ("specd_engine", "draft_service", "verify_service") + ABOVE_SERVING,
     "draft_service": ("gateway", "verify_service") + ABOVE_SERVING,
     "verify_service": ("gateway", "draft_service") + ABOVE_SERVING,
     "draft_training": ("specd_app",),
@@ -91,6 +94,16 @@ def test_no_import_cycle_inside_a_package(package):
     modules = modules_of(package)
     graph = {module: {name for name in imported_modules(path) if name in modules} for module, path in modules.items()}
     assert find_cycle(graph) == []
+
+
+def test_specd_common_runs_no_model():
+    """What every service shares imports no torch or transformers at any level: a module that needs them
+    runs a model, and belongs in the engine room (specd_engine), which the gateway never imports (numpy
+    stays: the gateway reads distributions with it)."""
+    heavy = ("torch", "transformers")
+    wrong = {f"{module} imports {name}" for module, path in modules_of("specd_common").items()
+             for name in imported_modules(path) if name.split(".")[0] in heavy}
+    assert not wrong, sorted(wrong)
 
 
 def test_the_draft_service_trains_nothing():

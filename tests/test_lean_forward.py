@@ -1,4 +1,4 @@
-"""The lean forward (specd_common/lean_forward.py) against transformers' own, pass for pass, on a tiny
+"""The lean forward (specd_engine/lean_forward.py) against transformers' own, pass for pass, on a tiny
 random Llama: a prompt's prefill, decoding and verify passes, a draft tree, a packed batch of
 sessions, and the features and captured layers feature drafters and Medusa heads read. Plus what
 keeps it out where it must not serve: an unsupported model, a forward that disagrees, the switch."""
@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specd_common import lean_forward  # noqa: E402
-from specd_common.lm import CausalLM  # noqa: E402
-from specd_common.models import load_causal_lm  # noqa: E402
+from specd_engine import lean_forward  # noqa: E402
+from specd_engine.lm import CausalLM  # noqa: E402
+from specd_engine.models import load_causal_lm  # noqa: E402
 from specd_common.tree import ROOT  # noqa: E402
 from tests.tiny_models import build_model  # noqa: E402
 
@@ -45,7 +45,7 @@ def test_chains_decode_and_verify_like_transformers(pair):
 
 
 def test_a_long_prompt_prefills_like_transformers(pair, monkeypatch):
-    monkeypatch.setattr("specd_common.lm.PREFILL_CHUNK", 64)
+    monkeypatch.setattr("specd_engine.lm.PREFILL_CHUNK", 64)
     prompt = [(i * 7) % 300 + 1 for i in range(150)]  # three prefill chunks
     lean_logits, reference_logits = (lm.forward(lm.new_session(prompt), [1, 2]) for lm in pair)
     assert torch.allclose(lean_logits, reference_logits, atol=ATOL)
@@ -83,7 +83,7 @@ def test_a_model_it_cannot_run_keeps_transformers_forward(model_path):
 
 
 def test_a_lean_forward_that_disagrees_is_caught(model_path):
-    from specd_common.kv_cache import growing_cache
+    from specd_engine.kv_cache import growing_cache
 
     loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
     lean = lean_forward.LeanLlama(loaded.model)
@@ -96,7 +96,7 @@ def test_a_lean_forward_that_disagrees_is_caught(model_path):
 
 
 def test_the_verify_flag_keeps_transformers_forward(model_path):
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from verify_service.scorer import Scorer
 
     loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
@@ -106,7 +106,7 @@ def test_the_verify_flag_keeps_transformers_forward(model_path):
 
 
 def test_copied_layouts_alone_leave_no_second_copy_of_the_weights(model_path, pair):
-    from specd_common.autotune import ROWS
+    from specd_engine.autotune import ROWS
 
     lm = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"), layouts={ROWS})
     attention = lm.loaded.model.model.layers[0].self_attn

@@ -74,7 +74,7 @@ def medusa_cluster(tiny, medusa_heads):
 
 # --- units -------------------------------------------------------------------------------------
 def test_untrained_heads_propose_the_targets_own_next_token(tiny, medusa_heads):
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.medusa import load_heads
 
     target = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
@@ -105,8 +105,8 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     committed token after it at rows read late (a commit that appended two tokens). Sampling sessions
     get every row; a greedy one only the row after the drafts that equal the target's argmax."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
-    from specd_common.batching import BatchPolicy
-    from specd_common.models import load_causal_lm
+    from specd_engine.batching import BatchPolicy
+    from specd_engine.models import load_causal_lm
     from specd_common.params import Warp
     from verify_service.medusa import MedusaHeads
     from verify_service.scorer import Scorer
@@ -143,7 +143,7 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     """The replies to a batched pass are made together: the heads propose once for every asking
     session's rows (a greedy session's one row, a sampling session's every row) and each session gets
     exactly the proposals (and scores) it would get alone; a session that did not ask gets none."""
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from specd_common.params import Warp
     from verify_service.medusa import MedusaHeads
     from verify_service.scorer import Part, Scorer
@@ -176,7 +176,7 @@ def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
     the nodes' in node order, and the gateway's pick (head_drafts_after_tree) of the same kept path is
     that same row (the heads read the same inputs: the target's argmax as each row's next token)."""
     from gateway.features import head_drafts_after_tree
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from specd_common.params import Warp
     from verify_service.scorer import Scorer
 
@@ -222,7 +222,7 @@ def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
     proposals get the error and the others their scores; when one session's reply fails (its warp),
     the rest of the batch still gets theirs."""
     import verify_service.scorer as scorer_module
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from specd_common.params import Warp
     from verify_service.medusa import MedusaHeads
     from verify_service.scorer import Part, Scorer
@@ -253,7 +253,7 @@ def test_served_fusing_heads_read_the_layers_of_their_own_rows(tiny):
     offline by training's extraction (feature_data.target_layers). A layer's output taken from the
     wrong layer or row changes the random heads' proposals."""
     from draft_training.feature_data import target_features, target_layers
-    from specd_common.batching import BatchPolicy
+    from specd_engine.batching import BatchPolicy
     from specd_common.params import Warp
     from verify_service.scorer import Part, Scorer
 
@@ -343,7 +343,7 @@ def test_target_layers_are_the_decoder_outputs_of_each_answer_row(tiny):
     """feature_data.target_layers: the outputs of the asked decoder layers at rows start - 1 .. T - 1,
     the same for a sequence alone and padded in a batch beside a longer one."""
     from draft_training.feature_data import target_layers
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
     short, long = [5, 9, 14, 3, 8, 2], [4, 4, 7, 1, 9, 12, 30, 31, 2]
@@ -380,7 +380,7 @@ def random_token_heads(tiny, chained: bool, seed: int = 0, fusion_layers: tuple[
     """Token-input heads over the tiny target's whole vocabulary with random (not identity) blocks (and
     fusion, with fusion_layers), so that every input column changes their proposals; with the loaded target."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     loaded = load_causal_lm(str(tiny.target), device="cpu", dtype="float32")
     heads = build_heads(loaded, torch.arange(loaded.model.config.vocab_size), "",
@@ -453,7 +453,7 @@ def test_heads_product_precision_chosen_from_fake_timings(tiny, monkeypatch):
     """tune_product: the fastest reduced precision for the row counts where it measured REDUCED_MARGIN
     faster than float32, float32 elsewhere (and no reduced copy of the columns kept that no size
     uses); the record names the timings."""
-    from specd_common import autotune
+    from specd_engine import autotune
     from verify_service import medusa
 
     heads, _ = random_token_heads(tiny, chained=True)
@@ -838,7 +838,7 @@ def test_training_medusa_heads_end_to_end(tmp_path, recipe):
     """`specd train-draft --recipe medusa-tiny` (and its chained heads) on a tiny random target: saves
     heads that load, and that predict the held-out answers better than untrained (identity) heads."""
     from draft_training.medusa_training import MEDUSA_RECIPES, build_heads, medusa_evaluation
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from tests.test_train_feature_head import train_on_a_tiny_target
     from verify_service.medusa import load_heads
 
@@ -1042,7 +1042,7 @@ def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
 def test_a_start_up_cache_of_other_precisions_is_measured_over(tiny, tmp_path):
     """A verify started on a cache written before int8 was a choice must measure the heads' product
     again (a cached table without int8 once stopped the verify at start-up with a KeyError)."""
-    from specd_common import runtime_cache
+    from specd_engine import runtime_cache
 
     heads, _ = random_token_heads(tiny, chained=True)
     before = runtime_cache.StartupTimings("verify", {"model": "tiny"}, tmp_path)

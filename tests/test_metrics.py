@@ -22,7 +22,7 @@ from gateway.options import GatewayOptions
 from specd.v1 import common_pb2, draft_pb2_grpc, generate_pb2, generate_pb2_grpc
 from specd_app.cli import build_parser
 from specd_common.config import ServerConfig
-from specd_common.models import load_causal_lm
+from specd_engine.models import load_causal_lm
 from tests.specd_stack import free_ports, scrape_metrics
 from tests.tiny_models import build_model, build_tokenizer
 from verify_service.app import start_verify_server

@@ -1,4 +1,4 @@
-"""One thread runs a model service's torch work (specd_common/model_thread.py says why: a second
+"""One thread runs a model service's torch work (specd_engine/model_thread.py says why: a second
 OpenMP team in the process slows every multi-threaded pass after it)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from specd_common import model_thread
-from specd_common.model_thread import ModelThread
+from specd_engine import model_thread
+from specd_engine.model_thread import ModelThread
 
 
 def test_calls_run_in_order_on_one_thread_in_the_callers_context():
@@ -36,8 +36,8 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
     """Prefill, batched chain passes, tree passes, the heads, the features' encoding and the
     sampling softmax: all on the one model thread, none on the caller's (a gRPC thread in service)."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
-    from specd_common.batching import BatchPolicy
-    from specd_common.models import load_causal_lm
+    from specd_engine.batching import BatchPolicy
+    from specd_engine.models import load_causal_lm
     from specd_common.params import Warp
     from verify_service import scorer as scorer_module
     from verify_service.scorer import Scorer

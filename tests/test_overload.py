@@ -283,15 +283,15 @@ def _sessions(metrics_port: int, service: str) -> float:
 
 
 def test_a_short_prompt_shares_the_first_pass_with_an_older_long_one_and_a_given_up_one_leaves(tiny, monkeypatch):
-    import specd_common.lm as lm_module
-    from specd_common.batching import ForwardBatcher, _Prefill
+    import specd_engine.lm as lm_module
+    from specd_engine.batching import ForwardBatcher, _Prefill
     from specd_common.config import BatchPolicy
-    from specd_common.lm import CausalLM
+    from specd_engine.lm import CausalLM
 
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target), device="cpu", dtype="float32"))
-    import specd_common.batching as batching_module
+    import specd_engine.batching as batching_module
 
     monkeypatch.setattr(lm_module, "PREFILL_CHUNK", 5)
     monkeypatch.setattr(batching_module, "PREFILL_CHUNK", 5)
@@ -353,7 +353,7 @@ def test_under_overload_requests_are_answered_in_time_or_refused_at_once_and_not
 
 
 def test_prefill_shares_give_the_oldest_prompt_half_and_the_rest_shortest_first():
-    from specd_common.batching import prefill_shares
+    from specd_engine.batching import prefill_shares
 
     assert prefill_shares([1500], [0.0], 512) == [512]  # alone: the whole pass
     # the oldest (long) gets half; the new short prompt its whole 90 at once; the next shortest what is left

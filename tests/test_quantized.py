@@ -1,4 +1,4 @@
-"""`--weights int4` (specd_common/quantized.py): 4-bit decoder products and an 8-bit LM head on the CPU.
+"""`--weights int4` (specd_engine/quantized.py): 4-bit decoder products and an 8-bit LM head on the CPU.
 
 What the exactness of speculation rests on here: a position's logits must not depend on how many
 positions its pass holds, or a verify over k + 1 positions would judge drafts by another model
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd_common import quantized
+from specd_engine import quantized
 from tests.conftest import start_cluster
 from tests.test_services import FIXED, PROMPTS, generate
 
@@ -52,7 +52,7 @@ def test_a_gguf_s_weight_bits_are_read_once_and_remembered_beside_its_conversion
     """Parsing the default target's GGUF for its weight types took 4.6 s of an 18 s verify start (a
     supervised restart's mark is 15 s): the answer is kept under the conversion's key and read back."""
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.models import stored_weight_bits
+    from specd_engine.models import stored_weight_bits
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
     assert stored_weight_bits(DEFAULT_TARGET) == 4
@@ -71,8 +71,8 @@ def test_a_shape_the_kernel_cannot_pack_is_refused_with_the_reason():
 def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     """CausalLM with int4 weights: six positions scored in one pass give the bits they get one at a time
     (attention row by row: lean_forward._sdpa), and a tree's nodes the bits of decoding along their path."""
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     assert isinstance(lm.lean.layers[0].qkv, quantized.Int4Linear) and isinstance(lm.lean.lm_head, quantized.Int8Linear)
@@ -90,8 +90,8 @@ def test_the_default_target_in_int4_scores_chains_and_trees_as_its_one_position_
     and a tree score each position with the bits that decoding one position at a time gives it. On
     this target, without attention row by row, they differed by up to 0.5 in the logits."""
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
     prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
@@ -117,8 +117,8 @@ def test_the_default_target_in_int4_scores_chains_and_trees_as_its_one_position_
 
 
 def test_int4_weights_need_the_lean_forward(tiny):
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
 
     with pytest.raises(ValueError, match="lean forward"):
         CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="int4")
@@ -143,8 +143,8 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
     float model, or a GGUF of wider types, stays float; a GPU stays float whatever the file."""
     from specd_app.cli import weights_for
     from specd_common.config import DEFAULT_TARGET
-    from specd_common.lm import CausalLM
-    from specd_common.models import gguf_type_bits, load_causal_lm, stored_weight_bits
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import gguf_type_bits, load_causal_lm, stored_weight_bits
 
     assert stored_weight_bits(DEFAULT_TARGET) == 4 and weights_for("auto", DEFAULT_TARGET) == "auto"
     assert stored_weight_bits(str(tiny.target)) is None and weights_for("auto", str(tiny.target)) == "float"
@@ -157,8 +157,8 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
 def test_an_int4_prompt_is_prefilled_in_the_same_chunks_however_busy_the_passes_are(tiny):
     """A busy pass's budget (4) and an idle one's (512) cut an int4 prompt alike: attention over a
     prompt chunk rounds by its size, and the answer must not depend on the load it arrived into."""
-    from specd_common.lm import INT4_PREFILL_CHUNK, CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import INT4_PREFILL_CHUNK, CausalLM
+    from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     prompt = [(5 * i) % 40 + 3 for i in range(150)]

@@ -13,7 +13,7 @@ from scipy import stats
 
 from gateway.rejection import expected_tokens_per_pass, greedy_verify, recovered_token, rejection_sample
 from specd_common.params import Warp
-from specd_common.warping import warp_probs
+from specd_engine.warping import warp_probs
 
 SIGNIFICANCE = 1e-3
 
@@ -144,7 +144,7 @@ def test_a_pass_encoded_at_once_is_what_each_row_encodes_to(warp: Warp):
     encode_distribution row by row (numpy's): rows full of float16 subnormals and zeros (low
     temperature: only the nonzeros are sent) and sparse top-k rows alike, so the speed-up cannot move a sampled token."""
     from specd_common.distributions import encode_distribution
-    from specd_common.warping import encode_rows
+    from specd_engine.warping import encode_rows
 
     generator = torch.Generator().manual_seed(3)
     probs = warp_probs(torch.randn(4, 49152, generator=generator) * 4, warp)  # [4, V]
@@ -212,7 +212,7 @@ def test_logit_bias_is_added_before_warping_and_survives_the_wire():
     """biased(): the bias lands on its token ids in every row (ids past a drafter's shorter rows are
     skipped); -100 leaves a token no probability, +100 all of it; SamplingParams round-trips it."""
     from specd.v1 import common_pb2
-    from specd_common.warping import biased
+    from specd_engine.warping import biased
 
     logits = torch.zeros(2, 6)
     warp = Warp(logit_bias=((1, 2.5), (4, -1.0), (9, 7.0)))
@@ -252,7 +252,7 @@ def follows(samples: np.ndarray, probs: np.ndarray) -> bool:
                          ids=["t1", "t0.8-topk6", "t1-topp0.9"])
 def test_constrained_sampling_follows_the_target_restricted_to_the_grammar(warp: Warp):
     """Structured output, sampled: the first token of a round follows the target's distribution restricted
-    to the grammar and renormalized (the verify masks logits before warping, specd_common.warping), and
+    to the grammar and renormalized (the verify masks logits before warping, specd_engine.warping), and
     the test has the power to reject three wrong rules on the same rows: masking only the drafts (the
     target unmasked), masking after normalization (p zeroed outside the grammar, not renormalized), and
     dropping forbidden drafts but judging the kept ones by the drafter's unrestricted q."""

@@ -436,7 +436,7 @@ def token_stack(tiny) -> Iterator[Cluster]:
     from gateway.app import start_gateway_server
     from gateway.options import GatewayOptions
     from specd_common.config import ServerConfig
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.app import start_verify_server
 
     config = ServerConfig(port=0, max_sessions=8)

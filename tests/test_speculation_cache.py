@@ -12,7 +12,7 @@ import torch
 from draft_service.app import make_drafter
 from draft_service.speculation import SpeculationCache, SpeculationJob, likeliest_outcomes
 from specd_common.distributions import decode_distribution
-from specd_common.features import encode_features
+from specd_engine.features import encode_features
 from specd_common.params import Warp
 from tests.test_statistical import SIGNIFICANCE, chi_square_p_value, chi_square_power
 

@@ -23,7 +23,7 @@ from gateway.rejection import RoundOutcome, recovered_token, rejection_sample
 from specd.v1 import common_pb2, generate_pb2
 from specd_common.distributions import decode_distribution, encode_distribution, sample_from
 from specd_common.params import Warp
-from specd_common.warping import warp_probs
+from specd_engine.warping import warp_probs
 from tests.conftest import start_cluster
 from tests.tiny_models import build_eagle3_head, build_feature_head, build_model, build_noisy_copy, build_tokenizer
 from tests.test_rejection import SIGNIFICANCE, chi_square_p_value
@@ -204,7 +204,7 @@ def run_system(models: PeakedModels, warp: Warp, drafter: str, rule: Callable, m
 
 def target_distribution(models: PeakedModels, ids: list, warp: Warp) -> np.ndarray:
     """The target's warped next-token distribution after ids, as it crosses the wire."""
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target = load_causal_lm(str(models.target))
     with torch.inference_mode():

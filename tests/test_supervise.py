@@ -149,7 +149,7 @@ def test_specd_up_restarts_a_killed_draft_and_verify_and_skips_a_frozen_draft(ti
 
 
 # The mark: a verify killed under `specd up` serves again within this many seconds of the kill, once
-# its start-up timings are cached (specd_common/runtime_cache.py); re-measuring them took 36 s of 44-47.
+# its start-up timings are cached (specd_engine/runtime_cache.py); re-measuring them took 36 s of 44-47.
 WARM_RESTART_S = 15.0
 
 

@@ -64,10 +64,10 @@ def test_trained_head_is_small_and_serves_through_make_drafter(trained: dict) ->
     import numpy as np
 
     from draft_service.app import make_drafter
-    from specd_common.features import encode_features
+    from specd_engine.features import encode_features
     from specd_common.params import Warp
     from draft_training import feature_data
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     for name in ("feature_head.safetensors", "feature_head.json", "recipe.json", "eval.json", "training.json"):
         assert (trained["head"] / name).exists()
@@ -83,7 +83,7 @@ def test_trained_head_drafts_better_than_an_untrained_one(trained: dict) -> None
     from draft_training.draft_eval import evaluate_drafter
     from draft_service.feature_drafter import FeatureDrafter
     from draft_training.feature_training import build_head, eval_records
-    from specd_common.models import describe_model, load_causal_lm
+    from specd_engine.models import describe_model, load_causal_lm
 
     target = load_causal_lm(str(trained["target"]))
     held_out = eval_records(target, trained["root"] / "work", 0)
@@ -109,7 +109,7 @@ def test_training_goes_on_from_a_saved_head_of_the_same_vocabulary(trained: dict
     from draft_service.feature_head import CONFIG_FILE, load_head
     from draft_training.feature_training import starting_head
     from specd_app.cli import main
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
 
     target = load_causal_lm(str(trained["target"]))
     saved = load_head(trained["head"], target.model)

@@ -37,8 +37,8 @@ def test_tree_shapes():
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    from specd_common.lm import CausalLM
-    from specd_common.models import load_causal_lm
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
     from tests.tiny_models import build_model
 
     return CausalLM(load_causal_lm(str(build_model(tmp_path_factory.mktemp("tree") / "m", seed=0))))
@@ -140,7 +140,7 @@ def test_greedy_tree_verify_emits_what_target_only_decoding_would():
 
 def test_a_tree_rounds_features_keep_the_committed_rows_and_the_kept_path():
     from gateway.features import tree_path_rows
-    from specd_common.features import decode_features, encode_features
+    from specd_engine.features import decode_features, encode_features
 
     rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)  # 2 committed-but-unread rows, then 6 nodes
     kept = tree_path_rows(encode_features(rows, 10), nodes=6, path=(0, 3))
@@ -167,8 +167,8 @@ def test_a_feature_drafter_proposes_its_chain_plus_runners_up(tmp_path):
     from draft_service.feature_drafter import FeatureDrafter
     from draft_training import feature_data
     from draft_training.feature_training import build_head
-    from specd_common.features import encode_features
-    from specd_common.models import describe_model, load_causal_lm
+    from specd_engine.features import encode_features
+    from specd_engine.models import describe_model, load_causal_lm
     from specd_common.params import Warp
     from specd_common.tree import main_chain
     from tests.tiny_models import build_model
@@ -203,8 +203,8 @@ def test_sampled_alternatives_are_more_draws_without_replacement(tmp_path):
     from draft_training import feature_data
     from draft_training.feature_training import build_head
     from specd_common.distributions import decode_distribution
-    from specd_common.features import encode_features
-    from specd_common.models import describe_model, load_causal_lm
+    from specd_engine.features import encode_features
+    from specd_engine.models import describe_model, load_causal_lm
     from specd_common.params import Warp
     from tests.tiny_models import build_model
 

@@ -161,7 +161,7 @@ def test_multi_candidate_rule_on_real_model_distributions(default_target):
     """p: the default target's top-20 next-token distribution; q: the same model with a shorter context."""
     from specd_common.distributions import decode_distribution, encode_distribution
     from specd_common.params import Warp
-    from specd_common.warping import warp_probs
+    from specd_engine.warping import warp_probs
     from tests.test_statistical import next_token_logits
 
     warp = Warp(temperature=1.0, top_k=20)

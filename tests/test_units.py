@@ -19,7 +19,7 @@ from specd_common.errors import AlreadyExists, InvalidArgument, NotFound, Resour
 from specd_common.params import Warp
 from specd_common.sequence import TokenSequence
 from specd_common.sessions import SessionStore
-from specd_common.warping import warp_probs
+from specd_engine.warping import warp_probs
 
 
 # --- n-gram prompt lookup ---------------------------------------------------------------------
@@ -823,8 +823,8 @@ def test_bench_report_shows_the_speedup_of_each_repeat():
 def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 
-    from specd_common.autotune import COLS, LAYOUTS, MKL, PLAIN, PREPACKED, ROWS, TALL
-    from specd_common.lm import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
+    from specd_engine.autotune import COLS, LAYOUTS, MKL, PLAIN, PREPACKED, ROWS, TALL
+    from specd_engine.lm import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
 
     torch.manual_seed(0)
     # the first layer is tall (32 outputs from 16 inputs: the W·xᵀ path), the second is not
@@ -852,8 +852,8 @@ def test_a_layer_keeps_only_the_weights_of_the_layouts_it_runs():
     """rows alone: the transposed copy and the bias, no ordinary weight; it still computes the same."""
     import torch
 
-    from specd_common.autotune import ROWS
-    from specd_common.lm import LayoutSwitch, make_linears_switchable
+    from specd_engine.autotune import ROWS
+    from specd_engine.lm import LayoutSwitch, make_linears_switchable
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32))

@@ -83,7 +83,7 @@ def build_feature_head(target: Path, path: Path, vocab_stride: int = 1) -> Path:
     through), scoring every `vocab_stride`-th id plus EOS: a reduced vocabulary, as trained heads have."""
     from draft_service.feature_head import save_head
     from draft_training.feature_training import build_head
-    from specd_common.models import eos_token_ids, load_causal_lm
+    from specd_engine.models import eos_token_ids, load_causal_lm
 
     loaded = load_causal_lm(str(target), device="cpu", dtype="float32")
     vocab = set(range(0, loaded.model.config.vocab_size, vocab_stride)) | set(eos_token_ids(loaded))
@@ -96,7 +96,7 @@ def build_medusa_heads(target: Path, path: Path, heads: int = 3) -> Path:
     the identity, so every head proposes the target's own next token at its row (x_{t+1}, for x_{t+1+k}):
     right exactly where the target repeats a token."""
     from draft_training.medusa_training import MedusaRecipe, build_heads
-    from specd_common.models import load_causal_lm
+    from specd_engine.models import load_causal_lm
     from verify_service.medusa import save_heads
 
     loaded = load_causal_lm(str(target), device="cpu", dtype="float32")

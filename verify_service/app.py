@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from specd_common import model_thread
-from specd_common.batching import BatchPolicy
+from specd_engine import model_thread
+from specd_engine.batching import BatchPolicy
 from specd_common.config import ServerConfig, StartupMeasurement
-from specd_common.models import LoadedModel
+from specd_engine.models import LoadedModel
 from specd_common.security import token_interceptors
 from specd_common.server import RunningServer, start_observed_server
 from specd_common.sessions import SessionStore
@@ -24,7 +24,7 @@ def start_verify_server(
     """threads / prepack / kv_token_budget / forward / weights: see Scorer (0 / auto: measured or derived at start-up on this machine);
     medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none;
     auth_token: when set, every VerifyService RPC needs `authorization: Bearer <token>` (health and reflection stay open).
-    startup: where the start-up timings are cached and how long they may take (specd_common/runtime_cache.py).
+    startup: where the start-up timings are cached and how long they may take (specd_engine/runtime_cache.py).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
                                        forward, startup, weights)
@@ -43,7 +43,7 @@ def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepac
     """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
     medusa = None
     if medusa_heads:
-        from specd_common.models import vocab_digest
+        from specd_engine.models import vocab_digest
         from verify_service.medusa import load_heads
 
         medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))

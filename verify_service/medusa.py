@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd_common import autotune
-from specd_common.head_files import save_head_files
+from specd_engine import autotune
+from specd_engine.head_files import save_head_files
 
 WEIGHTS_FILE = "medusa_heads.safetensors"
 CONFIG_FILE = "medusa_heads.json"
@@ -113,7 +113,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [V']
         # the target's LM-head rows of the heads' vocabulary, stored as contiguous columns [H, V']:
         # x @ columns streams them at ~1.3x the speed of x @ rows.T on the 2-core AMD EPYC VM (the
-        # "rows" layout of specd_common/lm.py)
+        # "rows" layout of specd_engine/lm.py)
         columns = lm_head.detach().float()[vocab_ids.long()].T.contiguous()  # [H, V']
         self.register_buffer("head_columns", columns, persistent=False)
         self.product_dtypes: dict[int, str] = {}  # rows → a precision for the heads' product (tune_product); {}: float32

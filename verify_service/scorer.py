@@ -9,17 +9,18 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from specd.v1 import common_pb2, verify_pb2
-from specd_common import autotune, runtime_cache, tree
-from specd_common.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
-from specd_common.batching import BatchPolicy, make_batcher
+from specd_common import tree
+from specd_engine import autotune, runtime_cache
+from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
+from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.config import StartupMeasurement
 from specd_common.errors import require
-from specd_common.features import encode_features
-from specd_common.lm import PREFILL_CHUNK, CausalLM, KVSession
-from specd_common.models import LoadedModel, describe_model, synchronize
+from specd_engine.features import encode_features
+from specd_engine.lm import PREFILL_CHUNK, CausalLM, KVSession
+from specd_engine.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_common.warping import constrained, encode_rows, warp_probs
+from specd_engine.warping import constrained, encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,9 @@ class Scorer:
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
     for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
-    off: PyTorch's plain layout; specd_common.lm.SwitchableLinear), then its KV-token budget and, when it
+    off: PyTorch's plain layout; specd_engine.lm.SwitchableLinear), then its KV-token budget and, when it
     batches, what batched rounds cost (measure_batch_costs). `forward`: auto runs the passes with
-    specd_common/lean_forward.py where it serves the model, transformers keeps transformers'. With `medusa`
+    specd_engine/lean_forward.py where it serves the model, transformers keeps transformers'. With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
@@ -124,7 +125,7 @@ class Scorer:
             common_pb2.BatchCost(rows=1, positions=positions, milliseconds=ms) for positions, ms in runtime.pass_costs_ms().items())
 
     def timing_key(self, threads: int, max_threads: int, batching: BatchPolicy) -> dict:
-        """What the start-up timings depend on (specd_common/runtime_cache.py): the machine, the model, and
+        """What the start-up timings depend on (specd_engine/runtime_cache.py): the machine, the model, and
         what this verify times (the layouts and forward it may use, the thread counts it tries, the sizes
         of its passes, its batches and its heads)."""
         loaded = self.lm.loaded
@@ -350,7 +351,7 @@ class Scorer:
 
     def _replies(self, parts: Sequence[Part], logits: Sequence[torch.Tensor]) -> list[Union[Scores, Exception]]:
         """_finish on the model's thread (its torch work would start a second OpenMP team anywhere
-        else: specd_common/model_thread.py). A part whose reply fails gets its exception instead, and
+        else: specd_engine/model_thread.py). A part whose reply fails gets its exception instead, and
         the batch's other sessions their replies: one session's fault (its warp, the heads' product it
         asked for) fails that session's Verify alone."""
         owns = [torch.argmax(constrained(rows, part.session.warp, part.allowed), dim=-1)  # [k + 1] each: the target's

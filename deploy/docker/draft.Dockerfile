@@ -34,6 +34,7 @@ WORKDIR /src
 COPY pyproject.toml README.m[d] ./
 COPY protos ./protos
 COPY specd_common ./specd_common
+COPY specd_engine ./specd_engine
 COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service

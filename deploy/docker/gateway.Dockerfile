@@ -20,6 +20,7 @@ RUN . /tmp/extra/pip-env.sh && pip install -r /tmp/requirements-gateway.txt
 COPY pyproject.toml README.m[d] ./
 COPY protos ./protos
 COPY specd_common ./specd_common
+COPY specd_engine ./specd_engine
 COPY gateway ./gateway
 COPY draft_service ./draft_service
 COPY verify_service ./verify_service

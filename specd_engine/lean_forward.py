@@ -225,7 +225,7 @@ def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D].
     With rows_alone (an int4 verify's chain or tree: CausalLM._run_ragged), one session's rows attend
     one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
-    rounding, and bfloat16 products downstream (specd_common/quantized.py) turn that rounding into
+    rounding, and bfloat16 products downstream (specd_engine/quantized.py) turn that rounding into
     different logits, so a verify would judge drafts by another model than its own one-position
     decoding. Prompt chunks keep one call: they come in one size (CausalLM.prefill_feed)."""
     n = q.shape[2]

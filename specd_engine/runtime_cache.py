@@ -1,6 +1,6 @@
 """Start-up timings cached per machine, so a restarted model service does not time its passes again.
 
-What a model service times at start-up (specd_common/autotune.py: its forward passes per thread count,
+What a model service times at start-up (specd_engine/autotune.py: its forward passes per thread count,
 weight layout and size; the Medusa heads' product; batched rounds; a feature drafter's steps) depends on
 the machine, the software and the model, not on the moment. Timing it at every start made a verify killed
 by kill -9 under `specd up` serve again 44–47 s later, 36 s of it measuring (2-core AMD EPYC VM, issue 47).
@@ -27,7 +27,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from specd_common import autotune
+from specd_engine import autotune
 
 log = logging.getLogger(__name__)
 

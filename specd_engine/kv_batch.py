@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specd_common.kv_cache import GrowingLayer
+from specd_engine.kv_cache import GrowingLayer
 
 
 @dataclass

@@ -9,7 +9,7 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     draft, gRPC) instead of fighting them.
   * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
     every call), the weight prepacked once in oneDNN's layout, or MKL's packed one-row GEMM
-    (specd_common.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
+    (specd_engine.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
     or "tall": a linear whose weight has more rows than columns (the LM head, the MLP's gate and up)
     computed as W·xᵀ, one stream over the weight for all rows, which on that EPYC scores 4 rows of
     the 49,152-row LM head ~2.5x faster than PyTorch's x·Wᵀ; narrower layers stay plain; "cols":
@@ -32,10 +32,13 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Optional, Sequence
 
+from specd_common.config import STARTUP_BUDGET_S
+from specd_common.cost_curve import interpolate
+
 PLAIN, PREPACKED, MKL, TALL, COLS, ROWS = "plain", "prepacked", "mkl", "tall", "cols", "rows"
 LAYOUTS = (PLAIN, PREPACKED, MKL, TALL, COLS, ROWS)
 DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordinary weight
-# How a model service runs its passes: auto = specd_common/lean_forward.py where it serves the model and
+# How a model service runs its passes: auto = specd_engine/lean_forward.py where it serves the model and
 # agrees with transformers on a start-up probe (11–17% cheaper passes on a 2-core Intel Xeon VM), transformers = its own forward.
 FORWARDS = ("auto", "transformers")
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
@@ -68,7 +71,7 @@ class RuntimeChoice:
     batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
     heads_product: dict = field(default_factory=dict)  # rows → the Medusa heads' product precision and its timings (verify)
     settled_in_serving: dict = field(default_factory=dict)  # size → what ServingTrials chose there and the medians that chose it
-    weights: str = "float"  # the linear products' weights: float as loaded, or int4 (specd_common/quantized.py)
+    weights: str = "float"  # the linear products' weights: float as loaded, or int4 (specd_engine/quantized.py)
 
     def layout_for(self, positions: int) -> str:
         """The layout for a forward over `positions` rows (the nearest measured size at or below)."""
@@ -121,21 +124,6 @@ def by_size(table: dict, positions: int, default):
     return table[max(fitting) if fitting else min(table)]
 
 
-def interpolate(costs: dict[int, float], positions: int) -> float:
-    """Cost at `positions` from measured sizes: linear between neighbours, flat beyond the ends."""
-    sizes = sorted(costs)
-    if positions <= sizes[0]:
-        return costs[sizes[0]]
-    if positions >= sizes[-1]:
-        return costs[sizes[-1]]
-    upper = next(n for n in sizes if n >= positions)
-    lower = max(n for n in sizes if n <= positions)
-    if upper == lower:
-        return costs[lower]
-    share = (positions - lower) / (upper - lower)
-    return costs[lower] + share * (costs[upper] - costs[lower])
-
-
 def best_layouts(by_layout: dict[str, dict[int, float]], positions: Iterable[int]) -> dict[int, str]:
     """For each position count, the layout with the lower (interpolated) cost; ties go to plain."""
     return {
@@ -166,7 +154,7 @@ def one_thread_count(choice: RuntimeChoice, costs: Costs) -> RuntimeChoice:
     """`choice` with a single thread count for every forward size: the fewest threads within the
     tolerance of the cheapest summed over the sizes rounds use (ROUND_POSITIONS), each size on its
     cheapest layout at that count. For a model whose exactness needs a position's logits to be the same
-    bits in a pass of any size (int4: specd_common/quantized.py): CPU SDPA for one query over 64 or
+    bits in a pass of any size (int4: specd_engine/quantized.py): CPU SDPA for one query over 64 or
     more keys splits the keys by thread count (flash-decoding style), so a row scored on 1 thread
     and the same row scored on 2 differ by rounding, and a verify judging drafts on another thread
     count than its one-position passes changed greedy output (6 of 244 speculative requests of the
@@ -315,12 +303,6 @@ def cgroup_cpu_quota(root: Optional[str] = None) -> Optional[int]:
     return None
 
 
-# A service's start-up measurements stop taking rounds after this many seconds in all, keeping what they
-# timed (at least one timed round each): a restart on a busy machine must not wait minutes for them.
-# Sized to let an idle 2-core VM finish the default target's (~40 s on the AMD EPYC, 2026-11-26).
-STARTUP_BUDGET_S = 60.0
-
-
 @dataclass
 class Budget:
     """Seconds the start-up measurements of one service may take in all (0 = no limit), from `started`;
@@ -365,7 +347,7 @@ def measure_interleaved(runs: dict, repeats: int = 5, budget: Optional[Budget] =
 
 # measure(name, make_runs, repeats) → measure_interleaved's medians of make_runs(), or {} when a start-up
 # budget was spent before (the caller keeps its defaults): how start-up code asks for timings, so a service
-# can answer from its cache (specd_common/runtime_cache.py) without building the runs.
+# can answer from its cache (specd_engine/runtime_cache.py) without building the runs.
 Measure = Callable[[str, Callable[[], dict], int], dict]
 
 

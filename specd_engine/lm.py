@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from transformers import DynamicCache
 
-from specd_common import autotune, kv_batch, kv_cache, lean_forward, model_thread, quantized, tree
+from specd_common import tree
+from specd_engine import autotune, kv_batch, kv_cache, lean_forward, model_thread, quantized
 from specd_common.errors import InvalidArgument
-from specd_common.models import LoadedModel, max_sequence_length, model_vocab_size
+from specd_engine.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
 from specd_common.telemetry import model_forward
 
@@ -166,7 +167,7 @@ def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: 
 
     Why: PyTorch's default CPU linear repacks the weight on every call, which on some CPUs makes a
     pass over 2–5 positions (a verify round) cost nearly as much per row as one-row decoding, and on
-    others is the faster choice (specd_common/autotune.py measures which). CPU float32 only; returns
+    others is the faster choice (specd_engine/autotune.py measures which). CPU float32 only; returns
     how many layers were replaced (0 when only the plain layout is kept or available)."""
     keep = keep & available_layouts()
     if keep <= {autotune.PLAIN}:
@@ -181,7 +182,7 @@ def make_linears_switchable(model: torch.nn.Module, switch: LayoutSwitch, keep: 
 
 
 def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
-    """The lean forward for this model (specd_common/lean_forward.py), or None where transformers'
+    """The lean forward for this model (specd_engine/lean_forward.py), or None where transformers'
     forward must serve: an unsupported architecture, or logits that do not agree with transformers'
     on a probe (a warning: the model serves, only slower)."""
     reason = lean_forward.unsupported(loaded.model)
@@ -197,12 +198,12 @@ def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
     if disagreement:
         log.warning("model passes: transformers' forward; the lean one disagrees with it: %s", disagreement)
         return None
-    log.info("model passes: the lean forward (specd_common/lean_forward.py), which agrees with transformers' on a probe")
+    log.info("model passes: the lean forward (specd_engine/lean_forward.py), which agrees with transformers' on a probe")
     return lean
 
 
 def on_model_thread(method: Callable) -> Callable:
-    """Run a CausalLM method on the model's own thread (specd_common/model_thread.py says why)."""
+    """Run a CausalLM method on the model's own thread (specd_engine/model_thread.py says why)."""
 
     @functools.wraps(method)
     def run(self: "CausalLM", *args: Any, **kwargs: Any) -> Any:
@@ -214,16 +215,16 @@ def on_model_thread(method: Callable) -> Callable:
 class CausalLM:
     """Runs one model for many sessions; one forward pass at a time (the device is the bottleneck),
     every one of them, and the start-up measurements, on the process's model thread
-    (specd_common/model_thread.py; `run` puts a caller's own torch work there too)."""
+    (specd_engine/model_thread.py; `run` puts a caller's own torch work there too)."""
 
     def __init__(self, loaded: LoadedModel, layouts: set[str] = frozenset({autotune.PLAIN}), lean: bool = True,
                  weights: str = "float"):
         """layouts: on a float32 CPU model, the linear-weight layouts to keep (make_linears_switchable;
         `tune` picks among them per forward size and drops the unused). lean: run passes with
-        specd_common/lean_forward.py where the model is supported and agrees with transformers
+        specd_engine/lean_forward.py where the model is supported and agrees with transformers
         (lean_forward_for), which fuses its q/k/v and gate/up weights in place (the originals become
         views: same values, one copy). weights: "float" as loaded; "int4": the lean decoder layers'
-        products in 4-bit groups with bfloat16 inputs (specd_common/quantized.py; CPU and lean forward
+        products in 4-bit groups with bfloat16 inputs (specd_engine/quantized.py; CPU and lean forward
         only, else ValueError); "auto": int4 where that serves, else float. They change loaded.model
         in place, so only the owner of the model (a service) should ask for them."""
         self.loaded = loaded
@@ -265,7 +266,7 @@ class CausalLM:
                 f"start-up probe); here: {self.loaded.device.type}, {'lean' if self.lean is not None else 'transformers'} forward")
 
     def _pack_int4(self) -> None:
-        """The lean layers' products in 4 bits (specd_common/quantized.py), or a clear refusal."""
+        """The lean layers' products in 4 bits (specd_engine/quantized.py), or a clear refusal."""
         missing = self._int4_missing()
         if missing:
             raise ValueError(f"--weights {missing}")
@@ -331,10 +332,10 @@ class CausalLM:
     def tune(self, threads: int = 0, max_threads: int = 0, repeats: int = 5,
              measure: autotune.Measure = autotune.measure_now) -> autotune.RuntimeChoice:
         """Measure this model's forward passes on this machine and adopt the fastest runtime
-        (specd_common/autotune.py): thread count (unless `threads` > 0 fixes it; at most
+        (specd_engine/autotune.py): thread count (unless `threads` > 0 fixes it; at most
         `max_threads` > 0) and the weight layout per forward size (among self.layouts). Not on
         CUDA: there the default stands. `measure` takes the timings (a service's may answer from
-        its cache: specd_common/runtime_cache.py)."""
+        its cache: specd_engine/runtime_cache.py)."""
         if self.loaded.device.type != "cpu":
             return self.runtime
         counts = autotune.threads_to_try(threads, max_threads)
@@ -396,7 +397,7 @@ class CausalLM:
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True) -> KVSession:
         """A session holding `prompt`, with everything but the last token in its cache (prefill=False:
         nothing cached yet; the caller prefills it with prefill_feed, e.g. in chunks that share passes
-        with other sessions: specd_common/batching.py)."""
+        with other sessions: specd_engine/batching.py)."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
         session = self._session(prompt, kv_cache.growing_cache(self.loaded.model.config, reserve=len(prompt) + kv_cache.SPARE_COLUMNS),
@@ -502,7 +503,7 @@ class CausalLM:
 
         With the lean forward every feed shares one ragged pass (_run_ragged: weights streamed once,
         attention in place in each cache). transformers' forward (other architectures) runs chains
-        in one padded pass (specd_common/kv_batch.py) where every cache can be packed, and trees and
+        in one padded pass (specd_engine/kv_batch.py) where every cache can be packed, and trees and
         prefill chunks one pass each."""
         if len({id(feed.session) for feed in feeds}) != len(feeds):
             raise ValueError("a pass must not hold the same session twice")

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -82,6 +82,9 @@ wire-bytes: setup  ## bytes a sampled round's distributions take on the wire, as
 
 ab-gateways: setup  ## two gateways' speculation side by side on one verify, with target-only (AB_ARGS="--new HOST:PORT --old HOST:PORT --prompts FILE ..."; docs/design/policy.md)
 	$(PY) scripts/ab_gateways.py $(AB_ARGS)
+
+pass-anatomy: setup  ## where a verify pass's time goes as rows and sessions grow: product kernels, KV appends, attention (ANATOMY_ARGS="--rows 1 2 4 8 --sessions 1 8"; docs/design/engine-room.md)
+	$(PY) scripts/pass_anatomy.py $(ANATOMY_ARGS)
 
 tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)
 	$(PY) scripts/tracing_overhead.py $(TRACING_ARGS)

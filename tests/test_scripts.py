@@ -22,7 +22,8 @@ from tests.tiny_models import build_model, build_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
-                "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py"}
+                "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
+                "pass-anatomy": "pass_anatomy.py"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -106,6 +107,21 @@ def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path):
     for mode in ("new", "old"):
         assert set(report["summary"][mode]["speedup"]) == {"all", "kind:chat", "repeat:0"}
         assert report["summary"][mode]["speedup"]["all"] > 0
+
+
+def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):
+    """`make pass-anatomy` on a tiny model: attention's batch invariance reported, every kernel timed at each row count with its batch invariance,
+    and each pass (sessions × positions) whole, without SDPA and without attention."""
+    target = build_model(tmp_path / "target", seed=1)
+    printed = make("pass-anatomy", ANATOMY_ARGS=f"--target {target} --rows 1 2 --sessions 1 2 --positions 3 --prompt 8 --repeats 1")
+    lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    attention, products, sessions = lines[0]["attention_row_alone_equals_row_in_batch"], lines[1]["products"], lines[2]["sessions"]
+    assert set(attention) == {"own_length", "padded_to_key_blocks", "chain_rows_in_one_call"}
+    assert set(products["ms"]) >= {"int4", "float32_rows", "int8"}
+    assert all(set(by_rows) == {"1", "2"} and min(by_rows.values()) > 0 for by_rows in products["ms"].values())
+    assert products["row_alone_equals_row_among_8"]["int4"] in (True, False)
+    assert set(sessions["ms"]) == {"1x1", "2x1", "1x3"}
+    assert all(set(parts) == {"whole", "no_sdpa", "no_attention"} for parts in sessions["ms"].values())
 
 
 def test_tracing_overhead_times_the_three_stacks():

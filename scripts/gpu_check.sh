@@ -11,7 +11,7 @@
 # agreement measured; draft and verify on the device; batched equal alone; seeded sampling
 # repeats), then `specd bench` (its services' model threads profiled: SPECD_PROFILE_DIR) on the default target (BENCH_ARGS, default bfloat16, 8 held-out
 # prompts, 64 tokens) with transformers `generate` on the same GPU, then the engine room's fixed-shape
-# pass eager and replayed as a CUDA graph (scripts/graphed_pass.py, ~1 minute); writes
+# pass eager and replayed as a CUDA graph beside specd's pass today (scripts/graphed_pass.py, ~1 minute); writes
 # OUT/gpu_check-<date>.json: machine (GPU, driver, CUDA, torch, transformers), the tests'
 # outcome and measurements, the bench report. --device cpu runs the same Python on a tiny random
 # target with few tokens (CI: tests/test_scripts.py), writing to --out.
@@ -34,7 +34,7 @@ if [ "$device" != cpu ]; then  # on the lent machine: install what was staged
   bench_args=${BENCH_ARGS:---limit 8 --max-new-tokens 64 --dtype bfloat16}
   target=()
   tests_timeout=300 bench_timeout=180  # measured on an H200: 255 s and 135 s
-  graphed_args=(--device "$device" --dtype bfloat16) graphed_timeout=90
+  graphed_args=(--device "$device" --dtype bfloat16 --against-engine --repeats 8) graphed_timeout=100
 else  # CI: the same steps on a tiny random target, few tokens
   "$PY" -c "import sys; from tests.tiny_models import build_model; build_model(__import__('pathlib').Path(sys.argv[1]), seed=0)" "$work/tiny"
   printf '{"prompt": "hello world", "category": "chat"}\n{"prompt": "def add(a, b):", "category": "code"}\n' >"$work/prompts.jsonl"
@@ -42,7 +42,7 @@ else  # CI: the same steps on a tiny random target, few tokens
   bench_args=${BENCH_ARGS:---limit 2 --max-new-tokens 8 --threads 1}
   target=(--target "$work/tiny")
   tests_timeout=120 bench_timeout=120
-  graphed_args=(--device cpu --target "$work/tiny" --context 64 --repeats 3) graphed_timeout=120
+  graphed_args=(--device cpu --target "$work/tiny" --context 64 --repeats 3 --against-engine) graphed_timeout=120
   export SPECD_PROFILE_CALLS=${SPECD_PROFILE_CALLS:-5:10}  # a short bench: its window starts early
 fi
 

@@ -9,6 +9,8 @@ a prompt. It is a measurement, not the serving path: one JSON object, for `make 
 
     python scripts/graphed_pass.py --device cuda --dtype bfloat16 --out graphed.json
     python scripts/graphed_pass.py --device cpu --target TINY_MODEL_DIR --context 64   (CI)
+    python scripts/graphed_pass.py --device cpu --dtype float32 --context 512 --against-engine
+                                    (beside specd's own pass today, CausalLM, on the same weights)
 """
 
 from __future__ import annotations
@@ -141,6 +143,29 @@ def measure(model: torch.nn.Module, device: torch.device, context: int, repeats:
     return shapes
 
 
+def engine_passes(loaded, context: int, repeats: int) -> dict:
+    """Per shape: ms of specd's own pass today (CausalLM.run_feeds, the ragged pass of
+    docs/design/batching.md, float weights) over the same sessions × rows with context // 2 cached:
+    the static pass's comparison on the same device and weights. It changes the model in place
+    (the lean forward fuses its products), so it runs after the static passes."""
+    from specd_engine.lm import CausalLM, Feed
+
+    lm = CausalLM(loaded, weights="float")
+    vocab, cached = loaded.model.config.vocab_size, context // 2
+    shapes = {}
+    for sessions, rows in SHAPES:
+        held = [lm.new_session([(7 * s + j) % vocab for j in range(cached + 1)]) for s in range(sessions)]
+
+        def run() -> None:
+            lm.run_feeds([Feed(session, list(range(1, rows + 1)), logits=rows) for session in held])
+            for session in held:  # back to the prompt
+                session.cache.crop(-rows)
+                session.cached = cached
+
+        shapes[f"{sessions}x{rows}"] = {"engine_ms": timed_ms(run, loaded.device, repeats)}
+    return shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
@@ -149,6 +174,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="positions a session's static cache holds")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default="", help="write the JSON here too")
+    parser.add_argument("--against-engine", action="store_true", help="also time specd's own pass (CausalLM) at each shape")
     args = parser.parse_args()
     loaded = load_causal_lm(args.target, device=args.device, dtype=args.dtype)
     model, device = loaded.model, loaded.device
@@ -157,6 +183,9 @@ def main() -> None:
     try:
         result["agrees_with_transformers"] = agrees_with_transformers(model, args.context)
         result["shapes"] = measure(model, device, args.context, args.repeats)
+        if args.against_engine:
+            for shape, entry in engine_passes(loaded, args.context, args.repeats).items():
+                result["shapes"][shape].update(entry)
     except Exception as error:  # a device window must still record what ran
         result["error"] = repr(error)
     text = json.dumps(result)

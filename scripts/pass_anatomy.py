@@ -3,7 +3,8 @@
 Three parts, one JSON line each, on one torch thread (an int4 verify's passes run on one thread count):
   attention  whether SDPA gives a one-query row the same bits alone and among other sessions' rows
              (keys padded and masked to the longest): at its own key count, and padded to multiples
-             of the CPU kernel's key block; and a chain's rows in one call against each alone
+             of the CPU kernel's key block; a chain's rows in one call against each alone; and what
+             padding costs one row over 200 keys
   products   the decoder's four products at the target's shapes (the whole stack of layers) for M rows
              in each kernel this torch build has on a CPU: int4 groups (what the default verify serves),
              float32 plain, rows (x·Wᵀ from Wᵀ), cols (W·xᵀ), oneDNN-prepacked, bfloat16, int8 rows
@@ -143,6 +144,10 @@ def attention_invariance(heads: int, kv_heads: int, dim: int) -> dict:
     together = sdpa(q, kp, vp, attn_mask=chain_mask)
     out["chain_rows_in_one_call"] = all(torch.equal(together[:, :, r : r + 1], sdpa(q[:, :, r : r + 1], kp, vp, attn_mask=chain_mask[:, :, r : r + 1]))
                                         for r in range(rows))
+    (kp, mask), (vp, _) = _padded(keys[3], KEY_BLOCK), _padded(values[3], KEY_BLOCK)  # 200 keys, padded to 512
+    exact = timed_ms(lambda: sdpa(queries[3], keys[3], values[3]), 200)
+    padded = timed_ms(lambda: sdpa(queries[3], kp, vp, attn_mask=mask), 200)
+    out["one_row_over_200_keys_us"] = {"own_length": round(exact * 1e3, 1), "padded_to_key_blocks": round(padded * 1e3, 1)}
     return out
 
 
@@ -201,7 +206,7 @@ def main() -> None:
     model = load_causal_lm(args.target, device="cpu").model
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    print(json.dumps({"attention_row_alone_equals_row_in_batch": attention_invariance(
+    print(json.dumps({"attention": attention_invariance(
         config.num_attention_heads, config.num_key_value_heads, head_dim)}), flush=True)
     print(json.dumps({"products": products(model, args.rows, args.repeats)}), flush=True)
     print(json.dumps({"sessions": sessions(args.target, args.sessions, args.positions, args.prompt, args.repeats)}), flush=True)

@@ -115,8 +115,8 @@ def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):
     target = build_model(tmp_path / "target", seed=1)
     printed = make("pass-anatomy", ANATOMY_ARGS=f"--target {target} --rows 1 2 --sessions 1 2 --positions 3 --prompt 8 --repeats 1")
     lines = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
-    attention, products, sessions = lines[0]["attention_row_alone_equals_row_in_batch"], lines[1]["products"], lines[2]["sessions"]
-    assert set(attention) == {"own_length", "padded_to_key_blocks", "chain_rows_in_one_call"}
+    attention, products, sessions = lines[0]["attention"], lines[1]["products"], lines[2]["sessions"]
+    assert set(attention) == {"own_length", "padded_to_key_blocks", "chain_rows_in_one_call", "one_row_over_200_keys_us"}
     assert set(products["ms"]) >= {"int4", "float32_rows", "int8"}
     assert all(set(by_rows) == {"1", "2"} and min(by_rows.values()) > 0 for by_rows in products["ms"].values())
     assert products["row_alone_equals_row_among_8"]["int4"] in (True, False)

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -85,6 +85,9 @@ ab-gateways: setup  ## two gateways' speculation side by side on one verify, wit
 
 pass-anatomy: setup  ## where a verify pass's time goes as rows and sessions grow: product kernels, KV appends, attention (ANATOMY_ARGS="--rows 1 2 4 8 --sessions 1 8"; docs/design/engine-room.md)
 	$(PY) scripts/pass_anatomy.py $(ANATOMY_ARGS)
+
+graphed-pass: setup  ## the engine's fixed-shape pass over a static KV store, eager and (CUDA) as a graph, beside specd's pass (GRAPHED_ARGS="--device cpu --dtype float32 --context 512 --against-engine"; docs/design/engine-room.md)
+	$(PY) scripts/graphed_pass.py $(GRAPHED_ARGS)
 
 tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)
 	$(PY) scripts/tracing_overhead.py $(TRACING_ARGS)

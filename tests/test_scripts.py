@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
-                "pass-anatomy": "pass_anatomy.py"}
+                "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -122,6 +122,17 @@ def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):
     assert products["row_alone_equals_row_among_8"]["int4"] in (True, False)
     assert set(sessions["ms"]) == {"1x1", "2x1", "1x3"}
     assert all(set(parts) == {"whole", "no_sdpa", "no_attention"} for parts in sessions["ms"].values())
+
+
+def test_graphed_pass_agrees_with_transformers_and_times_each_shape(tmp_path):
+    """`make graphed-pass` eagerly on a tiny model: the static pass's next tokens equal transformers',
+    and every shape has its eager and engine timings (the CUDA graph columns need a GPU: gpu-check)."""
+    target = build_model(tmp_path / "target", seed=1)
+    printed = make("graphed-pass", GRAPHED_ARGS=f"--device cpu --target {target} --context 32 --repeats 1 --against-engine")
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    assert result["agrees_with_transformers"] is True and "error" not in result, result
+    assert set(result["shapes"]) == {"1x1", "1x4", "8x1", "8x4", "32x1"}
+    assert all(entry["eager_ms"] > 0 and entry["engine_ms"] > 0 and "graphed_ms" not in entry for entry in result["shapes"].values())
 
 
 def test_tracing_overhead_times_the_three_stacks():

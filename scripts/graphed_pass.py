@@ -16,16 +16,17 @@ a prompt. It is a measurement, not the serving path: one JSON object, for `make 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from specd_common.config import DEFAULT_TARGET
-from specd_engine.models import load_causal_lm, synchronize
+from specd_engine.autotune import measure_interleaved
+from specd_engine.lean_forward import rms_norm, rotate, signed_sin
+from specd_engine.models import load_causal_lm
 
 SHAPES = ((1, 1), (1, 4), (8, 1), (8, 4), (32, 1))  # (sessions, rows each): decode, a verify's chain, batches
 
@@ -66,41 +67,29 @@ class StaticPass:
         mask = (self.key_positions <= positions[:, :, None])[:, None]  # [S, 1, T, K]: causal over the store
         x = self.model.model.embed_tokens(self.ids)  # [S, T, C]
         cos, sin = self.model.model.rotary_emb(x, positions)  # [S, T, D] each
-        cos, sin = cos[:, None], sin[:, None]  # [S, 1, T, D]
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [S, 1, T, D]
         flat_positions = positions.reshape(-1)  # [S·T]
         for index, (norm1, qkv_w, o_w, norm2, gate_up_w, down_w) in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), norm1, self.eps)
+            h = rms_norm(x, norm1, self.eps)
             qkv = F.linear(h, qkv_w).view(s, t, self.heads + 2 * self.kv_heads, self.dim).transpose(1, 2)  # [S, H', T, D]
             q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.keys[index].index_put_((self.session_of_row, flat_positions), k.transpose(1, 2).reshape(s * t, self.kv_heads, self.dim))
             self.values[index].index_put_((self.session_of_row, flat_positions), v.transpose(1, 2).reshape(s * t, self.kv_heads, self.dim))
             attended = F.scaled_dot_product_attention(q, self.keys[index].transpose(1, 2), self.values[index].transpose(1, 2),
                                                       attn_mask=mask, enable_gqa=self.heads != self.kv_heads)  # [S, Hq, T, D]
             x = x + F.linear(attended.transpose(1, 2).reshape(s, t, self.heads * self.dim), o_w)
-            gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), norm2, self.eps), gate_up_w).chunk(2, dim=-1)
+            gate, up = F.linear(rms_norm(x, norm2, self.eps), gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, down_w)
-        return self.model.lm_head(F.rms_norm(x, (x.shape[-1],), self.model.model.norm.weight, self.eps))  # [S, T, V]
+        return self.model.lm_head(rms_norm(x, self.model.model.norm.weight, self.eps))  # [S, T, V]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotary embedding: x·cos + rotate_half(x)·sin, x [S, h, T, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def timed_ms(run: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median ms of run() over `repeats` calls after three warm-ups, the device synchronized around each."""
-    for _ in range(3):
-        run()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append((time.perf_counter() - started) * 1e3)
-    return round(statistics.median(times), 3)
+def median_ms(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each run, interleaved round by round (autotune.measure_interleaved: a warm-up
+    round first, the device synchronized after each run), on the current thread count."""
+    threads = torch.get_num_threads()
+    seconds = measure_interleaved({(threads, name): run for name, run in runs.items()}, repeats)
+    return {name: round(seconds[(threads, name)] * 1e3, 3) for name in runs}
 
 
 @torch.inference_mode()
@@ -121,25 +110,25 @@ def measure(model: torch.nn.Module, device: torch.device, context: int, repeats:
         static = StaticPass(model, sessions, rows, context)
         static.ids.copy_(torch.randint(0, model.config.vocab_size, static.ids.shape, device=device))
         static.starts.fill_(context // 2)  # half the store cached: attention over a realistic span
-        entry = {"eager_ms": timed_ms(static, device, repeats)}
-        if device.type == "cuda":
-            eager = static().clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
-                for _ in range(3):
-                    static()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = static()
-            graph.replay()
-            torch.cuda.synchronize()
-            entry["graphed_ms"] = timed_ms(graph.replay, device, repeats)
-            entry["graph_equals_eager"] = bool(torch.equal(captured, eager))
-            entry["speedup"] = round(entry["eager_ms"] / entry["graphed_ms"], 2)
+        if device.type != "cuda":
+            shapes[f"{sessions}x{rows}"] = {"eager_ms": median_ms({"eager": static}, repeats)["eager"]}
+            continue
+        eager = static().clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+            for _ in range(3):
+                static()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = static()
+        graph.replay()
+        torch.cuda.synchronize()
+        entry = {f"{name}_ms": ms for name, ms in median_ms({"eager": static, "graphed": graph.replay}, repeats).items()}
+        entry["graph_equals_eager"] = bool(torch.equal(captured, eager))
+        entry["speedup"] = round(entry["eager_ms"] / entry["graphed_ms"], 2)
         shapes[f"{sessions}x{rows}"] = entry
-        del static
     return shapes
 
 
@@ -156,13 +145,8 @@ def engine_passes(loaded, context: int, repeats: int) -> dict:
     for sessions, rows in SHAPES:
         held = [lm.new_session([(7 * s + j) % vocab for j in range(cached + 1)]) for s in range(sessions)]
 
-        def run() -> None:
-            lm.run_feeds([Feed(session, list(range(1, rows + 1)), logits=rows) for session in held])
-            for session in held:  # back to the prompt
-                session.cache.crop(-rows)
-                session.cached = cached
-
-        shapes[f"{sessions}x{rows}"] = {"engine_ms": timed_ms(run, loaded.device, repeats)}
+        run = functools.partial(lm.run_feeds_then_rewind, [Feed(session, list(range(1, rows + 1)), logits=rows) for session in held])
+        shapes[f"{sessions}x{rows}"] = {"engine_ms": median_ms({"engine": run}, repeats)["engine"]}
     return shapes
 
 

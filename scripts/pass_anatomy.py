@@ -32,22 +32,11 @@ import torch.nn.functional as F
 
 from specd_common.config import DEFAULT_TARGET
 from specd_engine import lean_forward
+from specd_engine.autotune import measure_interleaved
 from specd_engine.lm import CausalLM, Feed
 from specd_engine.models import load_causal_lm
 
 GROUP = 32  # int4 group size, as specd_engine/quantized.py packs
-
-
-def timed_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of fn over `repeats` calls after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 def product_kernels(shapes: list[tuple[int, int]]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
@@ -83,21 +72,28 @@ def products(model, rows: list[int], repeats: int) -> dict:
     shapes = [(qkv, hidden), (hidden, config.num_attention_heads * head_dim), (2 * inner, hidden), (hidden, inner)]
     layers = config.num_hidden_layers
     kernels = product_kernels(shapes)
-    out = {"layers": layers, "shapes_out_in": shapes, "ms": {}, "row_alone_equals_row_among_8": {}, "lm_head_int8_ms": {}}
+    out = {"layers": layers, "shapes_out_in": shapes, "ms": {name: {} for name in kernels}, "row_alone_equals_row_among_8": {},
+           "lm_head_int8_ms": {}}
     head = product_kernels([(config.vocab_size, hidden)])["int8"]  # the served LM head (quantized.Int8Linear)
-    for m in rows:
-        x = torch.randn(m, hidden)
-        out["lm_head_int8_ms"][m] = round(timed_ms(lambda: head(x, 0), repeats), 3)
+    for m in rows:  # every kernel and the head timed round by round (autotune.measure_interleaved), one thread
+        inputs, head_input = [torch.randn(m, k) for _, k in shapes], torch.randn(m, hidden)
+        runs = {(1, name): functools.partial(_stack, kernel, inputs) for name, kernel in kernels.items()}
+        runs[(1, "lm_head")] = functools.partial(head, head_input, 0)
+        seconds = measure_interleaved(runs, repeats)
+        for name in kernels:
+            out["ms"][name][m] = round(seconds[(1, name)] * 1e3 * layers, 3)
+        out["lm_head_int8_ms"][m] = round(seconds[(1, "lm_head")] * 1e3, 3)
     for name, kernel in kernels.items():
-        out["ms"][name] = {}
-        for m in rows:
-            inputs = [torch.randn(m, k) for _, k in shapes]
-            per_layer = timed_ms(lambda: [kernel(x, i) for i, x in enumerate(inputs)], repeats)
-            out["ms"][name][m] = round(per_layer * layers, 3)
         x = torch.randn(8, shapes[0][1])
         among = kernel(x, 0)
         out["row_alone_equals_row_among_8"][name] = all(torch.equal(among[i : i + 1], kernel(x[i : i + 1], 0)) for i in range(8))
     return out
+
+
+def _stack(kernel: Callable[[torch.Tensor, int], torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    """One layer's products: kernel over each input in turn."""
+    for index, x in enumerate(inputs):
+        kernel(x, index)
 
 
 KEY_BLOCK = 512  # torch's CPU flash attention reduces over keys in blocks of this many (fewer: one block)
@@ -145,9 +141,9 @@ def attention_invariance(heads: int, kv_heads: int, dim: int) -> dict:
     out["chain_rows_in_one_call"] = all(torch.equal(together[:, :, r : r + 1], sdpa(q[:, :, r : r + 1], kp, vp, attn_mask=chain_mask[:, :, r : r + 1]))
                                         for r in range(rows))
     (kp, mask), (vp, _) = _padded(keys[3], KEY_BLOCK), _padded(values[3], KEY_BLOCK)  # 200 keys, padded to 512
-    exact = timed_ms(lambda: sdpa(queries[3], keys[3], values[3]), 200)
-    padded = timed_ms(lambda: sdpa(queries[3], kp, vp, attn_mask=mask), 200)
-    out["one_row_over_200_keys_us"] = {"own_length": round(exact * 1e3, 1), "padded_to_key_blocks": round(padded * 1e3, 1)}
+    seconds = measure_interleaved({(1, "own_length"): lambda: sdpa(queries[3], keys[3], values[3]),
+                                   (1, "padded_to_key_blocks"): lambda: sdpa(queries[3], kp, vp, attn_mask=mask)}, 200)
+    out["one_row_over_200_keys_us"] = {name: round(value * 1e6, 1) for (_, name), value in seconds.items()}
     return out
 
 
@@ -181,11 +177,8 @@ def sessions(target: str, counts: list[int], positions: list[int], prompt: int, 
                     for _ in range(3):
                         feeds = [Feed(session, list(range(5, 5 + n)), logits=n) for session in held]
                         started = time.perf_counter()
-                        lm.run_feeds(feeds)
+                        lm.run_feeds_then_rewind(feeds)
                         fastest = min(fastest, (time.perf_counter() - started) * 1e3)
-                        for session in held:  # back to the prompt
-                            session.cache.crop(-n)
-                            session.cached = prompt - 1
                     best[name].append(fastest)
             out["ms"][f"{count}x{n}"] = {name: round(statistics.median(times), 3) for name, times in best.items()}
     finally:

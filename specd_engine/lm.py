@@ -351,9 +351,7 @@ class CausalLM:
 
             def run() -> None:
                 self.runtime = fixed
-                self.run_feeds([Feed(session, prompt[:positions], logits=positions)])  # every position's logits, like a verify
-                session.cache.crop(-positions)  # back to the prompt
-                session.cached = len(prompt) - 1
+                self.run_feeds_then_rewind([Feed(session, prompt[:positions], logits=positions)])  # every position's logits, like a verify
 
             return run
 
@@ -514,6 +512,20 @@ class CausalLM:
             padded = dict(zip(map(id, chains), self._run_batch(chains)))
             return [padded[id(feed)] if id(feed) in padded else self._run(feed) for feed in feeds]
         return [self._run(feed) for feed in feeds]
+
+    def run_feeds_then_rewind(self, feeds: Sequence[Feed]) -> list[Optional[torch.Tensor]]:
+        """run_feeds, then every session as it was before (its cache, tokens and pending tree): a pass
+        timed again and again over the same positions (start-up timings, scripts/pass_anatomy.py)."""
+        before = [(feed.session.cache.get_seq_length(), feed.session.cached, len(feed.session.tokens)) for feed in feeds]
+        results = self.run_feeds(feeds)
+        for feed, (length, cached, tokens) in zip(feeds, before):
+            session = feed.session
+            added = session.cache.get_seq_length() - length
+            if added:  # crop(0) would empty the cache
+                session.cache.crop(-added)
+            session.cached, session.tree = cached, None
+            del session.tokens[tokens:]
+        return results
 
     @staticmethod
     def _advance(feed: Feed) -> None:

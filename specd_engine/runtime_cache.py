@@ -27,6 +27,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from specd_common.config import STARTUP_BUDGET_S
 from specd_engine import autotune
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class StartupTimings:
 
     @classmethod
     def open(cls, service: str, key: dict, cache_dir: Optional[str], remeasure: bool = False,
-             budget_s: float = autotune.STARTUP_BUDGET_S) -> "StartupTimings":
+             budget_s: float = STARTUP_BUDGET_S) -> "StartupTimings":
         """cache_dir: None for no cache, '' for runtime_folder()'s default, else that folder."""
         folder = None if cache_dir is None else runtime_folder(cache_dir)
         return cls(service, key, folder, remeasure, autotune.Budget(budget_s))

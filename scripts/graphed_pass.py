@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specd_common.config import DEFAULT_TARGET
 from specd_engine.autotune import measure_interleaved
 from specd_engine.lean_forward import rms_norm, rotate, signed_sin
-from specd_engine.models import load_causal_lm
+from specd_engine.models import load_causal_lm, synchronize
 
 SHAPES = ((1, 1), (1, 4), (8, 1), (8, 4), (32, 1))  # (sessions, rows each): decode, a verify's chain, batches
 
@@ -124,7 +124,7 @@ def measure(model: torch.nn.Module, device: torch.device, context: int, repeats:
         with torch.cuda.graph(graph):
             captured = static()
         graph.replay()
-        torch.cuda.synchronize()
+        synchronize(device)
         entry = {f"{name}_ms": ms for name, ms in median_ms({"eager": static, "graphed": graph.replay}, repeats).items()}
         entry["graph_equals_eager"] = bool(torch.equal(captured, eager))
         entry["speedup"] = round(entry["eager_ms"] / entry["graphed_ms"], 2)

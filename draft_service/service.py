@@ -8,11 +8,11 @@ import numpy as np
 import grpc
 
 from draft_service.drafters import DraftSession, Drafter, Proposal
-from draft_service.speculation import MAX_OUTCOMES, SpeculationCache, SpeculationJob, resolve_or_none
+from draft_service.speculation import SpeculationCache, SpeculationJob, resolve_or_none
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specd_common.errors import grpc_errors, require
 from specd_common.sequence import validate_token_ids
-from specd_common.tree import MAX_BRANCHES, MAX_DRAFT_TOKENS, MAX_TREE_NODES
+from specd_common.tree import MAX_BRANCHES, MAX_DRAFT_TOKENS, MAX_SPECULATED_OUTCOMES, MAX_TREE_NODES
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
 from specd_common.params import Warp
@@ -70,8 +70,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         require(0 <= request.branches <= MAX_BRANCHES and k * branches <= MAX_TREE_NODES,
                 f"branches must be in [0, {MAX_BRANCHES}] with num_draft_tokens × branches ≤ {MAX_TREE_NODES}, "
                 f"got {request.branches} × {k}")
-        require(0 <= request.speculate_outcomes <= MAX_OUTCOMES,
-                f"speculate_outcomes must be in [0, {MAX_OUTCOMES}], got {request.speculate_outcomes}")
+        require(0 <= request.speculate_outcomes <= MAX_SPECULATED_OUTCOMES,
+                f"speculate_outcomes must be in [0, {MAX_SPECULATED_OUTCOMES}], got {request.speculate_outcomes}")
         self._check_ids(request.commit.append_token_ids, "commit.append_token_ids")
         job = self.speculation.take(request.session_id) if self.speculation is not None else None
         with self.sessions.use(request.session_id) as session:

@@ -27,7 +27,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_OUTCOMES = 16  # ProposeRequest.speculate_outcomes' limit: 16 × k head steps already outlast a CPU verify pass
 MAX_QUEUED = 256  # sessions waiting for the worker; beyond that a Propose simply prepares nothing (a miss, not an error)
 MAX_JOBS = 1024  # jobs held for their next Propose; the oldest goes first (its session most likely ended without a Release)
 

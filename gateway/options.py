@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specd_common.tree import MAX_DRAFT_TOKENS
+from specd_common.tree import MAX_DRAFT_TOKENS, MAX_SPECULATED_OUTCOMES
 
-MAX_SPECULATED_OUTCOMES = 16  # ProposeRequest.speculate_outcomes' limit (draft_service/speculation.py)
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 MAX_QUEUE_S = 30.0  # a client without a deadline waits at most about this long for its first token, else is refused
 SESSION_LEASE_S = 6.0  # a model service frees a session this long after its gateway stopped renewing it

@@ -141,3 +141,19 @@ def test_every_policy_threshold_has_its_principle():
     fields = [line for line in lines if line.startswith("    ") and ": " in line and " = " in line and not line.strip().startswith(("#", "def", "return"))]
     assert len(fields) >= 15
     assert all("  # " in line for line in fields), [line for line in fields if "  # " not in line]
+
+
+def test_a_round_limit_has_one_value_that_every_service_reads():
+    """The gateway, draft and verify check a round's sizes against the same constants (specd_common/tree.py):
+    a second definition could let the gateway send what a service refuses."""
+    from specd_common import tree
+
+    limits = [name for name in vars(tree) if name.startswith("MAX_")]
+    assert {"MAX_DRAFT_TOKENS", "MAX_BRANCHES", "MAX_TREE_NODES", "MAX_SPECULATED_OUTCOMES"} <= set(limits)
+    redefined = []
+    for package in ("gateway", "draft_service", "verify_service", "specd_engine"):
+        for path in (REPO / package).glob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Assign) and any(getattr(target, "id", "") in limits for target in node.targets):
+                    redefined.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert redefined == []

@@ -10,7 +10,8 @@
 # (greedy equal to generate in float32, tiny models and the default target; bfloat16/float16
 # agreement measured; draft and verify on the device; batched equal alone; seeded sampling
 # repeats), then `specd bench` (its services' model threads profiled: SPECD_PROFILE_DIR) on the default target (BENCH_ARGS, default bfloat16, 8 held-out
-# prompts, 64 tokens) with transformers `generate` on the same GPU, then the engine room's fixed-shape
+# prompts, 64 tokens; the verify's passes BENCH_FORWARD, default flat: specd_engine/flat_pass.py, CUDA graphs) with
+# transformers `generate` on the same GPU, then the engine room's fixed-shape
 # pass eager and replayed as a CUDA graph beside specd's pass today (scripts/graphed_pass.py, ~1 minute); writes
 # OUT/gpu_check-<date>.json: machine (GPU, driver, CUDA, torch, transformers), the tests'
 # outcome and measurements, the bench report. --device cpu runs the same Python on a tiny random
@@ -52,14 +53,14 @@ timeout "$tests_timeout" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/tes
 tests_rc=${PIPESTATUS[0]}
 tests_s=$(( $(date +%s) - started ))
 # shellcheck disable=SC2086
-SPECD_PROFILE_DIR="$work/profile" timeout "$bench_timeout" "$PY" -m specd_app.cli bench "${prompts[@]}" "${target[@]}" $bench_args --json --output "$work/bench.json" \
+SPECD_FORWARD=${BENCH_FORWARD:-flat} SPECD_PROFILE_DIR="$work/profile" timeout "$bench_timeout" "$PY" -m specd_app.cli bench "${prompts[@]}" "${target[@]}" $bench_args --json --output "$work/bench.json" \
   >"$work/bench.log" 2>&1
 bench_rc=$?
 timeout "$graphed_timeout" "$PY" scripts/graphed_pass.py "${graphed_args[@]}" --out "$work/graphed.json" >"$work/graphed.log" 2>&1
 set -e
 tail -5 "$work/bench.log"
 "$PY" - "$work" "$out" "$device" "$tests_rc" "$bench_rc" "$tests_s" <<'EOF'
-import json, subprocess, sys, time
+import json, os, subprocess, sys, time
 from pathlib import Path
 
 from specd_app.bench import machine_facts
@@ -68,7 +69,8 @@ work, out, device, tests_rc, bench_rc, tests_s = sys.argv[1:]
 work = Path(work)
 summary = [line for line in (work / "pytest.log").read_text().splitlines() if " passed" in line or " failed" in line]
 result = {
-    "command": f"scripts/gpu_check.sh --device {device}", "check": "issue 44", "device": device, "machine": machine_facts(),
+    "command": f"scripts/gpu_check.sh --device {device}", "check": "issue 44",
+    "bench_forward": os.environ.get("BENCH_FORWARD", "flat"), "device": device, "machine": machine_facts(),
     "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
     "tests": {"exit_code": int(tests_rc), "summary": summary[-1] if summary else "", "seconds": int(tests_s),
               "measured": json.loads((work / "tests.json").read_text()) if (work / "tests.json").exists() else {}},

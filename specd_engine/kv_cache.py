@@ -115,3 +115,10 @@ def keep_rows(cache: DynamicCache, first: int, rows: Sequence[int]) -> None:
             keep = torch.tensor(list(range(first)) + list(rows), dtype=torch.long, device=layer.keys.device)
         layer.keys = layer.keys.index_select(2, keep)  # [B, H, first + len(rows), D]
         layer.values = layer.values.index_select(2, keep)
+
+
+@torch.inference_mode()
+def copy_into(source: DynamicCache, target: DynamicCache) -> None:
+    """Append every layer's keys and values of `source` to the empty `target` (a store slot)."""
+    for index, layer in enumerate(source.layers):
+        target.update(layer.keys, layer.values, index)

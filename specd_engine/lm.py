@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -19,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from specd_common import tree
-from specd_engine import autotune, kv_batch, kv_cache, lean_forward, model_thread, quantized
+from specd_engine import autotune, flat_pass, kv_batch, kv_cache, lean_forward, model_thread, quantized
 from specd_common.errors import InvalidArgument
 from specd_engine.models import LoadedModel, max_sequence_length, model_vocab_size
 from specd_common.sequence import TokenSequence
@@ -257,6 +258,9 @@ class CausalLM:
         loaded.model.base_model.register_forward_hook(self._capture_last_hidden)
         self.captured_layers: tuple[int, ...] = ()  # decoder layers (1-based) whose outputs are kept with the features
         self._layer_outputs: list[Optional[torch.Tensor]] = []  # [B, n, H] each, of the last forward
+        self.store: Optional[flat_pass.KVStore] = None  # set by use_flat_pass: sessions hold slots, passes are flat
+        self.gather = False  # flat passes: one attention call a layer over gathered keys (else one a session)
+        self.graphs: Optional[flat_pass.GraphedPasses] = None  # flat passes on CUDA: replayed as CUDA graphs
 
     def _int4_missing(self) -> str:
         """What int4 products would need and this model lacks ("" when they can serve it)."""
@@ -392,28 +396,59 @@ class CausalLM:
         if self.lean is not None and self.loaded.device.type == "cpu" and not self.layouts & autotune.DENSE_LAYOUTS:
             self.lean.release_originals()
 
+    def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> None:
+        """Serve every pass as one flat pass over a KV store allocated now (specd_engine/flat_pass.py):
+        `slots` sessions at once, each up to `capacity` positions (0: the model's context and a tree's
+        nodes); gather: one attention call a layer (default: on a GPU; the CPU gathers slower than it
+        calls). Sessions made before keep their own caches and must end first."""
+        if self.lean is None:
+            raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
+        capacity = min(capacity or self.max_length + tree.MAX_TREE_NODES + 1, self.max_length + tree.MAX_TREE_NODES + 1)
+        self.store = self.model_thread.run(flat_pass.KVStore.for_model, self.loaded.model.config, slots, capacity,
+                                           self.loaded.device, self.lean.embed.weight.dtype)
+        self.max_length = min(self.max_length, self.store.capacity - tree.MAX_TREE_NODES - 1)
+        self.gather = self.loaded.device.type == "cuda" if gather is None else gather
+        if self.loaded.device.type == "cuda":  # fixed-shape passes replayed as CUDA graphs, padding rows in a spare slot
+            self.graphs = flat_pass.GraphedPasses(self.lean, self.store, self.store.claim())
+        log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, self.store.capacity,
+                 self.store.bytes() / 2**20, "one attention call a layer" if self.gather else "one attention call a session and layer")
+
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True) -> KVSession:
         """A session holding `prompt`, with everything but the last token in its cache (prefill=False:
         nothing cached yet; the caller prefills it with prefill_feed, e.g. in chunks that share passes
         with other sessions: specd_engine/batching.py)."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
-        session = self._session(prompt, kv_cache.growing_cache(self.loaded.model.config, reserve=len(prompt) + kv_cache.SPARE_COLUMNS),
-                                keep_features)
+        session = self._session(prompt, self._new_cache(len(prompt)), keep_features)
         while prefill and self.unprefilled(session):
             self.run_feeds([self.prefill_feed(session, PREFILL_CHUNK)])
         return session
 
     def copy_session(self, session: KVSession) -> KVSession:
         """A new session holding what `session` holds (its tokens and a copy of its cache)."""
-        copy = self._session(session.tokens, kv_cache.copied(session.cache, self.loaded.model.config), session.keep_features)
+        if self.store is None:
+            cache = kv_cache.copied(session.cache, self.loaded.model.config)
+        else:
+            cache = self._new_cache(0)
+            self.model_thread.run(kv_cache.copy_into, session.cache, cache)
+        copy = self._session(session.tokens, cache, session.keep_features)
         copy.cached = session.cached
         return copy
 
+    def _new_cache(self, reserve: int) -> DynamicCache:
+        """An empty cache for a new session: a slot of the store when passes are flat (given back when the
+        session is collected), else a growing cache with room for `reserve` positions."""
+        if self.store is None:
+            return kv_cache.growing_cache(self.loaded.model.config, reserve=reserve + kv_cache.SPARE_COLUMNS)
+        return self.store.cache(self.store.claim())
+
     def _session(self, tokens: Sequence[int], cache: DynamicCache, keep_features: bool) -> KVSession:
-        """A session of `tokens` over `cache` (which a rollback crops)."""
+        """A session of `tokens` over `cache` (which a rollback crops); a store slot goes back with the session."""
         session = KVSession(tokens=list(tokens), max_length=self.max_length, on_crop=lambda n: cache.crop(-n))
         session.cache, session.keep_features = cache, keep_features
+        slot = flat_pass.slot_of(cache)
+        if slot is not None:
+            weakref.finalize(session, self.store.release, slot)
         return session
 
     @staticmethod
@@ -427,8 +462,8 @@ class CausalLM:
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
         those of one pass."""
         start = session.cached
-        if self.weights == "int4":  # one chunk size: a prompt is prefilled alike however busy the passes are
-            budget = INT4_PREFILL_CHUNK
+        if self.weights == "int4" and self.store is None:  # one chunk size: a prompt is prefilled alike however busy the passes are
+            budget = INT4_PREFILL_CHUNK  # (a flat pass scores a row alike in chunks of any size)
         return Feed(session, session.tokens[start : start + min(budget, self.unprefilled(session))], logits=0)
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
@@ -505,6 +540,8 @@ class CausalLM:
         prefill chunks one pass each."""
         if len({id(feed.session) for feed in feeds}) != len(feeds):
             raise ValueError("a pass must not hold the same session twice")
+        if self.store is not None:
+            return self._run_flat(feeds)
         if self.lean is not None:
             return self._run_ragged(feeds)
         chains = [feed for feed in feeds if feed.logits and feed.tree is None]
@@ -614,13 +651,62 @@ class CausalLM:
                                                       torch.tensor(positions, dtype=torch.long, device=device), segments,
                                                       keep, self.captured_layers)  # [T, H], [T, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [R, V]
-        results, row = [], 0
-        for feed, segment, start in zip(feeds, segments, starts):
+        return self._hand_back(feeds, starts, hidden, layers, logits)
+
+    @on_model_thread
+    @torch.inference_mode()
+    def _run_flat(self, feeds: Sequence[Feed]) -> list[Optional[torch.Tensor]]:
+        """run_feeds as one flat pass over the store (specd_engine/flat_pass.py): every feed's rows, each
+        attending its own slot; the LM head only over the rows whose logits are wanted."""
+        device = self.loaded.device
+        starts = [feed.session.cache.get_seq_length() for feed in feeds]
+        slots = [flat_pass.slot_of(feed.session.cache) for feed in feeds]
+        if None in slots:
+            raise ValueError("a flat pass needs every session in a store slot (made after use_flat_pass)")
+        rows = flat_pass.flat_rows([(slot, start, len(feed.tokens), feed.positions, feed.mask)
+                                    for feed, slot, start in zip(feeds, slots, starts)], device)
+        ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=device)  # [R]
+        keep = any(feed.session.keep_features for feed in feeds)
+        wanted, at = [], 0
+        for feed in feeds:
+            at += len(feed.tokens)
+            wanted += range(at - feed.logits, at)
+        with self._forward_lock, model_forward(len(ids)), self._runtime_for(len(ids), trial=len(feeds) == 1):
+            hidden = layers = None
+            if self.graphs is not None and not (keep and self.captured_layers):  # a graph keeps no layer's outputs
+                hidden = self._replay(ids, rows)  # [R, H] or None
+            if hidden is None:
+                hidden, layers = flat_pass.forward_flat(self.lean, self.store, ids, rows, self.gather, keep,
+                                                        self.captured_layers)  # [R, H], [R, L, H] or None
+            logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]
+        for feed, start in zip(feeds, starts):
+            for layer in feed.session.cache.layers:
+                layer.set_length(start + len(feed.tokens))
+        return self._hand_back(feeds, starts, hidden, layers, logits)
+
+    def _replay(self, ids: torch.Tensor, rows: flat_pass.FlatRows) -> Optional[torch.Tensor]:
+        """The pass replayed as a CUDA graph ([R, H]), or None where no captured shape holds it. A shape
+        that fails to capture turns graphs off, with the reason in the log: passes then run eagerly."""
+        try:
+            return self.graphs.run(ids, rows)
+        except Exception:  # noqa: BLE001: a serving verify keeps serving, eagerly
+            log.exception("CUDA graphs are off: capturing a flat pass of %d rows failed", len(ids))
+            self.graphs = None
+            return None
+
+    def _hand_back(self, feeds: Sequence[Feed], starts: Sequence[int], hidden: torch.Tensor, layers: Optional[torch.Tensor],
+                   logits: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """After a pass over the feeds' rows in order (hidden [T, H], layers [T, L, H] or None, logits of
+        the wanted rows [W, V]): each feed's logits [feed.logits, V] (None for a prefill chunk), its
+        features kept where asked, and its session moved on."""
+        results, row, at = [], 0, 0
+        for feed, start in zip(feeds, starts):
             results.append(logits[row : row + feed.logits] if feed.logits else None)  # [feed.logits, V]
             row += feed.logits
             if feed.session.keep_features:
-                mine = slice(segment.start, segment.start + segment.n)
+                mine = slice(at, at + len(feed.tokens))
                 self._keep_features(feed, start, hidden[mine], layers[mine] if layers is not None else None)
+            at += len(feed.tokens)
             self._advance(feed)
         return results
 

@@ -80,6 +80,9 @@ def serve_calls(calls: queue.SimpleQueue) -> None:
             future.set_result(result)
         except BaseException as error:  # the caller re-raises it in its own thread
             future.set_exception(error)
+        # hold nothing of a finished call while waiting for the next: its arguments (a session holding a
+        # KV store slot, specd_engine/flat_pass.py) must go when their callers drop them
+        call = future = context = fn = args = kwargs = result = None
 
 
 class CallProfiler:

@@ -109,6 +109,7 @@ def start_cluster(
     lookup_tokens: int = 0,
     medusa_heads: Optional[Path] = None,
     weights: str = "float",
+    forward: str = "auto",
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -119,7 +120,7 @@ def start_cluster(
     model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down);
     lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here);
     medusa_heads: a heads folder the verify serves (tests/test_medusa.py); drafter "" starts no draft service;
-    weights: the verify's --weights (tests/test_quantized.py).
+    weights / forward: the verify's --weights (tests/test_quantized.py) and --forward (tests/test_flat_pass.py).
     """
     import dataclasses
 
@@ -138,7 +139,7 @@ def start_cluster(
     if gateway_tls is not None:
         gateway_config = dataclasses.replace(config, tls_cert=gateway_tls.cert, tls_key=gateway_tls.key, tls_client_ca=gateway_tls.client_ca)
     verify = start_verify_server(load_causal_lm(str(target)), model_config, interceptors=[calls, *model_interceptors],
-                                 medusa_heads=str(medusa_heads or ""), weights=weights)
+                                 medusa_heads=str(medusa_heads or ""), weights=weights, forward=forward)
     draft = None
     if drafter:
         head_target = str(target) if drafter == "eagle3" else ""  # an EAGLE-3 head names no target; a feature head does

@@ -124,9 +124,11 @@ def test_int4_weights_need_the_lean_forward(tiny):
         CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="int4")
 
 
-def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny):
-    """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output."""
-    running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4")
+@pytest.mark.parametrize("forward", ["auto", "flat"])
+def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny, forward):
+    """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output,
+    its passes ragged (auto) or flat (specd_engine/flat_pass.py)."""
+    running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4", forward=forward)
     try:
         stub = running.stub()
         for prompt in PROMPTS:

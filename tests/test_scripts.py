@@ -151,7 +151,7 @@ def test_the_gpu_check_runs_its_tests_and_bench_on_the_cpu(tmp_path):
     graphed = result["graphed_pass"]  # the fixed-shape pass, eager on the CPU (graphs are CUDA's)
     assert graphed["agrees_with_transformers"] is True and "error" not in graphed, graphed
     assert all(entry["eager_ms"] > 0 and entry["engine_ms"] > 0 for entry in graphed["shapes"].values()) and "1x4" in graphed["shapes"]
-    assert result["bench"]["exit_code"] == 0, result["bench"]["log_tail"]
+    assert result["bench"]["exit_code"] == 0 and result["bench_forward"] == "flat", result["bench"]["log_tail"]
     modes = result["bench"]["report"]["modes"]
     assert {"hf_target", "target_only"} <= set(modes), sorted(modes)
     assert result["machine"]["torch"] and result["machine"]["transformers"]

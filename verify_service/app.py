@@ -27,7 +27,7 @@ def start_verify_server(
     startup: where the start-up timings are cached and how long they may take (specd_engine/runtime_cache.py).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
-                                       forward, startup, weights)
+                                       forward, startup, weights, config.max_sessions)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
     )
@@ -39,7 +39,8 @@ def start_verify_server(
 
 def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,
                 kv_token_budget: int, medusa_heads: str, forward: str = "auto",
-                startup: StartupMeasurement = StartupMeasurement(), weights: str = "float") -> Scorer:
+                startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
+                max_sessions: int = ServerConfig.max_sessions) -> Scorer:
     """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
     medusa = None
     if medusa_heads:
@@ -47,4 +48,4 @@ def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepac
         from verify_service.medusa import load_heads
 
         medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
-    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup, weights)
+    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup, weights, max_sessions)

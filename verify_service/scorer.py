@@ -10,10 +10,10 @@ import torch
 
 from specd.v1 import common_pb2, verify_pb2
 from specd_common import tree
-from specd_engine import autotune, runtime_cache
+from specd_engine import autotune, flat_pass, runtime_cache
 from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_engine.batching import BatchPolicy, make_batcher
-from specd_common.config import StartupMeasurement
+from specd_common.config import ServerConfig, StartupMeasurement
 from specd_common.errors import require
 from specd_engine.features import encode_features
 from specd_engine.lm import PREFILL_CHUNK, CausalLM, KVSession
@@ -89,7 +89,8 @@ class Scorer:
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
                  max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto",
-                 startup: StartupMeasurement = StartupMeasurement(), weights: str = "float"):
+                 startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
+                 max_sessions: int = ServerConfig.max_sessions):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
         if forward not in autotune.FORWARDS:
@@ -98,13 +99,17 @@ class Scorer:
         self._info.hidden_size = loaded.model.config.hidden_size
         self.medusa = medusa.to(loaded.device) if medusa is not None else None
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
-        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward == "auto", weights=weights)
+        self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward != "transformers", weights=weights)
+        kv_tokens = self.kv_token_budget(kv_token_budget)
+        if forward == "flat":  # a slot for every session the verify holds and every one its start-up timings hold at once
+            slots = max_sessions + batching.max_batch_size + 1
+            self.lm.use_flat_pass(slots, flat_pass.slot_capacity(kv_tokens, slots))
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
         timings = runtime_cache.StartupTimings.open("verify", self.timing_key(threads, max_threads, batching), startup.cache_dir,
                                                     startup.remeasure, startup.budget_s)
         runtime = self.lm.tune(threads, max_threads, measure=timings.measure)
-        runtime.kv_token_budget = self.kv_token_budget(kv_token_budget)
+        runtime.kv_token_budget = kv_tokens
         runtime.weights = self.lm.weights
         if self.medusa is not None:  # on the model thread, at its thread count
             runtime.heads_product = self.lm.run(self.medusa.tune_product, measure=timings.measure)

@@ -1,0 +1,295 @@
+"""One flat pass over every session's rows, over a KV store allocated up front.
+
+Why (docs/design/engine-room.md): a pass of the ragged engine makes one attention call per session
+and layer (per row and layer for an int4 verify's chain), and every session's cache is its own
+buffer that grows. A GPU then waits on the host, and no pass has a fixed shape a CUDA graph could
+replay. Here:
+
+- **The store.** Every layer's keys and values live in one buffer [slots, Hkv, capacity, D]
+  allocated at start-up; a session holds a slot. Its cache is a view of the slot (`SlotLayer`), so
+  rollback, a tree's kept path and the session bookkeeping work as they did on growing buffers, and
+  nothing is allocated or copied while serving.
+- **Rows.** A pass is a flat batch of rows: each new position of each session (a decode, a chain's
+  drafts, a tree's nodes, a prompt chunk) with its slot, the column its keys go to, its rotary
+  position and the columns it may see.
+- **One attention call per layer** over all rows: each row is one query over the first `keys`
+  columns of its slot (gathered by slot index), `keys` a whole number of KEY_BLOCKs, the columns it
+  may not see masked.
+- **Exact by construction.** A row's attention reads only its own keys, padded to whole key blocks:
+  CPU SDPA reduces keys in blocks of 512, and a fully masked block adds exact zeros, so a row's bits
+  do not depend on what shares its pass (measured by `make pass-anatomy`). With products that score
+  each row alone (int4, int8; specd_engine/quantized.py) a position's logits are then the same alone,
+  in a chain, in a tree, beside other sessions and after prompt chunks of any size
+  (tests/test_flat_pass.py).
+
+Gathering keys by slot copies rows × Hkv × keys × D a layer: microseconds on a GPU, and on the
+CPU of the engine-room measurements more than the calls it saves. So `gather` may be off: then the
+rows of one session share one call over a broadcast view of their slot (no copy), one call per
+session, with the same bits (the same kernel over the same values).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from specd_common.errors import InvalidArgument, ResourceExhausted
+from specd_engine import kv_cache, lean_forward
+
+KEY_BLOCK = 512  # a row attends over whole blocks of this many keys: CPU SDPA's key block, so padding never moves a block edge
+
+
+def whole_blocks(columns: int) -> int:
+    """`columns` rounded up to whole key blocks (at least one)."""
+    return max(1, -(-columns // KEY_BLOCK)) * KEY_BLOCK
+
+
+def slot_capacity(kv_tokens: int, slots: int) -> int:
+    """Positions a slot holds when `slots` share a budget of `kv_tokens` (0: no budget, the model's
+    context), at least one key block."""
+    return max(KEY_BLOCK, kv_tokens // slots) if kv_tokens > 0 else 0
+
+
+class KVStore:
+    """Every session's keys and values, allocated once: per layer [slots, Hkv, capacity, D].
+
+    capacity is whole key blocks, so a row's padded keys never pass its slot's end."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int, device: torch.device,
+                 dtype: torch.dtype):
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"a KV store needs at least one slot and one column, not {slots} × {capacity}")
+        self.slots, self.capacity = slots, whole_blocks(capacity)
+        shape = (slots, kv_heads, self.capacity, head_dim)
+        # zeros, not empty: masked columns are read (their product with a zero weight must be an exact zero, never NaN)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()  # a slot goes back when its session is collected, on whatever thread that is
+
+    @classmethod
+    def for_model(cls, config, slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> "KVStore":
+        """A store shaped for a Llama-like `config`."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, slots, capacity, device, dtype)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def claim(self) -> int:
+        """A free slot, or RESOURCE_EXHAUSTED when every slot holds a session."""
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self.slots} KV slots hold sessions: end one, or start the verify with a "
+                                        "larger --kv-token-budget")
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._free or not 0 <= slot < self.slots:
+                raise ValueError(f"slot {slot} is not held")
+            self._free.append(slot)
+
+    def cache(self, slot: int) -> DynamicCache:
+        """A DynamicCache whose layers are views of `slot` (SlotLayer), empty."""
+        cache = DynamicCache()
+        cache.layers = [SlotLayer(self, layer, slot) for layer in range(len(self.keys))]
+        return cache
+
+
+class SlotLayer(kv_cache.GrowingLayer):
+    """A GrowingLayer whose buffer is one slot of a KVStore ([1, Hkv, capacity, D] views): appends,
+    crops and a tree's kept path write the store in place; it never grows."""
+
+    def __init__(self, store: KVStore, layer: int, slot: int):
+        super().__init__()
+        self.store, self.slot = store, slot
+        self.dtype, self.device = store.keys[layer].dtype, store.keys[layer].device
+        self._key_buffer = store.keys[layer][slot : slot + 1]  # [1, Hkv, capacity, D]
+        self._value_buffer = store.values[layer][slot : slot + 1]
+        self.is_initialized = True
+        self._narrow(0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # the slot's views are the buffers
+
+    def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise InvalidArgument(f"{needed} positions pass a KV slot's {self.store.capacity}")
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def set_length(self, length: int) -> None:
+        """The slot holds `length` positions (a flat pass wrote the columns itself)."""
+        self._narrow(length)
+
+
+def slot_of(cache: DynamicCache) -> Optional[int]:
+    """The store slot a session's cache views (None: a cache of its own)."""
+    layer = cache.layers[0] if cache.layers else None
+    return layer.slot if isinstance(layer, SlotLayer) else None
+
+
+@dataclass
+class FlatRows:
+    """A pass's rows and where each reads and writes, made once for every layer (R rows, K key columns).
+
+    slots [R]: each row's slot; writes [R]: the column its keys and values go to; positions [R]: its
+    rotary position; visible [R, K] bool: the columns it attends (True = may see). runs: (first row,
+    rows, slot) of each session's consecutive rows, for the per-session attention."""
+
+    slots: torch.Tensor
+    writes: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+    runs: list[tuple[int, int, int]]
+
+
+def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional[torch.Tensor]]],
+              device: torch.device) -> FlatRows:
+    """The rows of a pass from each session's part: (slot, cached columns, new rows, positions or None,
+    mask or None). A part's rows go to columns cached .. cached + n - 1 and see the cached columns;
+    among themselves causally, or by `mask` (bool [n, cached + n], a tree: its ancestors). Positions
+    default to the columns (a chain, a prompt chunk); a tree's are root + depth."""
+    keys = whole_blocks(max(cached + n for _, cached, n, _, _ in parts))
+    slots, writes, positions, runs, trees, at = [], [], [], [], [], 0
+    for slot, cached, n, part_positions, mask in parts:
+        columns = list(range(cached, cached + n))
+        slots += [slot] * n
+        writes += columns
+        positions += part_positions if part_positions is not None else columns
+        runs.append((at, n, slot))
+        if mask is not None:
+            trees.append((at, cached, n, mask))
+        at += n
+    # a chain's or a chunk's row sees every column up to its own: one comparison for all of them
+    visible = torch.arange(keys)[None, :] <= torch.tensor(writes)[:, None]  # [R, K]
+    for first, cached, n, mask in trees:  # a tree's nodes see the committed columns and their ancestors
+        visible[first : first + n, cached : cached + n] = mask[:, cached : cached + n]
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs)
+
+
+@torch.inference_mode()
+def forward_flat(lean: lean_forward.LeanLlama, store: KVStore, ids: torch.Tensor, rows: FlatRows, gather: bool,
+                 keep_hidden: bool = False, capture: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One pass of the lean model over the rows' tokens ids [R]: writes their keys and values into the
+    store and returns the final hidden state [R, C] (after the final norm) and, when keep_hidden and
+    layers are captured, their outputs [R, L, C]. gather: one attention call a layer over all rows
+    (keys gathered by slot), else one a session (module docstring)."""
+    x = lean.embed(ids[None])  # [1, R, C]
+    cos, sin = lean.rotary(x, rows.positions[None])  # [1, R, D] each
+    cos, sin = cos.unsqueeze(1), lean_forward.signed_sin(sin).unsqueeze(1)  # [1, 1, R, D]
+    mask = rows.visible[:, None, None, :]  # [R, 1, 1, K]
+    captured = []
+    for index, layer in enumerate(lean.layers):
+        attend = lambda q, k, v, index=index, layer=layer: _attend(layer, store, index, q, k, v, rows, mask, gather)  # noqa: E731
+        x = lean._layer(layer, index, x, cos, sin, attend)
+        if index + 1 in capture and keep_hidden:
+            captured.append(x[0])
+    hidden = lean_forward.rms_norm(x, lean.norm, lean.eps)[0]  # [R, C]
+    return hidden, torch.stack(captured, dim=1) if captured else None
+
+
+def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            rows: FlatRows, mask: torch.Tensor, gather: bool) -> torch.Tensor:
+    """q [1, Hq, R, D], k and v [1, Hkv, R, D]: the rows' keys and values written into the store, then
+    each row one query over its slot's first K columns. Returns [1, Hq, R, D]."""
+    keys, values = store.keys[index], store.values[index]  # [S, Hkv, capacity, D]
+    keys[rows.slots, :, rows.writes] = k[0].transpose(0, 1)  # [R, Hkv, D] into (slot, column) pairs
+    values[rows.slots, :, rows.writes] = v[0].transpose(0, 1)
+    width = mask.shape[-1]
+    queries = q[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
+    gqa = layer.heads != layer.kv_heads
+    if gather:
+        out = F.scaled_dot_product_attention(queries, keys[:, :, :width].index_select(0, rows.slots),
+                                             values[:, :, :width].index_select(0, rows.slots), attn_mask=mask,
+                                             scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
+    else:
+        out = torch.cat([F.scaled_dot_product_attention(queries[first : first + n],
+                                                        keys[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
+                                                        values[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
+                                                        attn_mask=mask[first : first + n], scale=layer.scaling,
+                                                        enable_gqa=gqa)
+                         for first, n, slot in rows.runs])  # [R, Hq, 1, D]
+    return out.squeeze(2).transpose(0, 1)[None]  # [1, Hq, R, D]
+
+
+GRAPH_ROWS = (8, 32, 128)  # a CUDA pass's rows are padded to the first of these that holds them; more run eagerly
+
+
+class GraphedPasses:
+    """forward_flat on CUDA replayed as CUDA graphs, one per (rows, key columns) shape, captured the
+    first time a shape is met (SGLang's `can_run`: a pass larger than every shape runs eagerly).
+
+    Every shape's inputs live in buffers allocated once; a pass copies its rows in and replays. Padding
+    rows write to a spare slot of their own and are dropped. A row's arithmetic then depends on its
+    shape only, not on what shares the pass, so every pass of up to GRAPH_ROWS[0] rows has the same
+    shape. Features of captured layers are not graphed: a pass that keeps them runs eagerly."""
+
+    def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, spare_slot: int):
+        self.lean, self.store, self.spare = lean, store, spare_slot
+        self.graphs: dict[tuple[int, int], tuple] = {}
+
+    def shape_for(self, rows: int, keys: int) -> Optional[tuple[int, int]]:
+        size = next((size for size in GRAPH_ROWS if rows <= size), None)
+        return None if size is None else (size, keys)
+
+    def run(self, ids: torch.Tensor, rows: FlatRows) -> Optional[torch.Tensor]:
+        """The final hidden state [R, C] of the pass replayed in its shape's graph (None: no shape holds it)."""
+        count, keys = rows.visible.shape
+        shape = self.shape_for(count, keys)
+        if shape is None:
+            return None
+        if shape not in self.graphs:
+            self.graphs[shape] = self._capture(*shape)
+        graph, inputs, hidden = self.graphs[shape]
+        static_ids, static_rows = inputs
+        static_ids[:count] = ids
+        static_rows.slots[:count] = rows.slots
+        static_rows.writes[:count] = rows.writes
+        static_rows.positions[:count] = rows.positions
+        static_rows.visible[:count] = rows.visible
+        static_ids[count:], static_rows.slots[count:], static_rows.writes[count:] = 0, self.spare, 0
+        static_rows.positions[count:], static_rows.visible[count:] = 0, False
+        static_rows.visible[count:, 0] = True  # a padding row sees one column of the spare slot
+        graph.replay()
+        return hidden[:count]
+
+    def _capture(self, size: int, keys: int) -> tuple:
+        device = self.store.keys[0].device
+        ids = torch.zeros(size, dtype=torch.long, device=device)
+        padding = FlatRows(torch.full((size,), self.spare, dtype=torch.long, device=device),
+                           torch.zeros(size, dtype=torch.long, device=device), torch.zeros(size, dtype=torch.long, device=device),
+                           torch.zeros((size, keys), dtype=torch.bool, device=device), [])
+        padding.visible[:, 0] = True
+        if device.type != "cuda":  # the CPU replays the same buffers eagerly (tests check the padding there)
+            hidden = forward_flat(self.lean, self.store, ids, padding, gather=True)[0]
+            return _EagerReplay(lambda: hidden.copy_(forward_flat(self.lean, self.store, ids, padding, gather=True)[0])), \
+                (ids, padding), hidden
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks; it writes the spare slot only
+            for _ in range(2):
+                forward_flat(self.lean, self.store, ids, padding, gather=True)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hidden, _ = forward_flat(self.lean, self.store, ids, padding, gather=True)
+        return graph, (ids, padding), hidden
+
+
+class _EagerReplay:
+    """A captured pass's stand-in off CUDA: replay() runs it again over the same buffers."""
+
+    def __init__(self, run):
+        self.replay = run

@@ -1,0 +1,163 @@
+"""The flat pass over a KV store allocated up front (specd_engine/flat_pass.py, `--forward flat`).
+
+What it promises: with products that score each row alone (int4), a position's logits are the same
+bits whatever shares its pass: alone, in a chain of six, as a tree's node, beside 31 other sessions,
+and after its prompt was prefilled in chunks of 4, 16 or 512. float32 on a CPU cannot promise that:
+MKL's products round a row differently by how many rows a GEMM holds (`make pass-anatomy`)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from specd_common.errors import ResourceExhausted
+from specd_engine import flat_pass
+
+PROMPT = [(7 * i) % 50 + 3 for i in range(60)]
+DRAFTS = [11, 2, 30, 8, 41, 17]
+
+
+@pytest.fixture(scope="module")
+def flat(tiny):
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_flat_pass(slots=48)
+    return lm
+
+
+def decoded(lm, prompt=PROMPT, tokens=DRAFTS, budget: int = 512) -> torch.Tensor:
+    """The rows after each of `tokens`, decoded one position a pass after `prompt` prefilled in chunks of
+    `budget`: [len(tokens), V]."""
+    session = lm.new_session(prompt, prefill=False)
+    while lm.unprefilled(session):
+        lm.run_feeds([lm.prefill_feed(session, budget)])
+    lm.forward(session)
+    return torch.cat([lm.forward(session, [token])[-1:] for token in tokens])
+
+
+def test_a_position_scores_the_same_bits_whatever_shares_its_pass(flat):
+    alone = decoded(flat)
+    chain = flat.new_session(PROMPT)
+    flat.forward(chain)
+    assert torch.equal(flat.forward(chain, DRAFTS), alone)  # a chain of six
+
+    others = [flat.new_session([(3 * i + j) % 50 + 3 for i in range(20 + 5 * j)]) for j in range(31)]
+    for other in others:
+        flat.forward(other)
+    mine = flat.new_session(PROMPT)
+    flat.forward(mine)
+    beside = flat.forward_batch([(mine, DRAFTS)] + [(other, [5, 6][: 1 + j % 2]) for j, other in enumerate(others)])
+    assert torch.equal(beside[0], alone)  # beside 31 sessions with one or two rows each
+
+    for budget in (4, 16, 512):  # the prompt's chunks
+        assert torch.equal(decoded(flat, budget=budget), alone), budget
+
+
+def test_a_tree_node_scores_the_bits_of_decoding_its_path(flat):
+    tokens, parents = [11, 2, 9, 30], [-1, 0, 0, 1]
+    session = flat.new_session(PROMPT)
+    flat.forward(session)
+    rows = flat.forward_tree(session, tokens, parents)  # [5, V]
+    for node, path in ((1, [11, 2]), (2, [11, 9]), (3, [11, 2, 30])):
+        assert torch.equal(rows[1 + node], decoded(flat, tokens=path)[-1]), node
+    flat.settle_tree(session, [0, 1, 3])  # keep 11 → 2 → 30: the cache then holds that path
+    assert torch.equal(flat.forward(session, [8])[-1], decoded(flat, tokens=[11, 2, 30, 8])[-1])
+
+
+def test_one_attention_call_a_layer_or_one_a_session_give_the_same_bits(flat):
+    sessions = [flat.new_session(PROMPT[: 30 + 9 * j]) for j in range(4)]
+    for session in sessions:
+        flat.forward(session)
+    feeds = [flat.chain_feed(session, DRAFTS[: 1 + j]) for j, session in enumerate(sessions)]
+    flat.gather = False
+    apart = flat.run_feeds_then_rewind(feeds)
+    flat.gather = True
+    try:
+        gathered = flat.run_feeds_then_rewind(feeds)
+    finally:
+        flat.gather = False
+    assert all(torch.equal(a, b) for a, b in zip(apart, gathered))
+
+
+def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat):
+    """With one attention call a layer, nothing inside a pass's layers loops over its sessions (the
+    torch profiler counts the operators of forward_flat, on the model thread where it runs; one row
+    alone takes a few views fewer than several, whatever their sessions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sessions = [flat.new_session(PROMPT[: 20 + 4 * j]) for j in range(8)]
+    for session in sessions:
+        flat.forward(session)
+
+    def operations(count: int) -> int:
+        parts = [(flat_pass.slot_of(s.cache), s.cache.get_seq_length(), 1, None, None) for s in sessions[:count]]
+        rows = flat_pass.flat_rows(parts, flat.loaded.device)
+        ids = torch.full((count,), 7, dtype=torch.long)
+        with profile(activities=[ProfilerActivity.CPU]) as run:
+            flat_pass.forward_flat(flat.lean, flat.store, ids, rows, gather=True)
+        return sum(1 for event in run.events() if event.name.startswith("aten::"))
+
+    two, eight = flat.run(operations, 2), flat.run(operations, 8)
+    assert two == eight and two > 10 * len(flat.lean.layers), (two, eight)
+
+
+def test_sessions_hold_slots_until_they_end(tiny):
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_flat_pass(slots=2, capacity=100)
+    assert lm.store.capacity == flat_pass.KEY_BLOCK and lm.max_length < lm.store.capacity
+    first, second = lm.new_session(PROMPT), lm.new_session(PROMPT)
+    with pytest.raises(ResourceExhausted, match="all 2 KV slots"):
+        lm.new_session(PROMPT)
+    assert torch.equal(lm.forward(second, [3]), lm.forward(first, [3]))
+    del first
+    gc.collect()
+    third = lm.new_session(PROMPT)  # the first's slot came back
+    assert lm.store.free_slots == 0 and third.cached == len(PROMPT) - 1
+
+
+def test_the_default_target_in_int4_scores_a_position_alike_in_chains_and_any_prompt_chunks():
+    """The real default target (its own copy: packing changes a model in place), flat: a chain of six
+    drafts, and decoding after prompt chunks of 16 and of 512, score each position with the same bits."""
+    from specd_common.config import DEFAULT_TARGET
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
+    lm.use_flat_pass(slots=3, capacity=1024)
+    prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
+                                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    drafts = [504, 3632, 28, 2216, 216, 314]
+    chain = lm.new_session(prompt)
+    lm.forward(chain)
+    together = lm.forward(chain, drafts)  # [6, V]
+    assert torch.equal(decoded(lm, prompt, drafts, budget=16), together)
+    assert torch.equal(decoded(lm, prompt, drafts, budget=512), together)
+
+
+def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tiny):
+    """GraphedPasses (CUDA graphs on a GPU) replayed eagerly on the CPU over the same static buffers: a
+    pass padded to its shape gives its rows the bits of the unpadded pass, and the padding writes only
+    the spare slot."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_flat_pass(slots=8)
+    sessions = [lm.new_session(PROMPT[: 25 + 10 * j]) for j in range(3)]
+    for session in sessions:
+        lm.forward(session)
+    feeds = [lm.chain_feed(session, DRAFTS[: 2 + j]) for j, session in enumerate(sessions)]
+    eager = lm.run_feeds_then_rewind(feeds)
+    lm.graphs = flat_pass.GraphedPasses(lm.lean, lm.store, lm.store.claim())
+    replayed = lm.run_feeds_then_rewind(feeds)  # 9 rows: the 32-row shape
+    again = lm.run_feeds_then_rewind(feeds)  # the captured shape, replayed
+    assert set(lm.graphs.graphs) == {(32, flat_pass.KEY_BLOCK)}
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(eager, replayed, again))
+    assert all(torch.equal(row, decoded(lm, PROMPT[: 25 + 10 * j], DRAFTS[: 2 + j])) for j, row in enumerate(replayed))

@@ -263,7 +263,7 @@ class GraphedPasses:
         static_rows.positions[count:], static_rows.visible[count:] = 0, False
         static_rows.visible[count:, 0] = True  # a padding row sees one column of the spare slot
         graph.replay()
-        return hidden[:count]
+        return hidden[:count].clone()  # the shape's output buffer is the next replay's: features kept from it must not change
 
     def _capture(self, size: int, keys: int) -> tuple:
         device = self.store.keys[0].device

@@ -161,3 +161,8 @@ def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tin
     assert set(lm.graphs.graphs) == {(32, flat_pass.KEY_BLOCK)}
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(eager, replayed, again))
     assert all(torch.equal(row, decoded(lm, PROMPT[: 25 + 10 * j], DRAFTS[: 2 + j])) for j, row in enumerate(replayed))
+    sessions[0].keep_features = True
+    lm.forward(sessions[0], [3])
+    kept = sessions[0].fed_features.clone()
+    lm.forward(sessions[1], [4, 5])  # the same shape, replayed again
+    assert torch.equal(sessions[0].fed_features, kept)  # features are the pass's own, not the shape's buffer

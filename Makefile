@@ -86,7 +86,7 @@ ab-gateways: setup  ## two gateways' speculation side by side on one verify, wit
 pass-anatomy: setup  ## where a verify pass's time goes as rows and sessions grow: product kernels, KV appends, attention (ANATOMY_ARGS="--rows 1 2 4 8 --sessions 1 8"; docs/design/engine-room.md)
 	$(PY) scripts/pass_anatomy.py $(ANATOMY_ARGS)
 
-graphed-pass: setup  ## the engine's fixed-shape pass over a static KV store, eager and (CUDA) as a graph, beside specd's pass (GRAPHED_ARGS="--device cpu --dtype float32 --context 512 --against-engine"; docs/design/engine-room.md)
+graphed-pass: setup  ## the engine's flat pass beside its ragged one, and (CUDA) as graphs (GRAPHED_ARGS="--device cpu --weights int4 --context 400 --repeats 7"; docs/design/engine-room.md)
 	$(PY) scripts/graphed_pass.py $(GRAPHED_ARGS)
 
 tracing-overhead: setup  ## what telemetry costs a round: three in-process stacks on tiny models (TRACING_ARGS="--requests 100"; docs/observability.md)

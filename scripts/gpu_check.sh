@@ -12,7 +12,7 @@
 # repeats), then `specd bench` (its services' model threads profiled: SPECD_PROFILE_DIR) on the default target (BENCH_ARGS, default bfloat16, 8 held-out
 # prompts, 64 tokens; the verify's passes BENCH_FORWARD, default flat: specd_engine/flat_pass.py, CUDA graphs) with
 # transformers `generate` on the same GPU, then the engine room's fixed-shape
-# pass eager and replayed as a CUDA graph beside specd's pass today (scripts/graphed_pass.py, ~1 minute); writes
+# flat pass eager and replayed as CUDA graphs beside its ragged pass (scripts/graphed_pass.py, ~1 minute); writes
 # OUT/gpu_check-<date>.json: machine (GPU, driver, CUDA, torch, transformers), the tests'
 # outcome and measurements, the bench report. --device cpu runs the same Python on a tiny random
 # target with few tokens (CI: tests/test_scripts.py), writing to --out.
@@ -35,7 +35,7 @@ if [ "$device" != cpu ]; then  # on the lent machine: install what was staged
   bench_args=${BENCH_ARGS:---limit 8 --max-new-tokens 64 --dtype bfloat16}
   target=()
   tests_timeout=300 bench_timeout=180  # measured on an H200: 255 s and 135 s
-  graphed_args=(--device "$device" --dtype bfloat16 --against-engine --repeats 8) graphed_timeout=100
+  graphed_args=(--device "$device" --dtype bfloat16 --repeats 8) graphed_timeout=100
 else  # CI: the same steps on a tiny random target, few tokens
   "$PY" -c "import sys; from tests.tiny_models import build_model; build_model(__import__('pathlib').Path(sys.argv[1]), seed=0)" "$work/tiny"
   printf '{"prompt": "hello world", "category": "chat"}\n{"prompt": "def add(a, b):", "category": "code"}\n' >"$work/prompts.jsonl"
@@ -43,7 +43,7 @@ else  # CI: the same steps on a tiny random target, few tokens
   bench_args=${BENCH_ARGS:---limit 2 --max-new-tokens 8 --threads 1}
   target=(--target "$work/tiny")
   tests_timeout=120 bench_timeout=120
-  graphed_args=(--device cpu --target "$work/tiny" --context 64 --repeats 3 --against-engine) graphed_timeout=120
+  graphed_args=(--device cpu --target "$work/tiny" --context 64 --repeats 3) graphed_timeout=120
   export SPECD_PROFILE_CALLS=${SPECD_PROFILE_CALLS:-5:10}  # a short bench: its window starts early
 fi
 
@@ -77,7 +77,7 @@ result = {
     "bench": {"exit_code": int(bench_rc),
               "report": json.loads((work / "bench.json").read_text()) if (work / "bench.json").exists() else None,
               "log_tail": (work / "bench.log").read_text()[-3000:] if int(bench_rc) else ""},
-    # the engine room's fixed-shape pass, eager and as a CUDA graph (scripts/graphed_pass.py)
+    # the engine's flat pass beside its ragged one, eager and as CUDA graphs (scripts/graphed_pass.py)
     "graphed_pass": json.loads((work / "graphed.json").read_text()) if (work / "graphed.json").exists()
                     else {"log_tail": (work / "graphed.log").read_text()[-3000:]},
     # each model service's operators over a window of its model thread's calls (model_thread.CallProfiler)

@@ -125,14 +125,14 @@ def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):
 
 
 def test_graphed_pass_agrees_with_transformers_and_times_each_shape(tmp_path):
-    """`make graphed-pass` eagerly on a tiny model: the static pass's next tokens equal transformers',
-    and every shape has its eager and engine timings (the CUDA graph columns need a GPU: gpu-check)."""
+    """`make graphed-pass` eagerly on a tiny model: the flat engine's next tokens equal transformers',
+    and every shape has its ragged and flat timings (the CUDA graph columns need a GPU: gpu-check)."""
     target = build_model(tmp_path / "target", seed=1)
-    printed = make("graphed-pass", GRAPHED_ARGS=f"--device cpu --target {target} --context 32 --repeats 1 --against-engine")
+    printed = make("graphed-pass", GRAPHED_ARGS=f"--device cpu --target {target} --context 32 --repeats 1")
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
     assert result["agrees_with_transformers"] is True and "error" not in result, result
-    assert set(result["shapes"]) == {"1x1", "1x4", "8x1", "8x4", "32x1"}
-    assert all(entry["eager_ms"] > 0 and entry["engine_ms"] > 0 and "graphed_ms" not in entry for entry in result["shapes"].values())
+    assert set(result["shapes"]) == {"1x1", "1x4", "8x1", "8x4", "32x1", "prefill"}
+    assert all(entry["flat_ms"] > 0 and entry["ragged_ms"] > 0 and "graphed_ms" not in entry for entry in result["shapes"].values())
 
 
 def test_tracing_overhead_times_the_three_stacks():
@@ -148,9 +148,8 @@ def test_the_gpu_check_runs_its_tests_and_bench_on_the_cpu(tmp_path):
     result = json.loads(path.read_text())
     assert result["tests"]["exit_code"] == 0 and " passed" in result["tests"]["summary"]
     assert 0 <= result["tests"]["measured"]["tiny_bfloat16_agreement"]["rate"] <= 1
-    graphed = result["graphed_pass"]  # the fixed-shape pass, eager on the CPU (graphs are CUDA's)
-    assert graphed["agrees_with_transformers"] is True and "error" not in graphed, graphed
-    assert all(entry["eager_ms"] > 0 and entry["engine_ms"] > 0 for entry in graphed["shapes"].values()) and "1x4" in graphed["shapes"]
+    graphed = result["graphed_pass"]  # scripts/graphed_pass.py, eager on the CPU (its own test says what it holds)
+    assert "error" not in graphed and "1x4" in graphed["shapes"], graphed
     assert result["bench"]["exit_code"] == 0 and result["bench_forward"] == "flat", result["bench"]["log_tail"]
     modes = result["bench"]["report"]["modes"]
     assert {"hf_target", "target_only"} <= set(modes), sorted(modes)

@@ -44,7 +44,8 @@ def engines(args: argparse.Namespace) -> dict:
     a model's products in place)."""
     load = functools.partial(load_causal_lm, args.target, device=args.device, dtype=args.dtype)
     ragged, flat = CausalLM(load(), weights=args.weights), CausalLM(load(), weights=args.weights)
-    flat.use_flat_pass(slots=2 * max(sessions for sessions, _ in SHAPES) + 2, capacity=args.context + PROMPT)
+    if not flat.use_flat_pass(slots=2 * max(sessions for sessions, _ in SHAPES) + 2, capacity=args.context + PROMPT):
+        raise RuntimeError("the flat pass failed its start-up probe (the log says why)")
     return {"ragged": ragged, "flat": flat}
 
 

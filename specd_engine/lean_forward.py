@@ -299,14 +299,24 @@ def disagreement(lean: LeanLlama, model: torch.nn.Module, new_cache: Callable[[]
     a few more positions with the cache), "" where they agree: the same argmax at every position and
     logits within rounding (1e-4 of their scale in float32, 2e-2 in half precision)."""
     vocab = model.config.vocab_size
-    relative = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2
     ids = torch.arange(1, PROBE_PROMPT + PROBE_STEP + 1, device=model.device).remainder(vocab)[None]  # [1, n]
     ours, theirs = new_cache(), new_cache()
     for fed in (ids[:, :PROBE_PROMPT], ids[:, PROBE_PROMPT:]):
         mine = lean(fed, ours).logits.float()  # [1, n, V]
         reference = model(input_ids=fed, past_key_values=theirs, use_cache=True).logits.float()  # [1, n, V]
-        tolerance = relative * max(1.0, reference.abs().max().item())
-        difference = (mine - reference).abs().max().item()
-        if difference > tolerance or not torch.equal(mine.argmax(-1), reference.argmax(-1)):
-            return f"logits differ by {difference:.3g} (tolerance {tolerance:.3g}) over {fed.shape[1]} positions"
+        why = logits_disagree(mine, reference, next(model.parameters()).dtype)
+        if why:
+            return why
+    return ""
+
+
+def logits_disagree(mine: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why two passes' logits [..., n, V] of the same positions disagree ("" when they agree): another
+    argmax at some position, or a difference past rounding (1e-4 of their scale in float32, 2e-2 in
+    half precision)."""
+    relative = 1e-4 if dtype == torch.float32 else 2e-2
+    tolerance = relative * max(1.0, reference.abs().max().item())
+    difference = (mine - reference).abs().max().item()
+    if difference > tolerance or not torch.equal(mine.argmax(-1), reference.argmax(-1)):
+        return f"logits differ by {difference:.3g} (tolerance {tolerance:.3g}) over {mine.shape[-2]} positions"
     return ""

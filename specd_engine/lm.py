@@ -396,22 +396,44 @@ class CausalLM:
         if self.lean is not None and self.loaded.device.type == "cpu" and not self.layouts & autotune.DENSE_LAYOUTS:
             self.lean.release_originals()
 
-    def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> None:
+    def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
         """Serve every pass as one flat pass over a KV store allocated now (specd_engine/flat_pass.py):
         `slots` sessions at once, each up to `capacity` positions (0: the model's context and a tree's
         nodes); gather: one attention call a layer (default: on a GPU; the CPU gathers slower than it
-        calls). Sessions made before keep their own caches and must end first."""
+        calls). Sessions made before keep their own caches and must end first.
+
+        A probe (a prompt, then a chain, twice: a CUDA graph's capture and its replay) must score as
+        the ragged pass does (lean_forward.logits_disagree), or the ragged pass keeps serving and the
+        log says why; returns whether the flat pass serves."""
         if self.lean is None:
             raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
-        capacity = min(capacity or self.max_length + tree.MAX_TREE_NODES + 1, self.max_length + tree.MAX_TREE_NODES + 1)
-        self.store = self.model_thread.run(flat_pass.KVStore.for_model, self.loaded.model.config, slots, capacity,
-                                           self.loaded.device, self.lean.embed.weight.dtype)
-        self.max_length = min(self.max_length, self.store.capacity - tree.MAX_TREE_NODES - 1)
-        self.gather = self.loaded.device.type == "cuda" if gather is None else gather
-        if self.loaded.device.type == "cuda":  # fixed-shape passes replayed as CUDA graphs, padding rows in a spare slot
-            self.graphs = flat_pass.GraphedPasses(self.lean, self.store, self.store.claim())
+        reference, max_length = self._probe(), self.max_length
+        try:
+            capacity = min(capacity or max_length + tree.MAX_TREE_NODES + 1, max_length + tree.MAX_TREE_NODES + 1)
+            self.store = self.model_thread.run(flat_pass.KVStore.for_model, self.loaded.model.config, slots, capacity,
+                                               self.loaded.device, self.lean.embed.weight.dtype)
+            self.max_length = min(max_length, self.store.capacity - tree.MAX_TREE_NODES - 1)
+            self.gather = self.loaded.device.type == "cuda" if gather is None else gather
+            if self.loaded.device.type == "cuda":  # fixed-shape passes replayed as CUDA graphs, padding rows in a spare slot
+                self.graphs = flat_pass.GraphedPasses(self.lean, self.store, self.store.claim())
+            dtype = torch.bfloat16 if self.weights == "int4" else self.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
+            why = lean_forward.logits_disagree(self._probe(), reference, dtype) or lean_forward.logits_disagree(
+                self._probe(), reference, dtype)
+        except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
+            why = repr(error)
+        if why:
+            self.store, self.graphs, self.max_length = None, None, max_length
+            log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
+            return False
         log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, self.store.capacity,
                  self.store.bytes() / 2**20, "one attention call a layer" if self.gather else "one attention call a session and layer")
+        return True
+
+    def _probe(self) -> torch.Tensor:
+        """Logits [1 + PROBE_STEP, V] of a short prompt's next position and then of a chain after it."""
+        ids = [token % self.vocab_size for token in range(1, lean_forward.PROBE_PROMPT + lean_forward.PROBE_STEP + 1)]
+        session = self.new_session(ids[: lean_forward.PROBE_PROMPT])
+        return torch.cat([self.forward(session), self.forward(session, ids[lean_forward.PROBE_PROMPT :])])
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True) -> KVSession:
         """A session holding `prompt`, with everything but the last token in its cache (prefill=False:

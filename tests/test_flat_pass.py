@@ -25,7 +25,7 @@ def flat(tiny):
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    lm.use_flat_pass(slots=48)
+    assert lm.use_flat_pass(slots=48)
     return lm
 
 
@@ -110,7 +110,7 @@ def test_sessions_hold_slots_until_they_end(tiny):
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    lm.use_flat_pass(slots=2, capacity=100)
+    assert lm.use_flat_pass(slots=2, capacity=100)
     assert lm.store.capacity == flat_pass.KEY_BLOCK and lm.max_length < lm.store.capacity
     first, second = lm.new_session(PROMPT), lm.new_session(PROMPT)
     with pytest.raises(ResourceExhausted, match="all 2 KV slots"):
@@ -130,7 +130,7 @@ def test_the_default_target_in_int4_scores_a_position_alike_in_chains_and_any_pr
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
-    lm.use_flat_pass(slots=3, capacity=1024)
+    assert lm.use_flat_pass(slots=3, capacity=1024)
     prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
                                                      add_generation_prompt=True, return_dict=True)["input_ids"]
     drafts = [504, 3632, 28, 2216, 216, 314]
@@ -149,7 +149,7 @@ def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tin
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    lm.use_flat_pass(slots=8)
+    assert lm.use_flat_pass(slots=8)
     sessions = [lm.new_session(PROMPT[: 25 + 10 * j]) for j in range(3)]
     for session in sessions:
         lm.forward(session)
@@ -166,3 +166,15 @@ def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tin
     kept = sessions[0].fed_features.clone()
     lm.forward(sessions[1], [4, 5])  # the same shape, replayed again
     assert torch.equal(sessions[0].fed_features, kept)  # features are the pass's own, not the shape's buffer
+
+
+def test_a_flat_pass_that_fails_its_start_up_probe_leaves_the_ragged_pass_serving(tiny, monkeypatch, caplog):
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    monkeypatch.setattr(flat_pass, "forward_flat", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    assert not lm.use_flat_pass(slots=4)
+    assert lm.store is None and "no kernel" in caplog.text
+    session = lm.new_session(PROMPT)
+    assert lm.forward(session, DRAFTS).shape[0] == len(DRAFTS) + 1  # served by the ragged pass

@@ -13,11 +13,13 @@ replay. Here:
   drafts, a tree's nodes, a prompt chunk) with its slot, the column its keys go to, its rotary
   position and the columns it may see.
 - **One attention call per layer** over all rows: each row is one query over the first `keys`
-  columns of its slot (gathered by slot index), `keys` a whole number of KEY_BLOCKs, the columns it
-  may not see masked.
-- **Exact by construction.** A row's attention reads only its own keys, padded to whole key blocks:
-  CPU SDPA reduces keys in blocks of 512, and a fully masked block adds exact zeros, so a row's bits
-  do not depend on what shares its pass (measured by `make pass-anatomy`). With products that score
+  columns of its slot (gathered by slot index), `keys` a multiple of KEY_BLOCK, the columns it may
+  not see masked.
+- **Exact by construction.** A row's attention reads only its own slot, and CPU SDPA gives one
+  query the same bits over any key count that is a multiple of the vector width (8 floats on AVX2)
+  with the columns past its own masked: masked keys add exact zeros, whole masked blocks rescale by
+  exactly 1 (checked over 1–2,000 visible keys padded to 8–2,100; an unpadded count that is no such
+  multiple differs in the last bits). So a row's bits do not depend on what shares its pass. With products that score
   each row alone (int4, int8; specd_engine/quantized.py) a position's logits are then the same alone,
   in a chain, in a tree, beside other sessions and after prompt chunks of any size
   (tests/test_flat_pass.py).
@@ -41,7 +43,7 @@ from transformers import DynamicCache
 from specd_common.errors import InvalidArgument, ResourceExhausted
 from specd_engine import kv_cache, lean_forward
 
-KEY_BLOCK = 512  # a row attends over whole blocks of this many keys: CPU SDPA's key block, so padding never moves a block edge
+KEY_BLOCK = 64  # a pass's key count is a multiple of this: of every CPU's vector width (AVX-512: 16 floats) and of GPU key tiles
 
 
 def whole_blocks(columns: int) -> int:
@@ -152,6 +154,7 @@ class FlatRows:
     positions: torch.Tensor
     visible: torch.Tensor
     runs: list[tuple[int, int, int]]
+    first_write: int = 0  # the first row's column (a pass of one session writes its consecutive columns from here)
 
 
 def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional[torch.Tensor]]],
@@ -176,7 +179,7 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
     for first, cached, n, mask in trees:  # a tree's nodes see the committed columns and their ancestors
         visible[first : first + n, cached : cached + n] = mask[:, cached : cached + n]
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs)
+    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0])
 
 
 @torch.inference_mode()
@@ -205,8 +208,14 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     """q [1, Hq, R, D], k and v [1, Hkv, R, D]: the rows' keys and values written into the store, then
     each row one query over its slot's first K columns. Returns [1, Hq, R, D]."""
     keys, values = store.keys[index], store.values[index]  # [S, Hkv, capacity, D]
-    keys[rows.slots, :, rows.writes] = k[0].transpose(0, 1)  # [R, Hkv, D] into (slot, column) pairs
-    values[rows.slots, :, rows.writes] = v[0].transpose(0, 1)
+    if len(rows.runs) == 1 and not gather:  # one session's rows: consecutive columns of one slot, a plain copy
+        _, n, slot = rows.runs[0]
+        first = rows.first_write
+        keys[slot, :, first : first + n] = k[0]  # [Hkv, n, D]
+        values[slot, :, first : first + n] = v[0]
+    else:
+        keys[rows.slots, :, rows.writes] = k[0].transpose(0, 1)  # [R, Hkv, D] into (slot, column) pairs
+        values[rows.slots, :, rows.writes] = v[0].transpose(0, 1)
     width = mask.shape[-1]
     queries = q[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
     gqa = layer.heads != layer.kv_heads
@@ -215,12 +224,11 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
                                              values[:, :, :width].index_select(0, rows.slots), attn_mask=mask,
                                              scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
     else:
-        out = torch.cat([F.scaled_dot_product_attention(queries[first : first + n],
-                                                        keys[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
-                                                        values[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
-                                                        attn_mask=mask[first : first + n], scale=layer.scaling,
-                                                        enable_gqa=gqa)
-                         for first, n, slot in rows.runs])  # [R, Hq, 1, D]
+        out = [F.scaled_dot_product_attention(queries[first : first + n], keys[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
+                                              values[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
+                                              attn_mask=mask[first : first + n], scale=layer.scaling, enable_gqa=gqa)
+               for first, n, slot in rows.runs]
+        out = torch.cat(out) if len(out) > 1 else out[0]  # [R, Hq, 1, D]
     return out.squeeze(2).transpose(0, 1)[None]  # [1, Hq, R, D]
 
 

@@ -698,8 +698,9 @@ class CausalLM:
             if self.graphs is not None and not (keep and self.captured_layers):  # a graph keeps no layer's outputs
                 hidden = self._replay(ids, rows)  # [R, H] or None
             if hidden is None:
-                # one row a session (decoding): gathering its keys costs less than a call a session, on this CPU too
-                gather = self.gather or len(ids) == len(feeds)
+                # several sessions decoding one row each: gathering their keys costs less than a call a session,
+                # on a CPU too; one session reads a view of its slot (no copy)
+                gather = self.gather or len(ids) == len(feeds) > 1
                 hidden, layers = flat_pass.forward_flat(self.lean, self.store, ids, rows, gather, keep,
                                                         self.captured_layers)  # [R, H], [R, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]

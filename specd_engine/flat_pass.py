@@ -68,9 +68,11 @@ class KVStore:
             raise ValueError(f"a KV store needs at least one slot and one column, not {slots} × {capacity}")
         self.slots, self.capacity = slots, whole_blocks(capacity)
         shape = (slots, kv_heads, self.capacity, head_dim)
-        # zeros, not empty: masked columns are read (their product with a zero weight must be an exact zero, never NaN)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        # empty: the memory is the operating system's until a slot's columns are first zeroed (`prepare`), so a
+        # CPU verify holds what its sessions reached, not its whole budget
+        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self._finite = [0] * slots  # columns of each slot zeroed or written since the store was made
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()  # a slot goes back when its session is collected, on whatever thread that is
 
@@ -100,6 +102,16 @@ class KVStore:
             if slot in self._free or not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not held")
             self._free.append(slot)
+
+    def prepare(self, slot: int, columns: int) -> None:
+        """Make the first `columns` of `slot` finite before a pass reads them: a masked column still enters
+        the attention's arithmetic (an exact zero times its value, which must not be NaN). Zeroes what no
+        pass has reached yet, once."""
+        start = self._finite[slot]
+        if columns > start:
+            for tensor in self.keys + self.values:
+                tensor[slot, :, start:columns].zero_()
+            self._finite[slot] = columns
 
     def cache(self, slot: int) -> DynamicCache:
         """A DynamicCache whose layers are views of `slot` (SlotLayer), empty."""
@@ -246,6 +258,7 @@ class GraphedPasses:
 
     def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, spare_slot: int):
         self.lean, self.store, self.spare = lean, store, spare_slot
+        store.prepare(spare_slot, store.capacity)
         self.graphs: dict[tuple[int, int], tuple] = {}
 
     def shape_for(self, rows: int, keys: int) -> Optional[tuple[int, int]]:

@@ -687,6 +687,8 @@ class CausalLM:
             raise ValueError("a flat pass needs every session in a store slot (made after use_flat_pass)")
         rows = flat_pass.flat_rows([(slot, start, len(feed.tokens), feed.positions, feed.mask)
                                     for feed, slot, start in zip(feeds, slots, starts)], device)
+        for slot in slots:
+            self.store.prepare(slot, rows.visible.shape[1])
         ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=device)  # [R]
         keep = any(feed.session.keep_features for feed in feeds)
         wanted, at = [], 0

@@ -178,3 +178,17 @@ def test_a_flat_pass_that_fails_its_start_up_probe_leaves_the_ragged_pass_servin
     assert lm.store is None and "no kernel" in caplog.text
     session = lm.new_session(PROMPT)
     assert lm.forward(session, DRAFTS).shape[0] == len(DRAFTS) + 1  # served by the ragged pass
+
+
+def test_a_slot_s_memory_is_made_finite_before_a_pass_reads_it(tiny, flat):
+    """The store is allocated empty (its pages stay the system's until used): whatever its memory held,
+    NaN included, a pass reads only zeroed or written columns."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    assert lm.use_flat_pass(slots=4)
+    for tensor in lm.store.keys + lm.store.values:
+        tensor.fill_(float("nan"))
+    lm.store._finite = [0] * lm.store.slots
+    assert torch.equal(decoded(lm), decoded(flat))

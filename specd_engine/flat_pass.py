@@ -136,6 +136,12 @@ class SlotLayer(kv_cache.GrowingLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # the slot's views are the buffers
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """An append outside a flat pass (a copied session): the columns it writes count as the slot's
+        own, so a later `prepare` never zeroes them."""
+        self.store.prepare(self.slot, self.get_seq_length() + key_states.shape[-2])
+        return super().update(key_states, value_states, *args, **kwargs)
+
     def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise InvalidArgument(f"{needed} positions pass a KV slot's {self.store.capacity}")
 
@@ -245,6 +251,7 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
 
 
 GRAPH_ROWS = (8, 32, 128)  # a CUDA pass's rows are padded to the first of these that holds them; more run eagerly
+GRAPH_MIN_KEYS = 512  # a graph's key columns: a power of two from this (padding keys costs a GPU little)
 
 
 class GraphedPasses:
@@ -260,10 +267,15 @@ class GraphedPasses:
         self.lean, self.store, self.spare = lean, store, spare_slot
         store.prepare(spare_slot, store.capacity)
         self.graphs: dict[tuple[int, int], tuple] = {}
+        # one memory pool for every shape's graph (they replay one at a time), as vLLM and SGLang share theirs
+        self.pool = torch.cuda.graph_pool_handle() if store.keys[0].device.type == "cuda" else None
 
     def shape_for(self, rows: int, keys: int) -> Optional[tuple[int, int]]:
+        """(rows, key columns) of the graph a pass replays in: rows padded to GRAPH_ROWS, keys to a power
+        of two from GRAPH_MIN_KEYS (a few graphs per context length, not one per 64 keys), or None."""
         size = next((size for size in GRAPH_ROWS if rows <= size), None)
-        return None if size is None else (size, keys)
+        width = min(max(GRAPH_MIN_KEYS, 1 << (keys - 1).bit_length()), self.store.capacity)
+        return None if size is None or keys > width else (size, width)
 
     def run(self, ids: torch.Tensor, rows: FlatRows) -> Optional[torch.Tensor]:
         """The final hidden state [R, C] of the pass replayed in its shape's graph (None: no shape holds it)."""
@@ -271,6 +283,8 @@ class GraphedPasses:
         shape = self.shape_for(count, keys)
         if shape is None:
             return None
+        for _, _, slot in rows.runs:  # the graph reads its width of every row's slot
+            self.store.prepare(slot, shape[1])
         if shape not in self.graphs:
             self.graphs[shape] = self._capture(*shape)
         graph, inputs, hidden = self.graphs[shape]
@@ -279,7 +293,8 @@ class GraphedPasses:
         static_rows.slots[:count] = rows.slots
         static_rows.writes[:count] = rows.writes
         static_rows.positions[:count] = rows.positions
-        static_rows.visible[:count] = rows.visible
+        static_rows.visible[:count, :keys] = rows.visible
+        static_rows.visible[:count, keys:] = False
         static_ids[count:], static_rows.slots[count:], static_rows.writes[count:] = 0, self.spare, 0
         static_rows.positions[count:], static_rows.visible[count:] = 0, False
         static_rows.visible[count:, 0] = True  # a padding row sees one column of the spare slot
@@ -304,7 +319,7 @@ class GraphedPasses:
                 forward_flat(self.lean, self.store, ids, padding, gather=True)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             hidden, _ = forward_flat(self.lean, self.store, ids, padding, gather=True)
         return graph, (ids, padding), hidden
 

@@ -158,7 +158,7 @@ def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tin
     lm.graphs = flat_pass.GraphedPasses(lm.lean, lm.store, lm.store.claim())
     replayed = lm.run_feeds_then_rewind(feeds)  # 9 rows: the 32-row shape
     again = lm.run_feeds_then_rewind(feeds)  # the captured shape, replayed
-    assert set(lm.graphs.graphs) == {(32, flat_pass.KEY_BLOCK)}
+    assert set(lm.graphs.graphs) == {(32, flat_pass.GRAPH_MIN_KEYS)}
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(eager, replayed, again))
     assert all(torch.equal(row, decoded(lm, PROMPT[: 25 + 10 * j], DRAFTS[: 2 + j])) for j, row in enumerate(replayed))
     sessions[0].keep_features = True
@@ -192,3 +192,12 @@ def test_a_slot_s_memory_is_made_finite_before_a_pass_reads_it(tiny, flat):
         tensor.fill_(float("nan"))
     lm.store._finite = [0] * lm.store.slots
     assert torch.equal(decoded(lm), decoded(flat))
+
+
+def test_a_copied_session_scores_as_its_original(flat):
+    """copy_session writes the copy's slot outside a pass (the verify's start-up batch timings): a later
+    pass must read those columns, not zero them as never reached."""
+    original = flat.new_session(PROMPT)
+    flat.forward(original)
+    copy = flat.copy_session(original)
+    assert torch.equal(flat.forward(copy, DRAFTS), flat.forward(original, DRAFTS))

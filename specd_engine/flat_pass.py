@@ -19,7 +19,10 @@ replay. Here:
   query the same bits over any key count that is a multiple of the vector width (8 floats on AVX2)
   with the columns past its own masked: masked keys add exact zeros, whole masked blocks rescale by
   exactly 1 (checked over 1–2,000 visible keys padded to 8–2,100; an unpadded count that is no such
-  multiple differs in the last bits). So a row's bits do not depend on what shares its pass. With products that score
+  multiple differs in the last bits). A masked column *between* visible ones is not harmless (it
+  moves the later keys' vector lanes), so a tree's node reads its keys compacted (`compact`: the
+  committed columns, its ancestors', its own), in the order decoding its path holds them. So a row's
+  bits do not depend on what shares its pass. With products that score
   each row alone (int4, int8; specd_engine/quantized.py) a position's logits are then the same alone,
   in a chain, in a tree, beside other sessions and after prompt chunks of any size
   (tests/test_flat_pass.py).
@@ -173,6 +176,7 @@ class FlatRows:
     visible: torch.Tensor
     runs: list[tuple[int, int, int]]
     first_write: int = 0  # the first row's column (a pass of one session writes its consecutive columns from here)
+    compact: Optional[torch.Tensor] = None  # [R, K] the columns each row reads, in order, where a tree's node is among them
 
 
 def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional[torch.Tensor]]],
@@ -194,10 +198,18 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
         at += n
     # a chain's or a chunk's row sees every column up to its own: one comparison for all of them
     visible = torch.arange(keys)[None, :] <= torch.tensor(writes)[:, None]  # [R, K]
-    for first, cached, n, mask in trees:  # a tree's nodes see the committed columns and their ancestors
-        visible[first : first + n, cached : cached + n] = mask[:, cached : cached + n]
+    compact = None
+    if trees:  # a tree's node reads its keys compacted: the committed columns, its ancestors', its own
+        compact = torch.arange(keys).repeat(len(writes), 1)  # [R, K]: column j of row r's keys
+        for first, cached, n, mask in trees:
+            for node in range(n):
+                seen = cached + mask[node, cached : cached + n].nonzero()[:, 0]  # its ancestors' columns and its own
+                compact[first + node, cached : cached + len(seen)] = seen
+                compact[first + node, cached + len(seen) :] = 0  # masked: any finite column
+                visible[first + node] = torch.arange(keys) < cached + len(seen)
+        compact = compact.to(device)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0])
+    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0], compact)
 
 
 @torch.inference_mode()
@@ -237,7 +249,11 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     width = mask.shape[-1]
     queries = q[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
     gqa = layer.heads != layer.kv_heads
-    if gather:
+    if rows.compact is not None:  # a tree's nodes: each row's keys in the order decoding its path would hold them
+        index = (rows.slots[:, None], slice(None), rows.compact)
+        out = F.scaled_dot_product_attention(queries, keys[index].transpose(1, 2), values[index].transpose(1, 2),
+                                             attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
+    elif gather:
         out = F.scaled_dot_product_attention(queries, keys[:, :, :width].index_select(0, rows.slots),
                                              values[:, :, :width].index_select(0, rows.slots), attn_mask=mask,
                                              scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
@@ -261,7 +277,8 @@ class GraphedPasses:
     Every shape's inputs live in buffers allocated once; a pass copies its rows in and replays. Padding
     rows write to a spare slot of their own and are dropped. A row's arithmetic then depends on its
     shape only, not on what shares the pass, so every pass of up to GRAPH_ROWS[0] rows has the same
-    shape. Features of captured layers are not graphed: a pass that keeps them runs eagerly."""
+    shape. Features of captured layers and a tree's compacted keys are not graphed: such a pass runs
+    eagerly."""
 
     def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, spare_slot: int):
         self.lean, self.store, self.spare = lean, store, spare_slot
@@ -281,7 +298,7 @@ class GraphedPasses:
         """The final hidden state [R, C] of the pass replayed in its shape's graph (None: no shape holds it)."""
         count, keys = rows.visible.shape
         shape = self.shape_for(count, keys)
-        if shape is None:
+        if shape is None or rows.compact is not None:  # a tree's pass reads compacted keys: eagerly
             return None
         for _, _, slot in rows.runs:  # the graph reads its width of every row's slot
             self.store.prepare(slot, shape[1])

@@ -122,9 +122,10 @@ def test_sessions_hold_slots_until_they_end(tiny):
     assert lm.store.free_slots == 0 and third.cached == len(PROMPT) - 1
 
 
-def test_the_default_target_in_int4_scores_a_position_alike_in_chains_and_any_prompt_chunks():
+def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_any_prompt_chunks():
     """The real default target (its own copy: packing changes a model in place), flat: a chain of six
-    drafts, and decoding after prompt chunks of 16 and of 512, score each position with the same bits."""
+    drafts, decoding after prompt chunks of 16 and of 512, and a tree's nodes score each position with
+    the bits of decoding it."""
     from specd_common.config import DEFAULT_TARGET
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
@@ -139,6 +140,15 @@ def test_the_default_target_in_int4_scores_a_position_alike_in_chains_and_any_pr
     together = lm.forward(chain, drafts)  # [6, V]
     assert torch.equal(decoded(lm, prompt, drafts, budget=16), together)
     assert torch.equal(decoded(lm, prompt, drafts, budget=512), together)
+
+    # a tree whose grandchild has a masked sibling between its ancestors' columns and its own: read
+    # uncompacted, its keys' vector lanes shift and its logits differed by 0.07
+    tokens, parents = [504, 3632, 1046, 28], [-1, 0, 0, 1]
+    session = lm.new_session(prompt)
+    lm.forward(session)
+    rows = lm.forward_tree(session, tokens, parents)  # [5, V]
+    for node, path in ((1, [504, 3632]), (2, [504, 1046]), (3, [504, 3632, 28])):
+        assert torch.equal(rows[1 + node], decoded(lm, prompt, path)[-1]), node
 
 
 def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tiny):

@@ -211,3 +211,17 @@ def test_a_copied_session_scores_as_its_original(flat):
     flat.forward(original)
     copy = flat.copy_session(original)
     assert torch.equal(flat.forward(copy, DRAFTS), flat.forward(original, DRAFTS))
+
+
+def test_a_flat_verify_times_its_own_passes_at_start_up(tiny):
+    """Start-up timings are cached by what they time: a flat verify's passes cost otherwise than a
+    ragged one's, so the two must not share an entry (they did: every flat run priced rounds by the
+    ragged verify's timings)."""
+    from specd_engine.batching import BatchPolicy
+    from specd_engine.models import load_causal_lm
+    from verify_service.scorer import Scorer
+
+    keys = {forward: Scorer(load_causal_lm(str(tiny.target)), BatchPolicy(max_batch_size=1), threads=1, prepack="off",
+                            forward=forward, weights="int4").timing_key(1, 0, BatchPolicy(max_batch_size=1))
+            for forward in ("auto", "flat")}
+    assert keys["auto"]["flat"] is False and keys["flat"]["flat"] is True

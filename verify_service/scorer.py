@@ -136,7 +136,8 @@ class Scorer:
         loaded = self.lm.loaded
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
-            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "weights": self.lm.weights, "threads": autotune.threads_to_try(threads, max_threads),
+            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
+            "weights": self.lm.weights, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",

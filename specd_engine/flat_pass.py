@@ -148,9 +148,6 @@ class SlotLayer(kv_cache.GrowingLayer):
     def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise InvalidArgument(f"{needed} positions pass a KV slot's {self.store.capacity}")
 
-    def get_seq_length(self) -> int:
-        return self.keys.shape[-2]
-
     def set_length(self, length: int) -> None:
         """The slot holds `length` positions (a flat pass wrote the columns itself)."""
         self._narrow(length)

@@ -99,8 +99,7 @@ def copied(cache: DynamicCache, config) -> DynamicCache:
     """A growing cache holding a copy of every layer's keys and values of `cache` (timing passes
     over many sessions start from one prefilled prompt instead of prefilling it once each)."""
     copy = growing_cache(config)
-    for index, layer in enumerate(cache.layers):
-        copy.update(layer.keys.clone(), layer.values.clone(), index)
+    copy_into(cache, copy)  # an append copies into the new cache's own buffers
     return copy
 
 
@@ -119,6 +118,6 @@ def keep_rows(cache: DynamicCache, first: int, rows: Sequence[int]) -> None:
 
 @torch.inference_mode()
 def copy_into(source: DynamicCache, target: DynamicCache) -> None:
-    """Append every layer's keys and values of `source` to the empty `target` (a store slot)."""
+    """Append every layer's keys and values of `source` to the empty `target` (a growing cache or a store slot)."""
     for index, layer in enumerate(source.layers):
         target.update(layer.keys, layer.values, index)

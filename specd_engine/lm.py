@@ -667,7 +667,7 @@ class CausalLM:
             segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, rows_alone=rows_alone))
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
-        wanted = [segment.start + segment.n - feed.logits + i for feed, segment in zip(feeds, segments) for i in range(feed.logits)]
+        wanted = self._logit_rows(feeds)
         with self._forward_lock, model_forward(at), self._runtime_for(at, trial=len(feeds) == 1):  # serving trials time lone passes
             hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=device),
                                                       torch.tensor(positions, dtype=torch.long, device=device), segments,
@@ -691,10 +691,7 @@ class CausalLM:
             self.store.prepare(slot, rows.visible.shape[1])
         ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=device)  # [R]
         keep = any(feed.session.keep_features for feed in feeds)
-        wanted, at = [], 0
-        for feed in feeds:
-            at += len(feed.tokens)
-            wanted += range(at - feed.logits, at)
+        wanted = self._logit_rows(feeds)
         with self._forward_lock, model_forward(len(ids)), self._runtime_for(len(ids), trial=len(feeds) == 1):
             hidden = layers = None
             if self.graphs is not None and not (keep and self.captured_layers):  # a graph keeps no layer's outputs
@@ -720,6 +717,15 @@ class CausalLM:
             log.exception("CUDA graphs are off: capturing a flat pass of %d rows failed", len(ids))
             self.graphs = None
             return None
+
+    @staticmethod
+    def _logit_rows(feeds: Sequence[Feed]) -> list[int]:
+        """The rows of a pass over the feeds' tokens in order whose logits are wanted: each feed's last `logits`."""
+        wanted, at = [], 0
+        for feed in feeds:
+            at += len(feed.tokens)
+            wanted += range(at - feed.logits, at)
+        return wanted
 
     def _hand_back(self, feeds: Sequence[Feed], starts: Sequence[int], hidden: torch.Tensor, layers: Optional[torch.Tensor],
                    logits: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:

@@ -14,6 +14,10 @@ order (each mode goes first as often as the others), and says each repeat's rati
 
 Target-only runs through --new (disable_speculation). The report: tokens/s over target-only per
 mode, per kind and per repeat, tokens a pass kept and predicted, and the share of rounds rested.
+
+Two whole stacks (an engine change: the verify differs too) compare with --old-target-only: target-only
+runs through each, each gateway's speculation is priced against its own, and `target_only_vs_old`
+says how the two target-only runs compare.
 """
 
 from __future__ import annotations
@@ -31,21 +35,24 @@ from specd.v1 import common_pb2, generate_pb2_grpc
 from specd_app.bench import load_prompts, machine_facts, stream_one
 
 MODES = ("target_only", "new", "old")
+OLD_TARGET_ONLY = "old_target_only"  # --old-target-only: target-only through --old too
+BASELINE = {"new": "target_only", "old": OLD_TARGET_ONLY}  # each gateway's own target-only, where both run one
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     stubs = {mode: generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(address))
              for mode, address in (("new", args.new), ("old", args.old))}
     rows = [row for path in args.prompts for row in load_prompts(path, args.limit)]
+    modes = MODES + ((OLD_TARGET_ONLY,) if args.old_target_only else ())
     records = []
     for repeat in range(args.repeats):
         for index, row in enumerate(rows):
-            first = (index + repeat) % len(MODES)
-            for mode in MODES[first:] + MODES[:first]:
-                fields = {"disable_speculation": mode == "target_only"}
+            first = (index + repeat) % len(modes)
+            for mode in modes[first:] + modes[:first]:
+                fields = {"disable_speculation": mode in ("target_only", OLD_TARGET_ONLY)}
                 if args.temperature:
                     fields.update(sampling=common_pb2.SamplingParams(temperature=args.temperature), seed=args.seed)
-                sample = stream_one(stubs["old" if mode == "old" else "new"], row, args.max_new_tokens, **fields)
+                sample = stream_one(stubs["old" if mode.startswith("old") else "new"], row, args.max_new_tokens, **fields)
                 stats = sample.stats
                 records.append(dict(repeat=repeat, id=row.get("id", ""), kind=row.get("category", "all"), mode=mode,
                                     tokens=sample.tokens, seconds=round(sample.seconds, 4), passes=stats.target_passes,
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def summary(records: list[dict]) -> dict:
-    """Per mode: tokens/s over target-only overall, by kind and by repeat; tokens a pass kept and
+    """Per mode: tokens/s over its target-only overall, by kind and by repeat; tokens a pass kept and
     predicted; rounds rested."""
     totals: dict = defaultdict(lambda: [0, 0.0])
     for record in records:
@@ -64,17 +71,22 @@ def summary(records: list[dict]) -> dict:
             totals[record["mode"], group][1] += record["seconds"]
     rate = {key: tokens / seconds for key, (tokens, seconds) in totals.items() if seconds}
     report = {}
-    for mode in sorted({r["mode"] for r in records} - {"target_only"}):
+    modes = {r["mode"] for r in records}
+    for mode in sorted(modes - {"target_only", OLD_TARGET_ONLY}):
         mine = [r for r in records if r["mode"] == mode]
         passes = sum(r["passes"] for r in mine) or 1
+        baseline = BASELINE[mode] if BASELINE[mode] in modes else "target_only"
         report[mode] = dict(
-            speedup={group: round(rate[mode, group] / rate["target_only", group], 3)
-                     for (m, group) in sorted(rate) if m == mode and ("target_only", group) in rate},
+            speedup={group: round(rate[mode, group] / rate[baseline, group], 3)
+                     for (m, group) in sorted(rate) if m == mode and (baseline, group) in rate},
             tokens_per_pass=round((sum(r["accepted"] for r in mine) + passes) / passes, 3),
             predicted_tokens_per_pass=round(sum(r["predicted"] for r in mine) / passes, 3),
             rested_round_share=round(sum(r["rested"] for r in mine) / passes, 3),
         )
     report["target_only_tokens_per_s"] = round(rate["target_only", "all"], 2)
+    if OLD_TARGET_ONLY in modes:
+        report["target_only_vs_old"] = {group: round(rate["target_only", group] / rate[OLD_TARGET_ONLY, group], 3)
+                                        for (m, group) in sorted(rate) if m == OLD_TARGET_ONLY}
     return report
 
 
@@ -82,6 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new", required=True, help="the gateway of the code under test (target-only runs here too)")
     parser.add_argument("--old", required=True, help="the gateway it is compared with, on the same verify")
+    parser.add_argument("--old-target-only", action="store_true",
+                        help="target-only through --old too (another stack), each gateway over its own")
     parser.add_argument("--prompts", nargs="+", required=True)
     parser.add_argument("--limit", type=int, default=16, help="first N prompts of each file")
     parser.add_argument("--repeats", type=int, default=2)

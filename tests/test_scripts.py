@@ -92,21 +92,26 @@ def test_wire_bytes_reports_what_a_round_sends_below_the_dense_rows():
         assert 0 < sent < dense and 0 < q_sent < q_ids, line
 
 
-def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path):
+@pytest.mark.parametrize("old_target_only", [False, True])
+def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path, old_target_only):
     """Smoke mode: the same tiny gateway as both sides, one prompt, a few tokens; the report holds
-    every mode's records and a ratio over target-only per mode, per kind and per repeat."""
+    every mode's records and a ratio over target-only per mode, per kind and per repeat (with
+    --old-target-only: over each side's own target-only, and the two target-only runs compared)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p1", "category": "chat", "prompt": "hello world"}) + "\n")
     out = tmp_path / "ab.json"
+    flag = " --old-target-only" if old_target_only else ""
     make("ab-gateways", AB_ARGS=f"--new {cluster.address} --old {cluster.address} --prompts {prompts} --limit 1 "
-                                f"--repeats 1 --max-new-tokens 4 --output {out}")
+                                f"--repeats 1 --max-new-tokens 4 --output {out}{flag}")
     report = json.loads(out.read_text())
     assert report["command"].startswith("python scripts/ab_gateways.py") and report["machine"]["date"]
-    assert sorted(record["mode"] for record in report["records"]) == ["new", "old", "target_only"]
+    modes = ["new", "old", "target_only"] + (["old_target_only"] if old_target_only else [])
+    assert sorted(record["mode"] for record in report["records"]) == sorted(modes)
     assert all(record["tokens"] == 4 for record in report["records"])
     for mode in ("new", "old"):
         assert set(report["summary"][mode]["speedup"]) == {"all", "kind:chat", "repeat:0"}
         assert report["summary"][mode]["speedup"]["all"] > 0
+    assert ("target_only_vs_old" in report["summary"]) == old_target_only
 
 
 def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass sampled-coupling long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -79,6 +79,9 @@ eval-medusa-heads: setup  ## Medusa heads side by side on a train-draft work dir
 
 wire-bytes: setup  ## bytes a sampled round's distributions take on the wire, as sent against dense (WIRE_ARGS="--limit 14 --tokens 32"; docs/design/sampling.md)
 	$(PY) scripts/wire_bytes.py $(WIRE_ARGS)
+
+sampled-coupling: setup  ## how often a sampled round would keep the heads' first draft under each judging rule (COUPLING_ARGS="--limit 8 --tokens 32"; docs/design/sampling.md)
+	$(PY) scripts/sampled_coupling.py $(COUPLING_ARGS)
 
 ab-gateways: setup  ## two gateways' speculation side by side on one verify, with target-only (AB_ARGS="--new HOST:PORT --old HOST:PORT --prompts FILE ..."; docs/design/policy.md)
 	$(PY) scripts/ab_gateways.py $(AB_ARGS)

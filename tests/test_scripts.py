@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_train_feature_head import write_prompt_files
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
-                "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py"}
+                "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py",
+                "sampled-coupling": "sampled_coupling.py"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -112,6 +114,23 @@ def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path, o
         assert set(report["summary"][mode]["speedup"]) == {"all", "kind:chat", "repeat:0"}
         assert report["summary"][mode]["speedup"]["all"] > 0
     assert ("target_only_vs_old" in report["summary"]) == old_target_only
+
+
+def test_sampled_coupling_reports_each_rule_s_kept_share(tmp_path):
+    """`make sampled-coupling` on one prompt, a few tokens, the real default target and heads: every
+    rule's kept share is a probability, and a race over one candidate keeps what the one-hot rule keeps
+    (the same draft) within the noise of a few races; more candidates never lower a drawn draft's share."""
+    from scripts.sampled_coupling import kept_by_rules
+
+    out = tmp_path / "coupling.json"
+    make("sampled-coupling", COUPLING_ARGS=f"--limit 1 --tokens 6 --draws 8 --output {out}")
+    report = json.loads(out.read_text())
+    assert report["positions"] > 0 and report["command"].startswith("python scripts/sampled_coupling.py")
+    assert all(0.0 <= value <= 1.0 for value in report["kept_at_position_1"].values())
+    p = np.array([0.5, 0.3, 0.2])
+    kept = kept_by_rules(p, np.array([1, 0]), np.array([0.6, 0.4]), 1.0, np.random.default_rng(0).exponential(size=(4000, 3)))
+    assert kept["one_hot"] == 0.3 and abs(kept["race_top1"] - 0.3) < 0.03
+    assert kept["drawn_top2"] == pytest.approx(0.3 + 0.4) and kept["race_top2"] > kept["race_top1"]
 
 
 def test_pass_anatomy_times_kernels_and_sessions_on_a_tiny_model(tmp_path):

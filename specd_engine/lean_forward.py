@@ -31,8 +31,6 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from specd_engine import kv_cache
-
 
 def unsupported(model: torch.nn.Module) -> str:
     """Why `model` cannot run the lean forward ("" when it can)."""
@@ -164,9 +162,8 @@ class LeanLlama(torch.nn.Module):
         x = self.embed(input_ids[None])  # [1, T, C]
         cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
         cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
-        masks = [padded_mask(s, input_ids.device) if s.padded else
-                 attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
-                 for s in segments]  # padded: (bool [n, 1, 1, K], columns); else None (causal) or bool [1, 1, n, cached + n]; once
+        masks = [attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
+                 for s in segments]  # None (causal) or bool [1, 1, n, cached + n], made once for every layer
         captured = []
         for index, layer in enumerate(self.layers):
             x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks))
@@ -208,7 +205,7 @@ class Segment:
     start: int
     n: int
     mask: Optional[torch.Tensor] = None
-    padded: bool = False  # each row one query over the cache padded to whole key blocks (_sdpa_padded)
+    rows_alone: bool = False  # its rows attend one by one, as one-position passes would (_sdpa)
 
 
 def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -219,64 +216,39 @@ def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor,
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
         keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
-        if segment.padded:
-            out.append(_sdpa_padded(layer, q[:, :, rows], segment.cache.layers[index], mask))
-        else:
-            out.append(_sdpa(layer, q[:, :, rows], keys, values, mask))
+        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask, rows_alone=segment.rows_alone))
     return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
 
-def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D]."""
+def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+          rows_alone: bool = False) -> torch.Tensor:
+    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D].
+    With rows_alone (an int4 verify's chain or tree: CausalLM._run_ragged), one session's rows attend
+    one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
+    rounding, and bfloat16 products downstream (specd_engine/quantized.py) turn that rounding into
+    different logits, so a verify would judge drafts by another model than its own one-position
+    decoding. Prompt chunks keep one call: they come in one size (CausalLM.prefill_feed)."""
+    n = q.shape[2]
+    if rows_alone and n > 1 and q.shape[0] == 1:
+        return torch.cat([_sdpa_row(layer, q, keys, values, mask, row) for row in range(n)], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                           is_causal=mask is None and q.shape[2] > 1, enable_gqa=layer.heads != layer.kv_heads)
 
 
-def tree_compaction(cached: int, mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows that see the `cached` committed columns and, among the n new ones, those `mask` allows
-    (bool [n, cached + n]: a tree's pending tokens and nodes), the columns each reads in decoding order
-    (committed, its ancestors', its own; then column 0, masked) [n, width], and which of those it sees
-    (a prefix) [n, width]. A masked column between visible ones would move the later keys' vector
-    lanes and change the row's bits, so a tree's node reads its keys compacted."""
-    n = mask.shape[0]
-    columns = torch.zeros((n, width), dtype=torch.long)
-    visible = torch.zeros((n, width), dtype=torch.bool)
-    for row in range(n):
-        seen = torch.cat([torch.arange(cached), cached + mask[row, cached : cached + n].nonzero()[:, 0]])
-        columns[row, : len(seen)] = seen
-        visible[row, : len(seen)] = True
-    return columns, visible
-
-
-def padded_mask(segment: "Segment", device: Optional[torch.device] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """What each of a segment's rows sees, padded: (bool [n, 1, 1, K], compacted columns [n, K] or None),
-    K = kv_cache.whole_blocks(cached + n); causal over the cache, or over a tree's compacted keys."""
-    cached, n = segment.cache.get_seq_length(), segment.n
-    width = kv_cache.whole_blocks(cached + n)
-    if segment.mask is None:
-        visible = torch.arange(width)[None, :] <= torch.arange(cached, cached + n)[:, None]  # [n, K]
-        return visible.to(device)[:, None, None, :], None
-    columns, visible = tree_compaction(cached, segment.mask, width)
-    return visible.to(device)[:, None, None, :], columns.to(device)
-
-
-def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, padding: tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
-    """A segment's rows (q [1, Hq, n, D]), each one query over its session's keys padded to K columns
-    (padded_mask: read from the growing buffer past the cache's length, zeros or earlier finite values,
-    all masked; a tree's compacted). CPU SDPA gives one query the same bits over any key count that is a
-    multiple of the vector width past its own, so a row scores alike in any pass: alone, in a chain, as a
-    tree's node, in a prompt chunk of any size (specd_engine/flat_pass.py says more). Returns [1, Hq, n, D]."""
-    mask, columns = padding
-    n, width = q.shape[2], mask.shape[-1]
-    if columns is None:  # one view of the buffer for every row, no copy
-        keys = cache_layer._key_buffer[:, :, :width].expand(n, -1, -1, -1)  # [n, Hkv, K, D]
-        values = cache_layer._value_buffer[:, :, :width].expand(n, -1, -1, -1)
-    else:
-        keys = cache_layer._key_buffer[0][:, columns].transpose(0, 1)  # [n, Hkv, K, D]
-        values = cache_layer._value_buffer[0][:, columns].transpose(0, 1)
-    out = F.scaled_dot_product_attention(q[0].transpose(0, 1).unsqueeze(2), keys, values, attn_mask=mask, scale=layer.scaling,
-                                         enable_gqa=layer.heads != layer.kv_heads)  # [n, Hq, 1, D]
-    return out.squeeze(2).transpose(0, 1)[None]
+def _sdpa_row(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+              row: int) -> torch.Tensor:
+    """Query `row` of q [1, Hq, n, D] alone over the keys it may see, in cache order: exactly the call a
+    one-position pass makes after the tokens those keys hold (causal: the first m - n + row + 1; a tree's
+    mask: the committed ones and the row's ancestors). Returns [1, Hq, 1, D]."""
+    allowed = None if mask is None else mask[0, 0, row]  # [m] bool
+    visible = keys.shape[2] - q.shape[2] + row + 1 if allowed is None else int(allowed.sum())
+    if allowed is None or bool(allowed[:visible].all()):  # causal: a prefix of the cache, no copy
+        keys, values = keys[:, :, :visible], values[:, :, :visible]
+    else:  # a tree node: the committed positions and its ancestors
+        index = allowed.nonzero()[:, 0]  # [m'] the positions this row attends
+        keys, values = keys.index_select(2, index), values.index_select(2, index)
+    return F.scaled_dot_product_attention(q[:, :, row : row + 1], keys, values, scale=layer.scaling,
+                                          enable_gqa=layer.heads != layer.kv_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

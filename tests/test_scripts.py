@@ -118,8 +118,9 @@ def test_ab_gateways_compares_two_gateways_with_target_only(cluster, tmp_path, o
 
 def test_sampled_coupling_reports_each_rule_s_kept_share(tmp_path):
     """`make sampled-coupling` on one prompt, a few tokens, the real default target and heads: every
-    rule's kept share is a probability, and a race over one candidate keeps what the one-hot rule keeps
-    (the same draft) within the noise of a few races; more candidates never lower a drawn draft's share."""
+    rule's kept share is a probability. On a known case: a race over one candidate keeps what the
+    one-hot rule keeps (the same draft) within the noise of the races, a draft drawn from two
+    candidates keeps Σ min(p, q), and a race over two keeps more than over one."""
     from scripts.sampled_coupling import kept_by_rules
 
     out = tmp_path / "coupling.json"

@@ -46,12 +46,7 @@ from transformers import DynamicCache
 from specd_common.errors import InvalidArgument, ResourceExhausted
 from specd_engine import kv_cache, lean_forward
 
-KEY_BLOCK = 64  # a pass's key count is a multiple of this: of every CPU's vector width (AVX-512: 16 floats) and of GPU key tiles
-
-
-def whole_blocks(columns: int) -> int:
-    """`columns` rounded up to whole key blocks (at least one)."""
-    return max(1, -(-columns // KEY_BLOCK)) * KEY_BLOCK
+KEY_BLOCK, whole_blocks = kv_cache.KEY_BLOCK, kv_cache.whole_blocks  # a pass's key count is a multiple of KEY_BLOCK
 
 
 def slot_capacity(kv_tokens: int, slots: int) -> int:
@@ -196,14 +191,10 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
     # a chain's or a chunk's row sees every column up to its own: one comparison for all of them
     visible = torch.arange(keys)[None, :] <= torch.tensor(writes)[:, None]  # [R, K]
     compact = None
-    if trees:  # a tree's node reads its keys compacted: the committed columns, its ancestors', its own
+    if trees:  # a tree's node reads its keys compacted (lean_forward.tree_compaction)
         compact = torch.arange(keys).repeat(len(writes), 1)  # [R, K]: column j of row r's keys
         for first, cached, n, mask in trees:
-            for node in range(n):
-                seen = cached + mask[node, cached : cached + n].nonzero()[:, 0]  # its ancestors' columns and its own
-                compact[first + node, cached : cached + len(seen)] = seen
-                compact[first + node, cached + len(seen) :] = 0  # masked: any finite column
-                visible[first + node] = torch.arange(keys) < cached + len(seen)
+            compact[first : first + n], visible[first : first + n] = lean_forward.tree_compaction(cached, mask, keys)
         compact = compact.to(device)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0], compact)

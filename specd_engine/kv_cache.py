@@ -28,6 +28,14 @@ from transformers.cache_utils import DynamicLayer
 # more than the positions held for the default target (46 KB a position), inside the half of free
 # memory the verify's KV budget leaves unused (autotune.KV_MEMORY_SHARE)
 SPARE_COLUMNS = 128
+# a row's keys are read padded to a multiple of this (lean_forward._sdpa_padded, flat_pass): of every
+# CPU's vector width (AVX-512: 16 floats) and of GPU key tiles; a buffer holds the columns up to it
+KEY_BLOCK = 64
+
+
+def whole_blocks(columns: int) -> int:
+    """`columns` rounded up to whole key blocks (at least one)."""
+    return max(1, -(-columns // KEY_BLOCK)) * KEY_BLOCK
 
 
 class GrowingLayer(DynamicLayer):
@@ -51,7 +59,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
-        if length + new > self._key_buffer.shape[-2]:
+        if whole_blocks(length + new) > self._key_buffer.shape[-2]:
             self._grow(length, length + new, key_states, value_states)
         self._key_buffer[..., length : length + new, :] = key_states
         self._value_buffer[..., length : length + new, :] = value_states
@@ -73,8 +81,9 @@ class GrowingLayer(DynamicLayer):
     def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New buffers with room for `needed` columns and more, holding the first `length` columns."""
         capacity = max(needed + needed // 4 + SPARE_COLUMNS, self.reserve)
-        keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
-        values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
+        # zeros: a padded row reads columns past the length, masked, and their exact-zero share must not be NaN
+        keys = key_states.new_zeros((*key_states.shape[:2], capacity, key_states.shape[-1]))
+        values = value_states.new_zeros((*value_states.shape[:2], capacity, value_states.shape[-1]))
         if length:
             keys[..., :length, :] = self.keys
             values[..., :length, :] = self.values

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from specd_engine import kv_cache
+
 
 def unsupported(model: torch.nn.Module) -> str:
     """Why `model` cannot run the lean forward ("" when it can)."""
@@ -162,8 +164,9 @@ class LeanLlama(torch.nn.Module):
         x = self.embed(input_ids[None])  # [1, T, C]
         cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
         cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
-        masks = [attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
-                 for s in segments]  # None (causal) or bool [1, 1, n, cached + n], made once for every layer
+        masks = [key_width_groups(s, input_ids.device) if s.padded else
+                 attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
+                 for s in segments]  # padded: key_width_groups; else None (causal) or bool [1, 1, n, cached + n]; once a pass
         captured = []
         for index, layer in enumerate(self.layers):
             x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks))
@@ -205,7 +208,7 @@ class Segment:
     start: int
     n: int
     mask: Optional[torch.Tensor] = None
-    rows_alone: bool = False  # its rows attend one by one, as one-position passes would (_sdpa)
+    padded: bool = False  # each row one query over its own keys padded to whole key blocks (_sdpa_padded)
 
 
 def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -216,39 +219,87 @@ def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor,
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
         keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
-        out.append(_sdpa(layer, q[:, :, rows], keys, values, mask, rows_alone=segment.rows_alone))
+        if segment.padded:
+            out.append(_sdpa_padded(layer, q[:, :, rows], segment.cache.layers[index], mask))
+        else:
+            out.append(_sdpa(layer, q[:, :, rows], keys, values, mask))
     return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
 
-def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
-          rows_alone: bool = False) -> torch.Tensor:
-    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D].
-    With rows_alone (an int4 verify's chain or tree: CausalLM._run_ragged), one session's rows attend
-    one by one (_sdpa_row): SDPA's result for a row depends on how many rows its call holds, by
-    rounding, and bfloat16 products downstream (specd_engine/quantized.py) turn that rounding into
-    different logits, so a verify would judge drafts by another model than its own one-position
-    decoding. Prompt chunks keep one call: they come in one size (CausalLM.prefill_feed)."""
-    n = q.shape[2]
-    if rows_alone and n > 1 and q.shape[0] == 1:
-        return torch.cat([_sdpa_row(layer, q, keys, values, mask, row) for row in range(n)], dim=2)
+def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """transformers' attention call: q [B, Hq, n, D] over keys/values [B, Hkv, m, D] → [B, Hq, n, D]."""
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                           is_causal=mask is None and q.shape[2] > 1, enable_gqa=layer.heads != layer.kv_heads)
 
 
-def _sdpa_row(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
-              row: int) -> torch.Tensor:
-    """Query `row` of q [1, Hq, n, D] alone over the keys it may see, in cache order: exactly the call a
-    one-position pass makes after the tokens those keys hold (causal: the first m - n + row + 1; a tree's
-    mask: the committed ones and the row's ancestors). Returns [1, Hq, 1, D]."""
-    allowed = None if mask is None else mask[0, 0, row]  # [m] bool
-    visible = keys.shape[2] - q.shape[2] + row + 1 if allowed is None else int(allowed.sum())
-    if allowed is None or bool(allowed[:visible].all()):  # causal: a prefix of the cache, no copy
-        keys, values = keys[:, :, :visible], values[:, :, :visible]
-    else:  # a tree node: the committed positions and its ancestors
-        index = allowed.nonzero()[:, 0]  # [m'] the positions this row attends
-        keys, values = keys.index_select(2, index), values.index_select(2, index)
-    return F.scaled_dot_product_attention(q[:, :, row : row + 1], keys, values, scale=layer.scaling,
-                                          enable_gqa=layer.heads != layer.kv_heads)
+def tree_compaction(cached: int, mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows that see the `cached` committed columns and, among the new ones, those `mask` allows
+    (bool [r, cached + n]: some of a tree's pending tokens and nodes), the columns each reads in decoding
+    order (committed, its ancestors', its own; then column 0, masked) [r, width], and which of those it
+    sees (a prefix) [r, width]. A masked column between visible ones would move the later keys' vector
+    lanes and change the row's bits, so a tree's node reads its keys compacted."""
+    rows = mask.shape[0]
+    columns = torch.zeros((rows, width), dtype=torch.long)
+    visible = torch.zeros((rows, width), dtype=torch.bool)
+    for row in range(rows):
+        seen = torch.cat([torch.arange(cached), cached + mask[row, cached:].nonzero()[:, 0]])
+        columns[row, : len(seen)] = seen
+        visible[row, : len(seen)] = True
+    return columns, visible
+
+
+@dataclass
+class KeyWidthGroup:
+    """A segment's rows that read the same number of key columns (_sdpa_padded): one SDPA call."""
+
+    rows: torch.Tensor  # [g] long: which of the segment's rows
+    mask: torch.Tensor  # bool [g, 1, 1, K]: the columns each sees (a prefix), K whole key blocks
+    columns: Optional[torch.Tensor]  # [g, K] long: a tree's compacted columns; None: the cache's first K
+
+
+def key_width_groups(segment: "Segment", device: Optional[torch.device] = None) -> list[KeyWidthGroup]:
+    """A segment's rows grouped by the keys each reads: the ones it sees (the cache's first cached + i + 1,
+    or a tree node's committed and ancestors' columns compacted), padded to whole key blocks. The width is
+    the row's own, never the pass's: a row reads the same K columns alone, in a chain of any length, as a
+    tree's node and in a prompt chunk of any size, so its SDPA call is the same call with the same
+    inputs, whatever kernel and BLAS the machine has (a width taken from the pass's longest row gave one
+    row different bits in different passes on a 2-core AMD EPYC). Made once a pass, used by every layer."""
+    cached, n = segment.cache.get_seq_length(), segment.n
+    if segment.mask is None:
+        seen = torch.arange(cached + 1, cached + n + 1)  # [n]
+    else:
+        seen = cached + segment.mask[:, cached:].sum(dim=1).cpu()  # [n]: committed, ancestors, own
+    widths = (seen + kv_cache.KEY_BLOCK - 1) // kv_cache.KEY_BLOCK * kv_cache.KEY_BLOCK
+    groups = []
+    for width in widths.unique().tolist():
+        rows = (widths == width).nonzero()[:, 0]  # [g]
+        visible = torch.arange(width)[None, :] < seen[rows][:, None]  # [g, K]
+        columns = None if segment.mask is None else tree_compaction(cached, segment.mask[rows].cpu(), width)[0].to(device)
+        groups.append(KeyWidthGroup(rows.to(device), visible.to(device)[:, None, None, :], columns))
+    return groups
+
+
+def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequence[KeyWidthGroup]) -> torch.Tensor:
+    """A segment's rows (q [1, Hq, n, D]), each one query over its own keys padded to whole key blocks
+    (key_width_groups; read from the growing buffer past the cache's length, zeros or earlier finite
+    values, all masked; a tree's compacted): one SDPA call per group. Returns [1, Hq, n, D]."""
+    out = None if len(groups) == 1 else torch.empty_like(q)
+    for group in groups:
+        width, count = group.mask.shape[-1], group.rows.shape[0]
+        if group.columns is None:  # one view of the buffer for every row, no copy
+            keys = cache_layer._key_buffer[:, :, :width].expand(count, -1, -1, -1)  # [g, Hkv, K, D]
+            values = cache_layer._value_buffer[:, :, :width].expand(count, -1, -1, -1)
+        else:
+            keys = cache_layer._key_buffer[0][:, group.columns].transpose(0, 1)  # [g, Hkv, K, D]
+            values = cache_layer._value_buffer[0][:, group.columns].transpose(0, 1)
+        queries = q[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)  # [g, Hq, 1, D]
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=layer.scaling,
+                                                  enable_gqa=layer.heads != layer.kv_heads)  # [g, Hq, 1, D]
+        attended = attended.squeeze(2).transpose(0, 1)[None]  # [1, Hq, g, D]
+        if out is None:
+            return attended
+        out.index_copy_(2, group.rows, attended)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

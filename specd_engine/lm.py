@@ -29,9 +29,6 @@ from specd_common.telemetry import model_forward
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # prompt positions per prefill pass when no other session shares it (CausalLM.prefill_feed)
-# int4 prompt chunks: always this size, since attention over a chunk rounds by its size; small, since a
-# chunk rides in every pass of the streams beside it (docs/design/cpu-vs-llama-cpp.md)
-INT4_PREFILL_CHUNK = 16
 
 
 @dataclass
@@ -484,8 +481,6 @@ class CausalLM:
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
         those of one pass."""
         start = session.cached
-        if self.weights == "int4" and self.store is None:  # one chunk size: a prompt is prefilled alike however busy the passes are
-            budget = INT4_PREFILL_CHUNK  # (a flat pass scores a row alike in chunks of any size)
         return Feed(session, session.tokens[start : start + min(budget, self.unprefilled(session))], logits=0)
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
@@ -662,9 +657,8 @@ class CausalLM:
             ids += feed.tokens
             positions += feed.positions if feed.positions is not None else range(cached, cached + len(feed.tokens))
             mask = None if feed.mask is None else feed.mask.to(device)
-            # int4: a verify's rows attend one by one, so a position scores alike in any pass (quantized.py)
-            rows_alone = self.weights == "int4" and feed.logits > 0
-            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, rows_alone=rows_alone))
+            # int4: every row one query over its keys padded to whole blocks, so a position scores alike in any pass
+            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, padded=self.weights == "int4"))
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
         wanted = self._logit_rows(feeds)

@@ -70,7 +70,7 @@ def test_a_shape_the_kernel_cannot_pack_is_refused_with_the_reason():
 
 def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     """CausalLM with int4 weights: six positions scored in one pass give the bits they get one at a time
-    (attention row by row: lean_forward._sdpa), and a tree's nodes the bits of decoding along their path."""
+    (every row one query over its keys padded to whole blocks: lean_forward._sdpa_padded), and a tree's nodes the bits of decoding along their path."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
@@ -88,7 +88,7 @@ def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
 def test_the_default_target_in_int4_scores_chains_and_trees_as_its_one_position_passes():
     """The real default target (its own copy: packing changes a model in place): a chain of six drafts
     and a tree score each position with the bits that decoding one position at a time gives it. On
-    this target, without attention row by row, they differed by up to 0.5 in the logits."""
+    this target, with one attention call over a chain's rows unpadded, they differed by up to 0.5 in the logits."""
     from specd_common.config import DEFAULT_TARGET
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
@@ -156,20 +156,23 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
     assert CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="auto").weights == "float"
 
 
-def test_an_int4_prompt_is_prefilled_in_the_same_chunks_however_busy_the_passes_are(tiny):
-    """A busy pass's budget (4) and an idle one's (512) cut an int4 prompt alike: attention over a
-    prompt chunk rounds by its size, and the answer must not depend on the load it arrived into."""
-    from specd_engine.lm import INT4_PREFILL_CHUNK, CausalLM
+def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny):
+    """A busy pass's budget (4), a chunk of 16 and an idle pass's (512) prefill an int4 prompt to the same
+    bits: every row attends as one query over its keys padded to whole blocks (lean_forward._sdpa_padded),
+    so the answer does not depend on the load the prompt arrived into."""
+    from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     prompt = [(5 * i) % 40 + 3 for i in range(150)]
-    for budget in (4, 512):
+    scored = []
+    for budget in (4, 16, 512):
         session = lm.new_session(prompt, prefill=False)
         chunks = []
         while lm.unprefilled(session):
             feed = lm.prefill_feed(session, budget)
             chunks.append(len(feed.tokens))
             lm.run_feeds([feed])
-        whole, rest = divmod(149, INT4_PREFILL_CHUNK)  # all but the last prompt token are prefilled
-        assert chunks == [INT4_PREFILL_CHUNK] * whole + ([rest] if rest else []), budget
+        assert max(chunks) == min(budget, 149), budget
+        scored.append(lm.forward(session, [7, 9]))
+    assert all(torch.equal(scored[0], other) for other in scored[1:])

@@ -121,6 +121,7 @@ class LeanLlama(torch.nn.Module):
         self.norm = base.norm.weight
         self.lm_head = model.lm_head
         self.eps = model.config.rms_norm_eps
+        self.query_per_call = False  # padded segments: one SDPA call a row, where batching queries changes bits
 
     def release_originals(self) -> None:
         """LeanLayer.release_originals for every layer: transformers' forward cannot run after."""
@@ -164,7 +165,7 @@ class LeanLlama(torch.nn.Module):
         x = self.embed(input_ids[None])  # [1, T, C]
         cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
         cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
-        masks = [key_width_groups(s, input_ids.device) if s.padded else
+        masks = [key_width_groups(s, input_ids.device, self.query_per_call) if s.padded else
                  attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
                  for s in segments]  # padded: key_width_groups; else None (causal) or bool [1, 1, n, cached + n]; once a pass
         captured = []
@@ -257,13 +258,14 @@ class KeyWidthGroup:
     columns: Optional[torch.Tensor]  # [g, K] long: a tree's compacted columns; None: the cache's first K
 
 
-def key_width_groups(segment: "Segment", device: Optional[torch.device] = None) -> list[KeyWidthGroup]:
+def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, alone: bool = False) -> list[KeyWidthGroup]:
     """A segment's rows grouped by the keys each reads: the ones it sees (the cache's first cached + i + 1,
     or a tree node's committed and ancestors' columns compacted), padded to whole key blocks. The width is
     the row's own, never the pass's: a row reads the same K columns alone, in a chain of any length, as a
     tree's node and in a prompt chunk of any size, so its SDPA call is the same call with the same
     inputs, whatever kernel and BLAS the machine has (a width taken from the pass's longest row gave one
-    row different bits in different passes on a 2-core AMD EPYC). Made once a pass, used by every layer."""
+    row different bits in different passes on a 2-core AMD EPYC). `alone`: a group a row, for a machine
+    whose SDPA rounds a query by the batch beside it (queries_batch_alike). Made once a pass, for every layer."""
     cached, n = segment.cache.get_seq_length(), segment.n
     if segment.mask is None:
         seen = torch.arange(cached + 1, cached + n + 1)  # [n]
@@ -271,12 +273,42 @@ def key_width_groups(segment: "Segment", device: Optional[torch.device] = None) 
         seen = cached + segment.mask[:, cached:].sum(dim=1).cpu()  # [n]: committed, ancestors, own
     widths = (seen + kv_cache.KEY_BLOCK - 1) // kv_cache.KEY_BLOCK * kv_cache.KEY_BLOCK
     groups = []
-    for width in widths.unique().tolist():
-        rows = (widths == width).nonzero()[:, 0]  # [g]
+    batches = [torch.tensor([row]) for row in range(n)] if alone else [(widths == w).nonzero()[:, 0] for w in widths.unique().tolist()]
+    for rows in batches:  # [g] each
+        width = int(widths[rows[0]])
         visible = torch.arange(width)[None, :] < seen[rows][:, None]  # [g, K]
         columns = None if segment.mask is None else tree_compaction(cached, segment.mask[rows].cpu(), width)[0].to(device)
         groups.append(KeyWidthGroup(rows.to(device), visible.to(device)[:, None, None, :], columns))
     return groups
+
+
+def queries_batch_alike(layer: LeanLayer, device: torch.device, widths: Sequence[int] = (64, 576, 2048),
+                        batches: Sequence[int] = (3, 16)) -> bool:
+    """Whether this machine's SDPA gives a query over padded keys (as _sdpa_padded calls it) the same bits
+    in a batch of queries as alone, at every thread count up to the current one. The CPU kernel computes
+    each (query, head) on its own, so it should; a BLAS or kernel that splits work by the batch would make
+    a row's logits depend on what shares its pass, so the start-up probe checks instead of trusting."""
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for count in range(1, threads + 1):
+            torch.set_num_threads(count)
+            for width in widths:
+                keys, values = (torch.randn((1, layer.kv_heads, width, layer.head_dim), generator=generator).to(device) for _ in range(2))
+                queries = torch.randn((max(batches), layer.heads, 1, layer.head_dim), generator=generator).to(device)
+                mask = (torch.arange(width, device=device) < width - 5)[None, None, None, :]  # [1, 1, 1, K]
+
+                def attend(b: int) -> torch.Tensor:  # [b, Hq, 1, D]
+                    return F.scaled_dot_product_attention(queries[:b], keys.expand(b, -1, -1, -1), values.expand(b, -1, -1, -1),
+                                                          attn_mask=mask.expand(b, -1, -1, -1), scale=layer.scaling,
+                                                          enable_gqa=layer.heads != layer.kv_heads)
+                alone = torch.cat([F.scaled_dot_product_attention(queries[b : b + 1], keys, values, attn_mask=mask, scale=layer.scaling,
+                                                                  enable_gqa=layer.heads != layer.kv_heads) for b in range(max(batches))])
+                if not all(torch.equal(attend(b), alone[:b]) for b in batches):
+                    return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
 
 
 def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequence[KeyWidthGroup]) -> torch.Tensor:

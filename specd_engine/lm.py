@@ -280,6 +280,10 @@ class CausalLM:
             log.warning("the LM head stays float32: %s", why)
         log.info("weights: %d of %d decoder products in 4-bit groups, the LM head in %s, bfloat16 inputs", packed,
                  len(quantized.PRODUCTS) * len(self.lean.layers), head)
+        if not self.model_thread.run(lean_forward.queries_batch_alike, self.lean.layers[0], self.loaded.device):
+            self.lean.query_per_call = True
+            log.warning("this machine's attention rounds a query by the queries batched beside it: each row of a "
+                        "verify pass gets its own attention call (exact, slower)")
 
     def capture_layers(self, layers: Sequence[int]) -> None:
         """Also keep the outputs of decoder layers `layers` (1-based: hidden_states[l] in transformers'

@@ -85,6 +85,40 @@ def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     assert together.shape == alone.shape and torch.equal(together, alone)
 
 
+def test_a_machine_whose_attention_rounds_by_batch_gives_each_row_its_own_call(tiny, monkeypatch):
+    """The start-up probe (lean_forward.queries_batch_alike): where SDPA rounds a query by the queries
+    batched beside it, an int4 verify gives every row its own attention call and stays exact; the
+    same skew with batched calls changes a chain's bits, so the probe is what keeps it exact."""
+    import torch.nn.functional as F
+
+    from specd_engine import lean_forward
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    real = F.scaled_dot_product_attention
+
+    def skewed(query, *args, **kwargs):  # a batch of queries rounds otherwise than one alone
+        out = real(query, *args, **kwargs)
+        return out + 1e-3 if query.shape[0] > 1 and query.shape[2] == 1 else out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", skewed)
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    assert lm.lean.query_per_call and not lean_forward.queries_batch_alike(lm.lean.layers[0], torch.device("cpu"))
+    prompt, extra = [(5 * i) % 50 + 3 for i in range(60)], [11, 2, 30, 8, 41, 17]
+
+    def chain_and_alone() -> tuple[torch.Tensor, torch.Tensor]:
+        chain, one_by_one = lm.new_session(prompt), lm.new_session(prompt)
+        lm.forward(chain)
+        lm.forward(one_by_one)
+        return lm.forward(chain, extra), torch.cat([lm.forward(one_by_one, [token])[-1:] for token in extra])
+
+    together, alone = chain_and_alone()
+    assert torch.equal(together, alone)
+    lm.lean.query_per_call = False
+    together, alone = chain_and_alone()
+    assert not torch.equal(together, alone)
+
+
 def test_the_default_target_in_int4_scores_chains_and_trees_as_its_one_position_passes():
     """The real default target (its own copy: packing changes a model in place): a chain of six drafts
     and a tree score each position with the bits that decoding one position at a time gives it. On

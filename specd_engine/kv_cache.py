@@ -31,6 +31,9 @@ SPARE_COLUMNS = 128
 # a row's keys are read padded to a multiple of this (lean_forward._sdpa_padded, flat_pass): of every
 # CPU's vector width (AVX-512: 16 floats) and of GPU key tiles; a buffer holds the columns up to it
 KEY_BLOCK = 64
+# an int4 ragged row reads the keys it sees padded to a multiple of this (lean_forward.key_width_groups):
+# any size keeps a row's call its own; smaller pads less, larger lets more rows of a chain share a call
+ROW_KEY_BLOCK = 16
 
 
 def whole_blocks(columns: int) -> int:

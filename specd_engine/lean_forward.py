@@ -253,33 +253,43 @@ def tree_compaction(cached: int, mask: torch.Tensor, width: int) -> tuple[torch.
 class KeyWidthGroup:
     """A segment's rows that read the same number of key columns (_sdpa_padded): one SDPA call."""
 
-    rows: torch.Tensor  # [g] long: which of the segment's rows
-    mask: torch.Tensor  # bool [g, 1, 1, K]: the columns each sees (a prefix), K whole key blocks
+    rows: slice | torch.Tensor  # which of the segment's rows: consecutive ones (a view), else [g] long
+    count: int  # g
+    mask: torch.Tensor  # float [g, 1, 1, K]: 0 on the columns each sees (a prefix), -inf past them; K whole blocks
     columns: Optional[torch.Tensor]  # [g, K] long: a tree's compacted columns; None: the cache's first K
 
 
-def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, alone: bool = False) -> list[KeyWidthGroup]:
+def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, alone: bool = False,
+                     block: int = 0) -> list[KeyWidthGroup]:
     """A segment's rows grouped by the keys each reads: the ones it sees (the cache's first cached + i + 1,
-    or a tree node's committed and ancestors' columns compacted), padded to whole key blocks. The width is
-    the row's own, never the pass's: a row reads the same K columns alone, in a chain of any length, as a
-    tree's node and in a prompt chunk of any size, so its SDPA call is the same call with the same
-    inputs, whatever kernel and BLAS the machine has (a width taken from the pass's longest row gave one
-    row different bits in different passes on a 2-core AMD EPYC). `alone`: a group a row, for a machine
-    whose SDPA rounds a query by the batch beside it (queries_batch_alike). Made once a pass, for every layer."""
+    or a tree node's committed and ancestors' columns compacted), padded to whole blocks of `block`
+    columns (0: kv_cache.ROW_KEY_BLOCK). The width is the row's own, never the pass's: a row reads the
+    same K columns alone, in a chain of any length, as a tree's node and in a prompt chunk of any size,
+    so its SDPA call is the same call with the same inputs, whatever kernel and BLAS the machine has (a
+    width taken from the pass's longest row gave one row different bits in different passes on a 2-core
+    AMD EPYC). `alone`: a group a row, for a machine whose SDPA rounds a query by the batch beside it
+    (queries_batch_alike). Made once a pass, for every layer."""
+    block = block or kv_cache.ROW_KEY_BLOCK
     cached, n = segment.cache.get_seq_length(), segment.n
     if segment.mask is None:
         seen = torch.arange(cached + 1, cached + n + 1)  # [n]
     else:
         seen = cached + segment.mask[:, cached:].sum(dim=1).cpu()  # [n]: committed, ancestors, own
-    widths = (seen + kv_cache.KEY_BLOCK - 1) // kv_cache.KEY_BLOCK * kv_cache.KEY_BLOCK
-    groups = []
-    batches = [torch.tensor([row]) for row in range(n)] if alone else [(widths == w).nonzero()[:, 0] for w in widths.unique().tolist()]
-    for rows in batches:  # [g] each
-        width = int(widths[rows[0]])
+    widths = ((seen + block - 1) // block * block).tolist()
+    by_width: dict[int, list[int]] = {}
+    for row, width in enumerate(widths):  # a chain's rows: one width, or two across a block boundary
+        by_width.setdefault(width, []).append(row)
+    groups = [[row] for row in range(n)] if alone else list(by_width.values())
+    made = []
+    for rows in groups:
+        width = widths[rows[0]]
         visible = torch.arange(width)[None, :] < seen[rows][:, None]  # [g, K]
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).to(device)[:, None, None, :]  # [g, 1, 1, K]
         columns = None if segment.mask is None else tree_compaction(cached, segment.mask[rows].cpu(), width)[0].to(device)
-        groups.append(KeyWidthGroup(rows.to(device), visible.to(device)[:, None, None, :], columns))
-    return groups
+        consecutive = rows[-1] - rows[0] + 1 == len(rows)
+        selected = slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=device)
+        made.append(KeyWidthGroup(selected, len(rows), mask, columns))
+    return made
 
 
 def queries_batch_alike(layer: LeanLayer, device: torch.device, widths: Sequence[int] = (64, 576, 2048),
@@ -317,20 +327,29 @@ def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequenc
     values, all masked; a tree's compacted): one SDPA call per group. Returns [1, Hq, n, D]."""
     out = None if len(groups) == 1 else torch.empty_like(q)
     for group in groups:
-        width, count = group.mask.shape[-1], group.rows.shape[0]
-        if group.columns is None:  # one view of the buffer for every row, no copy
-            keys = cache_layer._key_buffer[:, :, :width].expand(count, -1, -1, -1)  # [g, Hkv, K, D]
-            values = cache_layer._value_buffer[:, :, :width].expand(count, -1, -1, -1)
+        width, count = group.mask.shape[-1], group.count
+        if group.columns is None:  # a view of the buffer, broadcast to every row: no copy
+            keys, values = cache_layer._key_buffer.narrow(2, 0, width), cache_layer._value_buffer.narrow(2, 0, width)  # [1, Hkv, K, D]
+            if count > 1:  # (a lone row's plain view: broadcasting costs a single query ~30% more in SDPA)
+                keys, values = keys.expand(count, -1, -1, -1), values.expand(count, -1, -1, -1)  # [g, Hkv, K, D]
         else:
             keys = cache_layer._key_buffer[0][:, group.columns].transpose(0, 1)  # [g, Hkv, K, D]
             values = cache_layer._value_buffer[0][:, group.columns].transpose(0, 1)
-        queries = q[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)  # [g, Hq, 1, D]
+        if count == q.shape[2] == 1:  # (each view op costs microseconds: a decode pass pays ~30 layers of them)
+            queries = q  # [1, Hq, 1, D]
+        elif isinstance(group.rows, slice) and count == 1:
+            queries = q.narrow(2, group.rows.start, 1)  # [1, Hq, 1, D]
+        else:
+            rows = q[0, :, group.rows] if isinstance(group.rows, slice) else q[0].index_select(1, group.rows)  # [Hq, g, D]
+            queries = rows.transpose(0, 1).unsqueeze(2).contiguous()  # [g, Hq, 1, D]
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=layer.scaling,
-                                                  enable_gqa=layer.heads != layer.kv_heads)  # [g, Hq, 1, D]
-        attended = attended.squeeze(2).transpose(0, 1)[None]  # [1, Hq, g, D]
+                                                  enable_gqa=layer.heads != layer.kv_heads).permute(2, 1, 0, 3)  # [1, Hq, g, D]
         if out is None:
             return attended
-        out.index_copy_(2, group.rows, attended)
+        if isinstance(group.rows, slice):
+            out[:, :, group.rows] = attended
+        else:
+            out.index_copy_(2, group.rows, attended)
     return out
 
 

@@ -140,20 +140,26 @@ def test_a_padded_row_reads_its_own_key_width_whatever_shares_its_pass():
     """key_width_groups (the int4 verify's attention): each row reads the keys it sees padded to whole
     blocks of its own, never the pass's longest row's, so a chain crossing a block boundary makes two
     calls and each row's call is the one it makes alone; a tree's node counts only its ancestors."""
-    block = lean_forward.kv_cache.KEY_BLOCK
+    block = lean_forward.kv_cache.ROW_KEY_BLOCK
+    whole = lambda seen: -(-seen // block) * block  # noqa: E731
 
     def widths(groups) -> dict[int, tuple[int, int]]:  # row -> (width, keys it sees)
-        return {int(row): (group.mask.shape[-1], int(group.mask[i].sum()))
-                for group in groups for i, row in enumerate(group.rows)}
+        return {row: (group.mask.shape[-1], int((group.mask[i] == 0).sum()))
+                for group in groups for i, row in enumerate(rows_of(group))}
 
-    cached = block - 4
+    def rows_of(group) -> list[int]:
+        return list(range(64))[group.rows] if isinstance(group.rows, slice) else group.rows.tolist()
+
+    cached = 4 * block - 4
     chain = widths(lean_forward.key_width_groups(lean_forward.Segment(_Cache(cached), 0, 8, padded=True)))
-    assert chain == {i: (block if cached + i + 1 <= block else 2 * block, cached + i + 1) for i in range(8)}
+    assert chain == {i: (whole(cached + i + 1), cached + i + 1) for i in range(8)}
+    assert len({width for width, _ in chain.values()}) == 2  # the chain crosses a block boundary
     for i in range(8):  # the same row in a shorter chain, or alone after the rows before it
         alone = widths(lean_forward.key_width_groups(lean_forward.Segment(_Cache(cached + i), 0, 1, padded=True)))
         assert alone[0] == chain[i]
 
     # a pending token, then a root with two children and a grandchild under the first child
+    cached = 4 * block - 2  # the first two rows in one block, the deeper ones in the next
     mask = torch.zeros((5, cached + 5), dtype=torch.bool)
     mask[:, :cached] = True
     for row, sees in enumerate([[0], [0, 1], [0, 1, 2], [0, 1, 3], [0, 1, 2, 4]]):
@@ -161,7 +167,7 @@ def test_a_padded_row_reads_its_own_key_width_whatever_shares_its_pass():
     groups = lean_forward.key_width_groups(lean_forward.Segment(_Cache(cached), 0, 5, mask=mask, padded=True))
     tree = widths(groups)
     assert {row: seen for row, (_, seen) in tree.items()} == {0: cached + 1, 1: cached + 2, 2: cached + 3, 3: cached + 3, 4: cached + 4}
-    assert all(width == (block if seen <= block else 2 * block) for width, seen in tree.values())
-    grandchild = next(group for group in groups if 4 in group.rows.tolist())
-    row = grandchild.rows.tolist().index(4)
+    assert all(width == whole(seen) for width, seen in tree.values()) and len(groups) == 2
+    grandchild = next(group for group in groups if 4 in rows_of(group))
+    row = rows_of(grandchild).index(4)
     assert grandchild.columns[row, : cached + 4].tolist() == list(range(cached)) + [cached, cached + 1, cached + 2, cached + 4]

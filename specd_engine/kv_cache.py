@@ -28,12 +28,13 @@ from transformers.cache_utils import DynamicLayer
 # more than the positions held for the default target (46 KB a position), inside the half of free
 # memory the verify's KV budget leaves unused (autotune.KV_MEMORY_SHARE)
 SPARE_COLUMNS = 128
-# a row's keys are read padded to a multiple of this (lean_forward._sdpa_padded, flat_pass): of every
-# CPU's vector width (AVX-512: 16 floats) and of GPU key tiles; a buffer holds the columns up to it
+# a flat pass's keys are a multiple of this (flat_pass): of every CPU's vector width (AVX-512: 16 floats)
+# and of GPU key tiles; a growing buffer holds the columns up to it, so a padded read stays inside
 KEY_BLOCK = 64
-# an int4 ragged row reads the keys it sees padded to a multiple of this (lean_forward.key_width_groups):
-# any size keeps a row's call its own; smaller pads less, larger lets more rows of a chain share a call
+# an int4 ragged row reads the keys it sees padded to a multiple of this (lean_forward.key_width_groups);
+# any size keeps a row's call its own: smaller pads less, larger lets more rows of a chain share a call
 ROW_KEY_BLOCK = 16
+assert KEY_BLOCK % ROW_KEY_BLOCK == 0  # a row's padded read never passes the buffer's columns
 
 
 def whole_blocks(columns: int) -> int:

@@ -16,8 +16,9 @@ its values), the LM head's to 8 bits, and each product's input and output to bfl
 too, as bfloat16 GPU serving has them); the residual stream, norms and attention stay float32.
 Greedy output equals this verify's own target-only decoding, not transformers' float32. That
 needs every position's logits to be the same however passes are cut: both kernels compute each
-row on its own; every row attends as one query over its keys padded to whole blocks
-(lean_forward._sdpa_padded), in a pass and a prompt chunk of any size; every pass runs on one thread count
+row on its own; every row attends as one query over the keys it sees padded to a width of its own
+(lean_forward.key_width_groups), the same call in a pass and a prompt chunk of any size (a start-up
+probe checks that batching queries changes no bits, else a row a call); every pass runs on one thread count
 (autotune.one_thread_count: SDPA splits long key ranges by threads). docs/design/cpu-vs-llama-cpp.md.
 """
 

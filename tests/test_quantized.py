@@ -85,6 +85,38 @@ def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     assert together.shape == alone.shape and torch.equal(together, alone)
 
 
+def test_an_int4_row_scores_alike_beside_other_sessions_prompt_chunks_and_trees(tiny):
+    """One ragged pass holding chains, a tree and a prompt chunk of sessions at different lengths (some
+    crossing a key block in the pass): each session's logits are the bits it gets decoding alone."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    prompts = [[(3 * i + s) % 50 + 3 for i in range(length)] for s, length in enumerate((13, 30, 62, 95))]
+    extra = [11, 2, 30, 8, 41]
+    alone = []
+    for prompt in prompts[:3]:
+        session = lm.new_session(prompt)
+        lm.forward(session)
+        alone.append(torch.cat([lm.forward(session, [token])[-1:] for token in extra]))  # [5, V]
+    walk = lm.new_session(prompts[3])
+    lm.forward(walk)
+    tree_alone = [lm.forward(walk, [token])[-1] for token in (7, 9)]  # along the tree's path 7 -> 9
+
+    sessions = [lm.new_session(prompt) for prompt in prompts[:3]]
+    for session in sessions:
+        lm.forward(session)
+    tree_session, chunked = lm.new_session(prompts[3]), lm.new_session(prompts[1], prefill=False)
+    lm.forward(tree_session)
+    feeds = [lm.chain_feed(session, extra) for session in sessions]
+    feeds += [lm.tree_feed(tree_session, [7, 9, 4], [-1, 0, 0]), lm.prefill_feed(chunked, 20)]
+    together = lm.run_feeds(feeds)
+    for mine, theirs in zip(together[:3], alone):
+        assert torch.equal(mine[-len(extra):], theirs)
+    assert torch.equal(together[3][1], tree_alone[0]) and torch.equal(together[3][2], tree_alone[1])
+    assert together[4] is None and chunked.cached == 20
+
+
 def test_a_machine_whose_attention_rounds_by_batch_gives_each_row_its_own_call(tiny, monkeypatch):
     """The start-up probe (lean_forward.queries_batch_alike): where SDPA rounds a query by the queries
     batched beside it, an int4 verify gives every row its own attention call and stays exact; the

@@ -37,9 +37,9 @@ ROW_KEY_BLOCK = 16
 assert KEY_BLOCK % ROW_KEY_BLOCK == 0  # a row's padded read never passes the buffer's columns
 
 
-def whole_blocks(columns: int) -> int:
-    """`columns` rounded up to whole key blocks (at least one)."""
-    return max(1, -(-columns // KEY_BLOCK)) * KEY_BLOCK
+def whole_blocks(columns: int, block: int = KEY_BLOCK) -> int:
+    """`columns` rounded up to whole blocks of `block` columns (at least one)."""
+    return max(1, -(-columns // block)) * block
 
 
 class GrowingLayer(DynamicLayer):

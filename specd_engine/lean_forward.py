@@ -254,41 +254,41 @@ class KeyWidthGroup:
     """A segment's rows that read the same number of key columns (_sdpa_padded): one SDPA call."""
 
     rows: slice | torch.Tensor  # which of the segment's rows: consecutive ones (a view), else [g] long
-    count: int  # g
-    mask: torch.Tensor  # float [g, 1, 1, K]: 0 on the columns each sees (a prefix), -inf past them; K whole blocks
+    mask: torch.Tensor  # float [g, 1, 1, K]: additive_mask of the columns each sees (a prefix); K whole blocks
     columns: Optional[torch.Tensor]  # [g, K] long: a tree's compacted columns; None: the cache's first K
 
 
-def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, alone: bool = False,
-                     block: int = 0) -> list[KeyWidthGroup]:
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """bool [..., K] (True = may attend) as SDPA's additive float mask (0 there, -inf elsewhere), made once
+    for every layer instead of converted by each layer's call."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, alone: bool = False) -> list[KeyWidthGroup]:
     """A segment's rows grouped by the keys each reads: the ones it sees (the cache's first cached + i + 1,
-    or a tree node's committed and ancestors' columns compacted), padded to whole blocks of `block`
-    columns (0: kv_cache.ROW_KEY_BLOCK). The width is the row's own, never the pass's: a row reads the
+    or a tree node's committed and ancestors' columns compacted), padded to whole blocks of
+    kv_cache.ROW_KEY_BLOCK columns. The width is the row's own, never the pass's: a row reads the
     same K columns alone, in a chain of any length, as a tree's node and in a prompt chunk of any size,
     so its SDPA call is the same call with the same inputs, whatever kernel and BLAS the machine has (a
     width taken from the pass's longest row gave one row different bits in different passes on a 2-core
     AMD EPYC). `alone`: a group a row, for a machine whose SDPA rounds a query by the batch beside it
     (queries_batch_alike). Made once a pass, for every layer."""
-    block = block or kv_cache.ROW_KEY_BLOCK
     cached, n = segment.cache.get_seq_length(), segment.n
     if segment.mask is None:
         seen = torch.arange(cached + 1, cached + n + 1)  # [n]
     else:
         seen = cached + segment.mask[:, cached:].sum(dim=1).cpu()  # [n]: committed, ancestors, own
-    widths = ((seen + block - 1) // block * block).tolist()
-    by_width: dict[int, list[int]] = {}
+    widths = [kv_cache.whole_blocks(count, kv_cache.ROW_KEY_BLOCK) for count in seen.tolist()]
+    groups: dict[int, list[int]] = {}
     for row, width in enumerate(widths):  # a chain's rows: one width, or two across a block boundary
-        by_width.setdefault(width, []).append(row)
-    groups = [[row] for row in range(n)] if alone else list(by_width.values())
+        groups.setdefault(row if alone else width, []).append(row)
     made = []
-    for rows in groups:
+    for rows in groups.values():
         width = widths[rows[0]]
-        visible = torch.arange(width)[None, :] < seen[rows][:, None]  # [g, K]
-        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).to(device)[:, None, None, :]  # [g, 1, 1, K]
+        mask = additive_mask(torch.arange(width)[None, :] < seen[rows][:, None]).to(device)[:, None, None, :]  # [g, 1, 1, K]
         columns = None if segment.mask is None else tree_compaction(cached, segment.mask[rows].cpu(), width)[0].to(device)
         consecutive = rows[-1] - rows[0] + 1 == len(rows)
-        selected = slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=device)
-        made.append(KeyWidthGroup(selected, len(rows), mask, columns))
+        made.append(KeyWidthGroup(slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=device), mask, columns))
     return made
 
 
@@ -306,7 +306,7 @@ def queries_batch_alike(layer: LeanLayer, device: torch.device, widths: Sequence
             for width in widths:
                 keys, values = (torch.randn((1, layer.kv_heads, width, layer.head_dim), generator=generator).to(device) for _ in range(2))
                 queries = torch.randn((max(batches), layer.heads, 1, layer.head_dim), generator=generator).to(device)
-                mask = (torch.arange(width, device=device) < width - 5)[None, None, None, :]  # [1, 1, 1, K]
+                mask = additive_mask(torch.arange(width, device=device) < width - 5)[None, None, None, :]  # [1, 1, 1, K]
 
                 def attend(b: int) -> torch.Tensor:  # [b, Hq, 1, D]
                     return F.scaled_dot_product_attention(queries[:b], keys.expand(b, -1, -1, -1), values.expand(b, -1, -1, -1),
@@ -327,7 +327,7 @@ def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequenc
     values, all masked; a tree's compacted): one SDPA call per group. Returns [1, Hq, n, D]."""
     out = None if len(groups) == 1 else torch.empty_like(q)
     for group in groups:
-        width, count = group.mask.shape[-1], group.count
+        count, width = group.mask.shape[0], group.mask.shape[-1]
         if group.columns is None:  # a view of the buffer, broadcast to every row: no copy
             keys, values = cache_layer._key_buffer.narrow(2, 0, width), cache_layer._value_buffer.narrow(2, 0, width)  # [1, Hkv, K, D]
             if count > 1:  # (a lone row's plain view: broadcasting costs a single query ~30% more in SDPA)

@@ -36,10 +36,10 @@ from gateway.planner import RoundPlanner
 from gateway.policy import POLICY
 from gateway.proposers import DRAFT, FORCED, HEADS, JOINED, DraftProposer, HeadProposer, LookupProposer, RoundContext, RoundPlan
 from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
-                               position_uniforms, rejection_sample, tree_rejection_sample)
+                               rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
 from specd.v1 import common_pb2, generate_pb2, verify_pb2
-from specd_common.distributions import decode_distribution, one_hot
+from specd_common.distributions import decode_distribution, one_hot, position_uniforms
 from specd_common.errors import ResourceExhausted, Unavailable
 from specd_common.masks import allowed_tokens, restrict
 from specd_common import tree
@@ -264,11 +264,12 @@ class Generation:
             self.stats.forced_tokens += len(plan.drafts)
         # 6. Emit
         emitted = outcome.emitted(plan.drafts)
-        chunk = self._emit(emitted, self._logprobs(scores, emitted))
+        chunk = self._emit(emitted, round_logprobs(scores, emitted, self.spec.top_logprobs, self.spec.warp.greedy))
         if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
             self.backends.observe_round(len(emitted), len(plan.drafts) + 1, time.perf_counter() - started,
                                         self._running(), ctx.allowed)
-        self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy, len(self.sequence))
+        self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy or bool(scores.sampled_token_ids),
+                           len(self.sequence))
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         self._measure_costs(plan, started, proposed)
@@ -386,6 +387,8 @@ class Generation:
     def _verify_drafts(self, plan: RoundPlan, ask_heads: bool, masks: list[common_pb2.TokenMask]) -> verify_pb2.VerifyResponse:
         """Score the drafts (a tree when the plan has parents), on another replica if this one fails."""
         features = self.draft.features
+        coupled = (verify_pb2.CoupledDraw(seed=self.spec.seed, return_target_probs=self.spec.top_logprobs is not None)
+                   if self._coupled(plan) else None)  # the coupled rule's draws, made by the verify: a token a row, not p
         while True:
             request = verify_pb2.VerifyRequest(
                 session_id=self._verify.session_id,
@@ -395,9 +398,10 @@ class Generation:
                 return_features=features is not None,
                 return_head_drafts=ask_heads,
                 head_candidates=self.heads.candidates_per_head(),
-                head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy) if ask_heads else 0,
+                head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy or coupled is not None) if ask_heads else 0,
                 allowed_tokens=masks,
                 top_logprobs=max(self.spec.top_logprobs, 1) if self.spec.top_logprobs is not None and self.spec.warp.greedy else 0,
+                coupled_draw=coupled,
             )
             try:
                 scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())
@@ -422,9 +426,12 @@ class Generation:
             if parents:
                 return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
             return greedy_verify(drafts, list(scores.argmax_token_ids))
+        if scores.sampled_token_ids:  # the coupled rule, drawn by the verify: kept while equal, as greedy
+            drawn = list(scores.sampled_token_ids)
+            return greedy_tree_verify(drafts, parents, drawn) if parents else greedy_verify(drafts, drawn)
         vocab_size = self.backends.target_info.vocab_size
         p = np.stack([decode_distribution(d) for d in scores.target_probs])  # [k + 1, V] (a tree: [n + 1, V])
-        if plan.source != DRAFT or self.draft.greedy_drafts:  # no q was drawn from: the coupled rule
+        if self._coupled(plan):  # a verify that does not draw (an older one): the gateway draws the same rule
             depth = max(tree.depths(parents), default=0) if parents else len(drafts)
             uniforms = position_uniforms(self.spec.seed, len(self.sequence), depth + 1)
             return coupled_tree_verify(drafts, parents, p, uniforms) if parents else coupled_verify(drafts, p, uniforms)
@@ -436,16 +443,10 @@ class Generation:
             q[row] = restrict(q[row], allowed_tokens(mask, vocab_size))
         return rejection_sample(drafts, q, p, self.rng)
 
-    def _logprobs(self, scores: verify_pb2.VerifyResponse, emitted: list[int]) -> list[generate_pb2.TokenLogprob]:
-        """Each emitted token's log probability and the likeliest tokens at its row (a chain's token i is
-        scored at row i), when the request asked: greedy from the verify's log-softmax (RowLogprobs),
-        sampled from the distributions the round was judged by (the same numbers in both modes)."""
-        top = self.spec.top_logprobs
-        if top is None:
-            return []
-        if self.spec.warp.greedy:
-            return [greedy_logprob(token, scores.logprobs[row], top) for row, token in enumerate(emitted)]
-        return [sampled_logprob(token, decode_distribution(scores.target_probs[row]), top) for row, token in enumerate(emitted)]
+    def _coupled(self, plan: RoundPlan) -> bool:
+        """A sampled round judged by the coupled rule: its drafts were not drawn from a q the gateway holds
+        (the heads', lookup copies, forced tokens, a draft that drafts greedily; no drafts at all)."""
+        return not self.spec.warp.greedy and (plan.source != DRAFT or self.draft.greedy_drafts)
 
     def _emit(self, tokens: list[int], logprobs: list[generate_pb2.TokenLogprob] = ()) -> Chunk:
         """Append tokens one by one until a stop condition; return what the client gets this round."""
@@ -489,6 +490,18 @@ class Generation:
             remaining = self._time_remaining()
             return remaining is None or remaining > DEADLINE_SLACK_S
         return error.code() in REPLICA_FAULTS
+
+
+def round_logprobs(scores: verify_pb2.VerifyResponse, emitted: list[int], top: Optional[int],
+                   greedy: bool) -> list[generate_pb2.TokenLogprob]:
+    """Each emitted token's log probability and the likeliest tokens at its row (a chain's token i is
+    scored at row i), when the request asked (top not None): greedy from the verify's log-softmax
+    (RowLogprobs), sampled from the distributions the round was judged by (the same numbers in both modes)."""
+    if top is None:
+        return []
+    if greedy:
+        return [greedy_logprob(token, scores.logprobs[row], top) for row, token in enumerate(emitted)]
+    return [sampled_logprob(token, decode_distribution(scores.target_probs[row]), top) for row, token in enumerate(emitted)]
 
 
 def greedy_logprob(token: int, row: verify_pb2.RowLogprobs, top: int) -> generate_pb2.TokenLogprob:

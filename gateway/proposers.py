@@ -179,14 +179,16 @@ class HeadProposer:
         return self._declined_rounds >= self.policy.probe_every_rounds
 
     @staticmethod
-    def rows_to_ask(plan: RoundPlan, greedy: bool) -> int:
+    def rows_to_ask(plan: RoundPlan, known_row: bool) -> int:
         """Rows of a sampled chain's Verify that return proposals (VerifyRequest.head_rows): the pending
-        token's and one more for each draft the round expects to keep, rounded down. A sampled round's
-        kept length is known only after judging, so the verify would run the heads' product on every
-        row (on the 2-core EPYC a 4-position sampled pass took 109 ms with proposals at all 4 rows, 72
-        without); a round that keeps more than expected finds no proposals and drafts otherwise next
-        round. 0 (every row) for greedy passes and trees, which the verify answers at one row or all."""
-        if greedy or plan.parents:
+        token's and one more for each draft the round expects to keep, rounded down. Where the gateway
+        judges, a sampled round's kept length is known only after judging, so the verify would run the
+        heads' product on every row (on the 2-core EPYC a 4-position sampled pass took 109 ms with
+        proposals at all 4 rows, 72 without); a round that keeps more than expected finds no proposals
+        and drafts otherwise next round. 0 (every row) where the verify knows the row the caller reads
+        (`known_row`: greedy, or the coupled rule's draws made there) and for trees, which it answers
+        at one row or all."""
+        if known_row or plan.parents:
             return 0
         return min(len(plan.drafts), int(plan.expected - 1.0)) + 1
 
@@ -195,9 +197,10 @@ class HeadProposer:
         return self.branches if self.asked and self.branches > 1 else 0
 
     def receive(self, scores: verify_pb2.VerifyResponse, drafts: int, parents: list[int], outcome: RoundOutcome,
-                greedy: bool, committed: int) -> None:
-        """Keep the proposals after the last committed token (`committed` tokens) from a Verify's reply."""
-        if parents and not greedy:  # the verify sent every row: the sampled path picks its own
+                known_row: bool, committed: int) -> None:
+        """Keep the proposals after the last committed token (`committed` tokens) from a Verify's reply
+        (`known_row`: the verify chose the row, greedy or drawing the coupled rule's tokens)."""
+        if parents and not known_row:  # the verify sent every row: the sampled path picks its own
             self.proposals = head_drafts_after_tree(scores.head_drafts, drafts, outcome.path)
         else:
             self.proposals = head_drafts_at(scores.head_drafts, committed - 2)

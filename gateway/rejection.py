@@ -58,13 +58,6 @@ def greedy_tree_verify(node_tokens: Sequence[int], parents: Sequence[int], targe
     return RoundOutcome(len(path), int(target_argmax[0 if last == ROOT else last + 1]), bonus=is_leaf, path=tuple(path))
 
 
-def position_uniforms(seed: int, first_position: int, count: int) -> list[float]:
-    """The uniform draws of positions first_position .. first_position + count - 1 of a request seeded
-    with `seed`: each a function of (seed, position) alone, so how rounds cut the answer, or whether
-    a position was drafted, cannot change them."""
-    return [float(np.random.default_rng([seed, position]).random()) for position in range(first_position, first_position + count)]
-
-
 def coupled_verify(draft_tokens: Sequence[int], target_probs: np.ndarray, uniforms: Sequence[float]) -> RoundOutcome:
     """Sampled drafts not drawn from a q the gateway holds (target_probs p: [k + 1, V]; uniforms: one
     per position, position_uniforms): the target's token y_i = the inverse CDF of p_i at uniforms[i];

@@ -7,6 +7,8 @@ quantizing to float16 never makes the two modes differ.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from specd.v1 import common_pb2
@@ -164,6 +166,19 @@ def sample_at(probs: np.ndarray, uniform: float) -> int:
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
     return min(index, probs.shape[0] - 1)
+
+
+def position_uniforms(seed: int, first_position: int, count: int) -> list[float]:
+    """The uniform draws of positions first_position .. first_position + count - 1 of a request seeded
+    with `seed` (uniforms_at)."""
+    return uniforms_at(seed, range(first_position, first_position + count))
+
+
+def uniforms_at(seed: int, positions: Iterable[int]) -> list[float]:
+    """The coupled rule's uniform draw at each of `positions` of a request seeded with `seed`: each a
+    function of (seed, position) alone, so how rounds cut the answer, whether a position was drafted,
+    and which service draws (the gateway, or the verify for VerifyRequest.coupled_draw) cannot change them."""
+    return [float(np.random.default_rng([seed, position]).random()) for position in positions]
 
 
 def one_hot(token_id: int) -> common_pb2.Distribution:

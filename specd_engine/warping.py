@@ -5,7 +5,7 @@ The rejection rule is lossless only if p and q are warped identically, so both s
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -52,6 +52,17 @@ def warp_probs(logits: torch.Tensor, warp: Warp, allowed: Optional[torch.Tensor]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def draw_rows(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
+    """The coupled rule's draws (VerifyRequest.coupled_draw): each row of probs [n, V] (warp_probs)
+    at its uniform by inverse CDF, accumulated in float64 → ids [n]. The verify draws here in
+    speculative and target-only rounds alike, from the float32 p, so the two modes draw the same
+    token at the same position and seed."""
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [n, V]
+    targets = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]  # [n, 1]
+    ids = torch.searchsorted(cdf, targets, right=True)[:, 0]  # [n]
+    return ids.clamp_(max=probs.shape[-1] - 1)
 
 
 def encode_rows(probs: torch.Tensor) -> list[common_pb2.Distribution]:

@@ -202,6 +202,41 @@ def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
     assert same_row(head_drafts_after_tree(sampled.head_drafts, len(nodes), ()), head_drafts_at(root.head_drafts, len(prompt) - 1))
 
 
+def test_a_coupled_draw_returns_one_token_a_row_and_the_heads_read_the_kept_row(tiny, monkeypatch):
+    """VerifyRequest.coupled_draw: a sampled session gets each row's drawn token (no distributions unless
+    asked), drawn at the position each row scores (a chain's consecutive, a tree's node by its depth),
+    and, as greedy, the heads' proposals of the one row the caller will read: after the drafts that
+    equal the draws. A greedy session ignores it."""
+    from specd.v1 import verify_pb2
+    from specd_engine.batching import BatchPolicy
+    from specd_common.params import Warp
+    from verify_service import scorer as scorer_module
+    from verify_service.scorer import Scorer
+
+    heads, loaded = random_token_heads(tiny, chained=True)
+    scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
+    positions = []
+    real = scorer_module.uniforms_at
+    monkeypatch.setattr(scorer_module, "uniforms_at", lambda seed, at: positions.append(list(at)) or real(seed, at))
+    prompt, warm = [5, 17, 42], Warp(temperature=1.0)
+    draw = verify_pb2.CoupledDraw(seed=3)
+    first = scorer.score(scorer.open(prompt, warm), [], coupled=draw).sampled_token_ids[0]
+    drafts = [first, 7, 8]
+    chain = scorer.score(scorer.open(prompt, warm), drafts, head_drafts=True, coupled=draw)
+    assert len(chain.sampled_token_ids) == 4 and not chain.target_probs and not chain.argmax_token_ids
+    assert chain.sampled_token_ids[0] == first  # the same seed and position draw the same token
+    kept = next((i for i, (x, y) in enumerate(zip(drafts, chain.sampled_token_ids)) if x != y), len(drafts))
+    assert kept >= 1 and len(chain.head_drafts.token_ids) == HEADS  # one row, as greedy
+    assert chain.head_drafts.start_position == len(prompt) - 1 + kept
+    with_probs = scorer.score(scorer.open(prompt, warm), drafts, coupled=verify_pb2.CoupledDraw(seed=3, return_target_probs=True))
+    assert with_probs.sampled_token_ids == chain.sampled_token_ids and len(with_probs.target_probs) == 4
+    positions.clear()
+    scorer.score(scorer.open(prompt, warm), [4, 9, 10, 11], [-1, 0, 1, 1], coupled=draw)  # depths 1, 2, 3, 3
+    assert positions == [[3, 4, 5, 6, 6]]
+    greedy = scorer.score(scorer.open(prompt, Warp()), drafts, coupled=draw)
+    assert greedy.argmax_token_ids and not greedy.sampled_token_ids
+
+
 def test_heads_candidates_are_their_best_in_order(tiny):
     """propose with candidates c: each head's c best tokens, best first, its first the single proposal's;
     chained heads read the earlier heads' best (so the first candidates equal the chain's)."""
@@ -1037,6 +1072,31 @@ def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
             assert reply.head_drafts.candidates == 4 and len(reply.head_drafts.token_ids) == HEADS * 4
         finally:
             stub.Release(common_pb2.ReleaseRequest(session_id="many"), timeout=10)
+
+
+def test_the_verify_draws_over_grpc(medusa_cluster):
+    """A sampled session's Verify with coupled_draw answers one token a row, the same for the same seed
+    and position, and no distributions; without it, the distributions."""
+    import grpc
+
+    from specd.v1 import verify_pb2, verify_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(temperature=1.0)
+    with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        replies = []
+        for name in ("drawn-a", "drawn-b"):
+            stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id=name, prompt_token_ids=[5, 17], sampling=sampling), timeout=10)
+            try:
+                replies.append(stub.Verify(verify_pb2.VerifyRequest(session_id=name, commit=common_pb2.Commit(prefix_length=2),
+                                                                    draft_token_ids=[3, 4],
+                                                                    coupled_draw=verify_pb2.CoupledDraw(seed=9)), timeout=10))
+                plain = stub.Verify(verify_pb2.VerifyRequest(session_id=name, commit=common_pb2.Commit(prefix_length=2)), timeout=10)
+            finally:
+                stub.Release(common_pb2.ReleaseRequest(session_id=name), timeout=10)
+        assert len(replies[0].sampled_token_ids) == 3 and not replies[0].target_probs
+        assert replies[0].sampled_token_ids == replies[1].sampled_token_ids
+        assert len(plain.target_probs) == 1 and not plain.sampled_token_ids
 
 
 def test_a_start_up_cache_of_other_precisions_is_measured_over(tiny, tmp_path):

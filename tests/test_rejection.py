@@ -162,7 +162,8 @@ def test_the_coupled_rule_emits_p_keeps_a_draft_with_p_of_it_and_matches_target_
     kept draft follows p_2, and every answer is the one target-only decoding draws with the same
     position uniforms (no drafts: each position's own draw). Control: keeping the draft with
     probability q-free 0.5 and drawing the correction from p, not from p without x, is caught."""
-    from gateway.rejection import coupled_verify, position_uniforms
+    from gateway.rejection import coupled_verify
+    from specd_common.distributions import position_uniforms
 
     p = np.array([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])  # [k + 1, V]
     drafts = [1, 1]
@@ -189,7 +190,8 @@ def test_the_coupled_rule_emits_p_keeps_a_draft_with_p_of_it_and_matches_target_
 def test_the_coupled_tree_rule_walks_the_target_draws():
     """coupled_tree_verify: the child carrying the target's draw is kept, and the first token follows p
     at the root whatever the tree holds (two fixed children of the root, one grandchild)."""
-    from gateway.rejection import coupled_tree_verify, position_uniforms
+    from gateway.rejection import coupled_tree_verify
+    from specd_common.distributions import position_uniforms
 
     tokens, parents = [0, 1, 2], [-1, -1, 0]
     p = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.3, 0.3, 0.4], [0.3, 0.3, 0.4]])  # [1 + n, V]
@@ -206,6 +208,35 @@ def test_the_coupled_tree_rule_walks_the_target_draws():
     assert chi_square_p_value(np.array(firsts), p[0]) > SIGNIFICANCE
     assert paths[(0, 2)] / 20_000 == pytest.approx(0.5 * 0.6, abs=0.015)
     assert paths[()] / 20_000 == pytest.approx(0.2, abs=0.015)
+
+
+def test_the_verify_draws_what_the_gateway_would_by_the_same_rule():
+    """warping.draw_rows (the verify's draws for VerifyRequest.coupled_draw) on rows whose CDF is exact
+    in float32 and float64: every seed's round ends as the gateway's own coupled rule ends it on the same
+    rows and uniforms, a chain and a tree alike, judged as greedy judges argmaxes; the first draw follows
+    p. Control: drawing every row with row 0's uniform breaks what two rows draw together."""
+    from gateway.rejection import coupled_tree_verify, coupled_verify, greedy_tree_verify
+    from specd_common.distributions import uniforms_at
+    from specd_common.tree import depths
+    from specd_engine.warping import draw_rows
+
+    p = np.array([[0.5, 0.25, 0.25], [0.125, 0.625, 0.25], [0.25, 0.25, 0.5], [0.75, 0.125, 0.125]])  # [4, V]: dyadic
+    drafts, nodes, parents = [1, 1, 2], [0, 1, 2], [-1, -1, 0]
+    firsts, pairs, wrong_pairs = [], [], []
+    for seed in range(5_000):
+        uniforms = uniforms_at(seed, range(40, 44))
+        drawn = draw_rows(torch.tensor(p, dtype=torch.float32), uniforms).tolist()
+        assert coupled_verify(drafts, p, uniforms) == greedy_verify(drafts, drawn)
+        tree_uniforms = uniforms_at(seed, [40] + [40 + depth for depth in depths(parents)])  # the verify's positions
+        tree_drawn = draw_rows(torch.tensor(p, dtype=torch.float32), tree_uniforms).tolist()
+        assert coupled_tree_verify(nodes, parents, p, uniforms) == greedy_tree_verify(nodes, parents, tree_drawn)
+        firsts.append(drawn[0])
+        pairs.append(3 * drawn[0] + drawn[1])
+        wrong_pairs.append(3 * drawn[0] + draw_rows(torch.tensor(p[1:2], dtype=torch.float32), uniforms[:1]).item())
+    assert chi_square_p_value(np.array(firsts), p[0]) > SIGNIFICANCE
+    independent = np.outer(p[0], p[1]).ravel()  # positions draw independently
+    assert chi_square_p_value(np.array(pairs), independent) > SIGNIFICANCE
+    assert chi_square_p_value(np.array(wrong_pairs), independent) < SIGNIFICANCE
 
 
 def test_logit_bias_is_added_before_warping_and_survives_the_wire():

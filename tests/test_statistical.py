@@ -256,6 +256,31 @@ def test_a_wrong_rule_in_the_gateway_fails_the_test(peaked, name, monkeypatch):
     assert chi_square_p_value(run.firsts, target_distribution(peaked, run.prompt, warp)) < SIGNIFICANCE
 
 
+def test_seeded_samples_drawn_by_the_verify_follow_the_target(peaked):
+    """Seeded sampled requests through gateway, draft and verify, every token drawn by the verify
+    (VerifyRequest.coupled_draw): target-only, and speculative under the adaptive policy, whose draft
+    then drafts greedily and whose rounds the coupled rule judges. Seed for seed the two answers are
+    the same, and the first token follows the target's p."""
+    warp = Warp(temperature=1.0, top_k=8)
+    running = start_cluster(peaked.target, "model", peaked.draft, num_draft_tokens=2)
+    try:
+        stub = running.stub()
+        sampling = common_pb2.SamplingParams(temperature=warp.temperature, top_k=warp.top_k)
+        request = dict(text="hello world", max_new_tokens=2, sampling=sampling)
+        firsts, drafted, prompt = [], 0, []
+        for seed in range(SAMPLES["model"]):
+            alone = stub.Generate(generate_pb2.GenerateRequest(**request, seed=seed, disable_speculation=True), timeout=30)
+            spec = stub.Generate(generate_pb2.GenerateRequest(**request, seed=seed), timeout=30)
+            assert list(spec.token_ids) == list(alone.token_ids), seed
+            firsts.append(alone.token_ids[0])
+            drafted += spec.stats.draft_tokens
+            prompt = list(alone.prompt_token_ids)
+    finally:
+        running.stop()
+    assert drafted > 0
+    assert chi_square_p_value(np.array(firsts), target_distribution(peaked, prompt, warp)) > SIGNIFICANCE
+
+
 MOST_TREE_SAMPLES = 8000  # requests at most (~25 per second here): past that the test cannot reach its power
 
 

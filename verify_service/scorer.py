@@ -20,7 +20,8 @@ from specd_engine.lm import PREFILL_CHUNK, CausalLM, KVSession
 from specd_engine.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_engine.warping import constrained, encode_rows, warp_probs
+from specd_common.distributions import uniforms_at
+from specd_engine.warping import constrained, draw_rows, encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,24 @@ class VerifySession:
 
 @dataclass
 class Scores:
-    """The target's view of k + 1 positions: argmax ids when greedy, encoded p when sampling."""
+    """The target's view of k + 1 positions: argmax ids when greedy; when sampling the coupled rule's
+    draws (Draw) or encoded p."""
 
     argmax_token_ids: list[int] = field(default_factory=list)  # [k + 1] (greedy)
-    target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling)
+    target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling without a Draw, or asked)
+    sampled_token_ids: list[int] = field(default_factory=list)  # [k + 1] (sampling with a Draw)
     features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when asked for
     head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
     logprobs: list[verify_pb2.RowLogprobs] = field(default_factory=list)  # [k + 1] greedy rows' likeliest tokens, when asked for
+
+
+@dataclass(frozen=True)
+class Draw:
+    """VerifyRequest.coupled_draw: the verify draws a sampled session's token at each row."""
+
+    seed: int
+    positions: Sequence[int]  # [k + 1]: the position each row draws (a chain's consecutive; a tree's by depth)
+    with_probs: bool = False  # target_probs too (the caller reports log probabilities)
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class Part:
     head_rows: int = 0  # a sampled chain: proposals at the first head_rows rows from the pending token's (0: all)
     allowed: Optional[torch.Tensor] = None  # [k + 1, V] bool: the tokens a grammar allows at each row (structured output)
     top_logprobs: int = 0  # greedy: the likeliest tokens of each row to return with their log probabilities
+    draw: Optional[Draw] = None  # sampling: the verify draws each row's token (the coupled rule)
 
 
 class HeadInputs(NamedTuple):
@@ -254,13 +267,14 @@ class Scorer:
         return self.lm.run(encode_features, layers.flatten(1), sequence.fed_start)  # rows [n, len(feature_layers) × H]
 
     def head_inputs(self, session: VerifySession, own: torch.Tensor, drafts: Sequence[int],
-                    parents: Sequence[int] = (), head_rows: int = 0) -> Optional[HeadInputs]:
+                    parents: Sequence[int] = (), head_rows: int = 0, drawn: bool = False) -> Optional[HeadInputs]:
         """What the Medusa heads read for the session's proposals (HeadInputs); None without heads or kept
         features. own [j] is the target's argmax at that pass's last j rows (after the
         pending token and each draft): a row's own next token, which heads with the token input read;
         for rows before those (committed tokens read late) it is the committed token after it. A greedy
         session gets only the row the caller will read: the gateway keeps exactly the drafts that equal
-        the target's argmax, so its last committed token is the argmax after them; after a tree
+        the target's argmax, so its last committed token is the argmax after them (so does a sampling
+        session whose tokens the verify draws, `drawn`: own holds the draws); after a tree
         (parents), the row of the last node of the path the target's argmax walks (tree.greedy_path),
         whose position is the root's plus the path's length. A sampling session gets every row, after
         a tree too (then in node order after the committed rows, like the features: the gateway
@@ -276,7 +290,7 @@ class Scorer:
         next_tokens = torch.cat((committed.to(own.device), own))  # [n]
         fusion = self.medusa.config.fusion_layers
         layers = sequence.fed_layers[:, self.lm.layer_slots(fusion)] if fusion else None  # [n, L, H] the heads fuse
-        if not session.warp.greedy:
+        if not session.warp.greedy and not drawn:
             if parents or head_rows <= 0:
                 return HeadInputs(0, features, next_tokens, layers)
             rows = slice(earlier, earlier + head_rows)
@@ -294,8 +308,8 @@ class Scorer:
         propose over all their rows: the heads' cost is reading their V' × H rows once a head per call,
         plus a little a row (on the 2-core AMD EPYC, one row 3.2 ms, four rows 4.7 ms), so a batch's
         sessions share it."""
-        inputs = [self.head_inputs(part.session, own, part.drafts, part.parents, part.head_rows) if part.head_drafts else None
-                  for part, own in zip(parts, owns)]
+        inputs = [self.head_inputs(part.session, own, part.drafts, part.parents, part.head_rows, part.draw is not None)
+                  if part.head_drafts else None for part, own in zip(parts, owns)]
         asked = [item for item in inputs if item is not None]
         if not asked:
             return [None] * len(parts)
@@ -329,16 +343,24 @@ class Scorer:
 
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
               features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0,
-              allowed: Optional[torch.Tensor] = None, top_logprobs: int = 0) -> Scores:
+              allowed: Optional[torch.Tensor] = None, top_logprobs: int = 0,
+              coupled: Optional[verify_pb2.CoupledDraw] = None) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
         rows; head_rows: how many a sampled chain asks for), over the tokens `allowed` [k + 1, V] at each
-        row when a grammar constrains the answer (and, greedy, each row's top_logprobs likeliest tokens). Concurrent sessions' rounds, chains and trees, share one pass when batching is on, and
-        the batch's replies are made together (_finish)."""
+        row when a grammar constrains the answer (and, greedy, each row's top_logprobs likeliest tokens);
+        a sampled session with `coupled` gets each row's drawn token instead of its p. Concurrent
+        sessions' rounds, chains and trees, share one pass when batching is on, and the batch's replies
+        are made together (_finish)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
+        draw = None
+        if coupled is not None and not session.warp.greedy:
+            base = len(session.sequence.tokens)  # row 0 draws the position after the committed tokens
+            depths = tree.depths(parents) if parents else range(1, len(draft_token_ids) + 1)
+            draw = Draw(coupled.seed, [base] + [base + depth for depth in depths], coupled.return_target_probs)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed,
-                    top_logprobs)
+                    top_logprobs, draw)
         if self.batcher is not None:
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:
@@ -360,18 +382,35 @@ class Scorer:
         else: specd_engine/model_thread.py). A part whose reply fails gets its exception instead, and
         the batch's other sessions their replies: one session's fault (its warp, the heads' product it
         asked for) fails that session's Verify alone."""
-        owns = [torch.argmax(constrained(rows, part.session.warp, part.allowed), dim=-1)  # [k + 1] each: the target's
-                for part, rows in zip(parts, logits)]  # choice at each position (greedy's answer, the heads' input)
+        choices = [self._choice(part, rows) for part, rows in zip(parts, logits)]  # (probs, own) each, or its exception
+        live = [index for index, choice in enumerate(choices) if not isinstance(choice, Exception)]
         try:
-            proposals: list = self.head_drafts(parts, owns)
+            heads: list = self.head_drafts([parts[i] for i in live], [choices[i][1] for i in live])
         except Exception as error:  # handed to the sessions that asked, as their Verify's error
-            log.exception("the Medusa heads' proposals failed for %d session(s)", sum(part.head_drafts for part in parts))
-            proposals = [error if part.head_drafts else None for part in parts]
-        return [self._reply(part, rows, own, heads) for part, rows, own, heads in zip(parts, logits, owns, proposals)]
+            log.exception("the Medusa heads' proposals failed for %d session(s)", sum(parts[i].head_drafts for i in live))
+            heads = [error if parts[i].head_drafts else None for i in live]
+        proposals = dict(zip(live, heads))
+        return [choice if isinstance(choice, Exception) else self._reply(part, rows, *choice, proposals[index])
+                for index, (part, rows, choice) in enumerate(zip(parts, logits, choices))]
 
-    def _reply(self, part: Part, rows: torch.Tensor, own: torch.Tensor,
+    @staticmethod
+    def _choice(part: Part, rows: torch.Tensor) -> Union[tuple[Optional[torch.Tensor], torch.Tensor], Exception]:
+        """A part's warped p [k + 1, V] (sampling; else None) and the target's choice at each row own
+        [k + 1]: greedy's argmax, the coupled rule's draw (part.draw), or else the argmax as the heads'
+        guess of a sampled row's token; or the exception that stopped it (its warp: that session's alone)."""
+        warp = part.session.warp
+        try:
+            probs = None if warp.greedy else warp_probs(rows, warp, part.allowed)
+            if part.draw is not None and probs is not None:
+                return probs, draw_rows(probs, uniforms_at(part.draw.seed, part.draw.positions))
+            return probs, torch.argmax(constrained(rows, warp, part.allowed), dim=-1)
+        except Exception as error:
+            return error
+
+    def _reply(self, part: Part, rows: torch.Tensor, probs: Optional[torch.Tensor], own: torch.Tensor,
                heads: Union[common_pb2.HeadDrafts, Exception, None]) -> Union[Scores, Exception]:
-        """One part's Scores from its logits rows [k + 1, V] and argmax own [k + 1], or the exception that stopped it."""
+        """One part's Scores from its logits rows [k + 1, V], warped probs [k + 1, V] (sampling) and
+        choices own [k + 1], or the exception that stopped it."""
         if isinstance(heads, Exception):
             return heads
         try:
@@ -379,7 +418,9 @@ class Scorer:
             if part.session.warp.greedy:
                 logprobs = top_logprobs(constrained(rows, part.session.warp, part.allowed), part.top_logprobs)
                 return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads, logprobs=logprobs)
-            probs = warp_probs(rows, part.session.warp, part.allowed)  # [k + 1, V]
+            if part.draw is not None:
+                return Scores(sampled_token_ids=own.tolist(), target_probs=encode_rows(probs) if part.draw.with_probs else [],
+                              features=features, head_drafts=heads)
             return Scores(target_probs=encode_rows(probs), features=features, head_drafts=heads)
         except Exception as error:  # this session's Verify fails with it (grpc_errors maps it)
             return error

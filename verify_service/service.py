@@ -74,11 +74,13 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
-                                       request.head_candidates, request.head_rows, allowed, request.top_logprobs)
+                                       request.head_candidates, request.head_rows, allowed, request.top_logprobs,
+                                       request.coupled_draw if request.HasField("coupled_draw") else None)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,
             target_probs=scores.target_probs,
+            sampled_token_ids=scores.sampled_token_ids,
             sequence_length=length,
             model_seconds=model_seconds,
             features=scores.features,

@@ -32,7 +32,7 @@ class VerifyPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens", "top_logprobs")
+    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens", "top_logprobs", "coupled_draw")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class VerifyRequest(_message.Message):
     HEAD_ROWS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COUPLED_DRAW_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -53,10 +54,19 @@ class VerifyRequest(_message.Message):
     head_rows: int
     allowed_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenMask]
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ..., allowed_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    coupled_draw: CoupledDraw
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ..., allowed_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ..., top_logprobs: _Optional[int] = ..., coupled_draw: _Optional[_Union[CoupledDraw, _Mapping]] = ...) -> None: ...
+
+class CoupledDraw(_message.Message):
+    __slots__ = ("seed", "return_target_probs")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    return_target_probs: bool
+    def __init__(self, seed: _Optional[int] = ..., return_target_probs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features", "head_drafts", "logprobs")
+    __slots__ = ("argmax_token_ids", "target_probs", "sequence_length", "model_seconds", "features", "head_drafts", "logprobs", "sampled_token_ids")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +74,7 @@ class VerifyResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     HEAD_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Distribution]
     sequence_length: int
@@ -71,7 +82,8 @@ class VerifyResponse(_message.Message):
     features: _common_pb2.TargetFeatures
     head_drafts: _common_pb2.HeadDrafts
     logprobs: _containers.RepeatedCompositeFieldContainer[RowLogprobs]
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., head_drafts: _Optional[_Union[_common_pb2.HeadDrafts, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ...) -> None: ...
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., head_drafts: _Optional[_Union[_common_pb2.HeadDrafts, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RowLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

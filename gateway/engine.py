@@ -363,7 +363,7 @@ class Generation:
             try:
                 reply = self.sessions.open(self._verify, pool, replica, verify_pb2.VerifyPrefillRequest, self.sequence,
                                            self._timeout(), return_features=features is not None,
-                                           feature_layers=self.draft.feature_layers())
+                                           feature_layers=self.draft.feature_layers(), prompt_length=len(self.spec.prompt_ids))
                 if features is not None:
                     features.put(reply.features)
                 return

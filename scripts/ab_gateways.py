@@ -13,7 +13,8 @@ order (each mode goes first as often as the others), and says each repeat's rati
         --output ab.json
 
 Target-only runs through --new (disable_speculation). The report: tokens/s over target-only per
-mode, per kind and per repeat, tokens a pass kept and predicted, and the share of rounds rested.
+mode, per kind and per repeat, tokens a pass kept and predicted, the share of rounds rested, and
+each mode's median time to first token.
 
 Two whole stacks (an engine change: the verify differs too) compare with --old-target-only: target-only
 runs through each, each gateway's speculation is priced against its own, and `target_only_vs_old`
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 records.append(dict(repeat=repeat, id=row.get("id", ""), kind=row.get("category", "all"), mode=mode,
                                     tokens=sample.tokens, seconds=round(sample.seconds, 4), passes=stats.target_passes,
                                     accepted=stats.accepted_tokens, predicted=round(stats.predicted_tokens, 3),
-                                    rested=stats.rested_rounds))
+                                    rested=stats.rested_rounds, ttft_ms=round((sample.ttft_s or 0.0) * 1e3, 1)))
     return records
 
 
@@ -84,6 +86,8 @@ def summary(records: list[dict]) -> dict:
             rested_round_share=round(sum(r["rested"] for r in mine) / passes, 3),
         )
     report["target_only_tokens_per_s"] = round(rate["target_only", "all"], 2)
+    report["ttft_p50_ms"] = {mode: round(statistics.median(r["ttft_ms"] for r in records if r["mode"] == mode), 1)
+                             for mode in sorted(modes)}
     if OLD_TARGET_ONLY in modes:
         report["target_only_vs_old"] = {group: round(rate["target_only", group] / rate[OLD_TARGET_ONLY, group], 3)
                                         for (m, group) in sorted(rate) if m == OLD_TARGET_ONLY}

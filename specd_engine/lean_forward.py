@@ -156,12 +156,14 @@ class LeanLlama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward_ragged(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: Sequence[Segment],
-                       keep_hidden: bool = False, capture: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       keep_hidden: bool = False, capture: Sequence[int] = (),
+                       prompt: Optional[PromptRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One pass over several sessions' new tokens concatenated (input_ids, position_ids [T]): every
         linear layer streams its weights once for all T rows; attention runs per session over its own
         cache, in place (no gather into a padded batch, no scatter back). Returns the final hidden state
         [T, C] (after the final norm; the caller takes the LM head of the rows it needs) and, when
-        keep_hidden and layers are captured, their outputs [T, L, C]."""
+        keep_hidden and layers are captured, their outputs [T, L, C]. `prompt`: the rows that are prompt
+        positions, whose products may take a dense weight (product)."""
         x = self.embed(input_ids[None])  # [1, T, C]
         cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
         cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
@@ -170,26 +172,51 @@ class LeanLlama(torch.nn.Module):
                  for s in segments]  # padded: key_width_groups; else None (causal) or bool [1, 1, n, cached + n]; once a pass
         captured = []
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks))
+            x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks), prompt)
             if index + 1 in capture and keep_hidden:
                 captured.append(x[0])
         hidden = rms_norm(x, self.norm, self.eps)[0]  # [T, C]
         return hidden, torch.stack(captured, dim=1) if captured else None
 
     def _layer(self, layer: LeanLayer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+               prompt: Optional[PromptRows] = None) -> torch.Tensor:
         """x [B, n, C] through one decoder layer; attend(q, k, v) appends k and v to the cache(s) and
-        returns the attention output [B, Hq, n, D]."""
+        returns the attention output [B, Hq, n, D]. `prompt` (a ragged pass, B = 1): see product."""
         batch, n, _ = x.shape
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         h = rms_norm(x, layer.input_norm, self.eps)
-        qk, v = layer.qkv(h).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
+        qk, v = product(layer.qkv, h, prompt).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
         qk = rotate(qk.view(batch, n, heads + kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hq + Hkv, n, D]: one rotation for both
         attended = attend(qk[:, :heads], qk[:, heads:], v.view(batch, n, kv_heads, dim).transpose(1, 2))  # [B, Hq, n, D]
-        x = x + layer.o(attended.transpose(1, 2).reshape(batch, n, heads * dim))
+        x = x + product(layer.o, attended.transpose(1, 2).reshape(batch, n, heads * dim), prompt)
         h = rms_norm(x, layer.post_norm, self.eps)
-        gate, up = layer.gate_up(h).split(layer.intermediate, dim=-1)  # [B, n, I] each
-        return x + layer.down(F.silu(gate) * up)
+        gate, up = product(layer.gate_up, h, prompt).split(layer.intermediate, dim=-1)  # [B, n, I] each
+        return x + product(layer.down, F.silu(gate) * up, prompt)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The rows of a ragged pass that are prompt positions, and the others (None: there are none)."""
+
+    prompt: torch.Tensor  # [P] long
+    other: Optional[torch.Tensor]  # [T - P] long
+
+
+def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRows]) -> torch.Tensor:
+    """linear(h) for h [1, T, C], with the prompt rows through the linear's dense weight where it keeps one
+    (quantized.Int4Linear.prompt_product: where the machine's GEMM takes a row for less than the int4
+    kernel). A row's product depends only on whether it is a prompt position, never on what shares its
+    pass: both kernels compute each row on its own."""
+    if prompt is None or getattr(linear, "dense", None) is None:
+        return linear(h)
+    rows = h[0]  # [T, C]
+    if prompt.other is None:
+        return linear.prompt_product(rows)[None]
+    out = rows.new_empty((rows.shape[0], linear.out_features))  # [T, out]
+    out[prompt.prompt] = linear.prompt_product(rows[prompt.prompt])
+    out[prompt.other] = linear(rows[prompt.other])
+    return out[None]
 
 
 def _attend_cache(layer: LeanLayer, index: int, cache: DynamicCache, mask: Optional[torch.Tensor], q: torch.Tensor,

@@ -73,6 +73,7 @@ class KVSession(TokenSequence):
     prefill_parts: Optional[list] = None  # a chunked prefill's (features, layers) so far, joined once the prompt is cached
     tree: Optional[PendingTree] = None
     prefilled_at: float = float("-inf")  # the batcher's clock when its prompt was cached (-inf: not by a batcher)
+    prompt_length: int = 0  # positions [0, prompt_length) are the request's prompt: prefilled, they may take dense products
 
     def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
         """TokenSequence.apply_commit, once no tree's nodes sit in the cache past the committed rows."""
@@ -258,6 +259,7 @@ class CausalLM:
         self.store: Optional[flat_pass.KVStore] = None  # set by use_flat_pass: sessions hold slots, passes are flat
         self.gather = False  # flat passes: one attention call a layer over gathered keys (else one a session)
         self.graphs: Optional[flat_pass.GraphedPasses] = None  # flat passes on CUDA: replayed as CUDA graphs
+        self.prompt_kernel: Optional[str] = None  # int4: the dense weight prompt rows take (quantized.choose_prompt_kernel)
 
     def _int4_missing(self) -> str:
         """What int4 products would need and this model lacks ("" when they can serve it)."""
@@ -347,6 +349,7 @@ class CausalLM:
         if len(counts) == 1 and len(self.layouts) == 1:
             torch.set_num_threads(counts[0])
             self.runtime = autotune.RuntimeChoice("cpu", counts[0], {1: next(iter(self.layouts))}, source="flags")
+            self._choose_prompt_kernel(counts[0], measure)
             return self.runtime
         prompt = [i % self.vocab_size for i in range(1, 33)]  # any ids: the cost does not depend on them
         session = self.new_session(prompt)
@@ -369,9 +372,21 @@ class CausalLM:
         else:
             self.trials = autotune.ServingTrials.from_costs(choice, costs)
         torch.set_num_threads(choice.threads)
+        self._choose_prompt_kernel(choice.threads, measure)
         self.use_only(choice.needs)
         self.runtime = choice
         return choice
+
+    def _choose_prompt_kernel(self, threads: int, measure: autotune.Measure) -> None:
+        """int4 weights: measure whether prompt rows' products are cheaper through a dense weight
+        (quantized.choose_prompt_kernel) and keep it where they are (on the model's thread, as tune)."""
+        if self.weights == "int4" and self.store is None:  # (a flat pass scores every row in int4)
+            self.prompt_kernel = quantized.choose_prompt_kernel(self.lean.layers, threads, measure)
+            log.info("prompt rows' products: %s", self.prompt_kernel or "int4, as every row's")
+
+    def use_prompt_kernel(self, kernel: Optional[str]) -> None:
+        """Prompt rows' products through the dense weight `kernel` (quantized.PROMPT_KERNELS), or int4 (None)."""
+        self.prompt_kernel = self.model_thread.run(quantized.use_prompt_kernel, self.lean.layers, kernel)
 
     def use_only(self, layouts: set[str]) -> None:
         """Drop the weights of layouts no forward will use (frees their memory)."""
@@ -408,6 +423,8 @@ class CausalLM:
         log says why; returns whether the flat pass serves."""
         if self.lean is None:
             raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
+        if self.prompt_kernel is not None:  # the flat pass scores prompt rows in int4 too
+            self.use_prompt_kernel(None)
         reference, max_length = self._probe(), self.max_length
         try:
             capacity = min(capacity or max_length + tree.MAX_TREE_NODES + 1, max_length + tree.MAX_TREE_NODES + 1)
@@ -436,13 +453,17 @@ class CausalLM:
         session = self.new_session(ids[: lean_forward.PROBE_PROMPT])
         return torch.cat([self.forward(session), self.forward(session, ids[lean_forward.PROBE_PROMPT :])])
 
-    def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True) -> KVSession:
+    def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True,
+                    prompt_length: Optional[int] = None) -> KVSession:
         """A session holding `prompt`, with everything but the last token in its cache (prefill=False:
         nothing cached yet; the caller prefills it with prefill_feed, e.g. in chunks that share passes
-        with other sessions: specd_engine/batching.py)."""
+        with other sessions: specd_engine/batching.py). `prompt_length`: how many of its tokens are the
+        request's prompt (the rest are generated tokens replayed, which are scored as generated ones:
+        _prompt_rows); None: all."""
         if not 0 < len(prompt) < self.max_length:
             raise InvalidArgument(f"prompt has {len(prompt)} tokens; it must be 1..{self.max_length - 1} for this model")
         session = self._session(prompt, self._new_cache(len(prompt)), keep_features)
+        session.prompt_length = len(prompt) if prompt_length is None else min(prompt_length, len(prompt))
         while prefill and self.unprefilled(session):
             self.run_feeds([self.prefill_feed(session, PREFILL_CHUNK)])
         return session
@@ -669,7 +690,7 @@ class CausalLM:
         with self._forward_lock, model_forward(at), self._runtime_for(at, trial=len(feeds) == 1):  # serving trials time lone passes
             hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=device),
                                                       torch.tensor(positions, dtype=torch.long, device=device), segments,
-                                                      keep, self.captured_layers)  # [T, H], [T, L, H] or None
+                                                      keep, self.captured_layers, self._prompt_rows(feeds, starts))  # [T, H], [T, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [R, V]
         return self._hand_back(feeds, starts, hidden, layers, logits)
 
@@ -715,6 +736,24 @@ class CausalLM:
             log.exception("CUDA graphs are off: capturing a flat pass of %d rows failed", len(ids))
             self.graphs = None
             return None
+
+    def _prompt_rows(self, feeds: Sequence[Feed], starts: Sequence[int]) -> Optional[lean_forward.PromptRows]:
+        """The rows of a pass over the feeds that are prompt positions in a prefill chunk, where prompt rows take
+        dense products (self.prompt_kernel); None where none does. A row is one by its position alone, so it
+        is scored alike in a chunk of any size and beside any rows. The prompt's last token is not one: a
+        session's first pass scores it with the generated tokens, and a replay must score it alike."""
+        if self.prompt_kernel is None:
+            return None
+        prompt, at = [], 0
+        for feed, start in zip(feeds, starts):
+            if not feed.logits:  # a prefill chunk
+                prompt += range(at, at + max(0, min(len(feed.tokens), feed.session.prompt_length - 1 - start)))
+            at += len(feed.tokens)
+        if not prompt:
+            return None
+        other = sorted(set(range(at)) - set(prompt))
+        return lean_forward.PromptRows(torch.tensor(prompt, dtype=torch.long),
+                                       torch.tensor(other, dtype=torch.long) if other else None)
 
     @staticmethod
     def _logit_rows(feeds: Sequence[Feed]) -> list[int]:

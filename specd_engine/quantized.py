@@ -20,20 +20,32 @@ row on its own; every row attends as one query over the keys it sees padded to a
 (lean_forward.key_width_groups), the same call in a pass and a prompt chunk of any size (a start-up
 probe checks that batching queries changes no bits, else a row a call); every pass runs on one thread count
 (autotune.one_thread_count: SDPA splits long key ranges by threads). docs/design/cpu-vs-llama-cpp.md.
+
+Prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized, in
+bfloat16 or float32, where the start-up measurement finds a GEMM over a block of rows cheaper than the
+int4 kernel, which computes every row on its own at ~1.8 ms a row for the default target here: on a
+CPU with AMX a bfloat16 block costs a fraction of that (choose_prompt_kernel). Every call takes
+PROMPT_BLOCK rows, so a prompt row has the same bits in any chunk and beside any rows, and generated
+tokens are always scored in int4: speculation and target-only decoding read the same prompt cache.
+docs/design/engine-room.md.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # weights a scale and zero cover, along the input (a GGUF Q4_1 block)
 LEVELS = 15  # 4 bits: q in 0..15
 ROWS_MULTIPLE = 16  # the kernel packs output rows in sixteens
+PROMPT_BLOCK = 64  # prompt rows a dense product takes at once (prompt_product): a fixed GEMM shape
+PROMPT_KERNELS = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # dense weights prompt rows may take
+PROMPT_MARGIN = 1.25  # a dense prompt product must beat int4 by this much: it keeps a second copy of the weights
 
 
 def unsupported(weight: torch.Tensor) -> str:
@@ -61,8 +73,16 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.reshape(n, k), scale[..., 0], (low + (LEVELS + 1) // 2 * scale)[..., 0]
 
 
+def whole_blocks(rows: int) -> int:
+    """rows rounded up to whole PROMPT_BLOCKs."""
+    return -(-rows // PROMPT_BLOCK) * PROMPT_BLOCK
+
+
 class Int4Linear(torch.nn.Module):
-    """y = x Wᵀ (no bias) with W in 4-bit groups (quantize_groups): [..., in] float → [..., out] in x's dtype."""
+    """y = x Wᵀ (no bias) with W in 4-bit groups (quantize_groups): [..., in] float → [..., out] in x's dtype.
+    Prompt rows may take the same weight dequantized (use_dense, prompt_product)."""
+
+    dense: Optional[torch.Tensor] = None  # [out, in]: the weight for prompt rows, where a GEMM is faster (None: int4)
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -80,10 +100,88 @@ class Int4Linear(torch.nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)  # [M, out]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def use_dense(self, dtype: Optional[torch.dtype]) -> None:
+        """Keep this weight dequantized in `dtype` too, for prompt rows (prompt_product); None drops it."""
+        self.dense = None if dtype is None else self.dequantized().to(dtype).contiguous()  # [out, in]
+
+    def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, in] (prompt rows) → [P, out] in x's dtype by the dense weight (use_dense), in blocks of exactly
+        PROMPT_BLOCK rows (the last padded with zeros): a GEMM's row may round differently with the row
+        count, so every call has the same count and a row's bits are its own in any chunk; rounded to
+        bfloat16 like the int4 kernel's output. Where 4 bits a weight make the CPU kernel compute-bound
+        (~1.8 ms a row for the default target's 30 layers here), a GEMM over many rows is several times cheaper."""
+        return dense_product(x, self.dense)
+
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] this layer multiplies by, in float32 (tests and error reports)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().t()
+
+
+def dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [P, in] · weight [out, in]ᵀ in blocks of PROMPT_BLOCK rows (Int4Linear.prompt_product) → [P, out]."""
+    count = x.shape[0]
+    padded = torch.zeros((whole_blocks(count), x.shape[1]), dtype=weight.dtype, device=x.device)
+    padded[:count] = x
+    blocks = [F.linear(padded[start : start + PROMPT_BLOCK], weight) for start in range(0, padded.shape[0], PROMPT_BLOCK)]
+    return torch.cat(blocks)[:count].to(torch.bfloat16).to(x.dtype)
+
+
+def int4_products(layers: Sequence[torch.nn.Module]) -> list[Int4Linear]:
+    """The lean layers' products that are packed in 4 bits."""
+    return [getattr(layer, name) for layer in layers for name in PRODUCTS if isinstance(getattr(layer, name, None), Int4Linear)]
+
+
+def prompt_rows_alike(linear: Int4Linear) -> bool:
+    """Whether a prompt row's dense product is the same bits alone, first in a block and at another offset
+    beside other rows (a start-up probe: the GEMM is called at one shape, but its rows are trusted only
+    once checked)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((PROMPT_BLOCK + 5, linear.in_features), generator=generator)
+    alone = linear.prompt_product(x[:1])
+    moved = torch.cat([x[1:38], x[:1], x[38:]])  # row 0 at offset 37
+    return torch.equal(linear.prompt_product(x)[:1], alone) and torch.equal(linear.prompt_product(moved)[37:38], alone)
+
+
+def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measure) -> Optional[str]:
+    """Which dense weight prompt rows take (PROMPT_KERNELS), or None for int4 alone: a block of PROMPT_BLOCK
+    rows through every product in each, timed interleaved (`measure`: autotune.Measure, cached by a service)
+    at `threads`; the fastest must beat int4 by PROMPT_MARGIN and pass prompt_rows_alike. The chosen
+    weights stay in place. On a CPU with bfloat16 matrix units (AMX) a bfloat16 GEMM takes a row for a
+    fraction of int4's cost; on one without, int4 usually stays."""
+    products = int4_products(layers)
+    if not products:
+        return None
+
+    def runs() -> dict:
+        inputs = {product.in_features: torch.randn(PROMPT_BLOCK, product.in_features) for product in products}
+        made = {(threads, "int4"): lambda: [product(inputs[product.in_features]) for product in products]}
+        for name, dtype in PROMPT_KERNELS.items():
+            weights = [product.dequantized().to(dtype) for product in products]
+            made[(threads, name)] = lambda weights=weights: [dense_product(inputs[w.shape[1]], w) for w in weights]
+        return made
+
+    timed = measure("prompt product", runs, 3)
+    if not timed:
+        return None
+    seconds = {kernel: value for (_, kernel), value in timed.items()}
+    best = min(PROMPT_KERNELS, key=lambda kernel: seconds[kernel])
+    log.info("prompt rows' products, a block of %d rows: %s", PROMPT_BLOCK,
+             ", ".join(f"{kernel} {value * 1e3:.1f} ms" for kernel, value in seconds.items()))
+    if seconds["int4"] < PROMPT_MARGIN * seconds[best]:
+        return None
+    use_prompt_kernel(layers, best)
+    if not prompt_rows_alike(products[0]):
+        log.warning("a %s GEMM here rounds a row by its neighbours: prompt rows stay in int4", best)
+        return use_prompt_kernel(layers, None)
+    return best
+
+
+def use_prompt_kernel(layers: Sequence[torch.nn.Module], kernel: Optional[str]) -> Optional[str]:
+    """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or drop them (None)."""
+    for product in int4_products(layers):
+        product.use_dense(None if kernel is None else PROMPT_KERNELS[kernel])
+    return kernel
 
 
 class Int8Linear(torch.nn.Module):

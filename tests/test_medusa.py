@@ -1112,3 +1112,15 @@ def test_a_start_up_cache_of_other_precisions_is_measured_over(tiny, tmp_path):
     assert "heads product" in timings.cached
     record = heads.tune_product(rows=(1,), repeats=1, measure=timings.measure)
     assert "int8" in record[1] and heads.product_dtypes[1] in ("float32", "bfloat16", "int8")
+
+
+def test_a_prompt_length_past_the_prompt_is_refused(medusa_cluster):
+    import grpc
+
+    from specd.v1 import verify_pb2, verify_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{medusa_cluster.verify.port}") as channel:
+        stub = verify_pb2_grpc.VerifyServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Prefill(verify_pb2.VerifyPrefillRequest(session_id="long", prompt_token_ids=[5, 17], prompt_length=3), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_length" in caught.value.details()

@@ -85,13 +85,16 @@ def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     assert together.shape == alone.shape and torch.equal(together, alone)
 
 
-def test_an_int4_row_scores_alike_beside_other_sessions_prompt_chunks_and_trees(tiny):
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"])
+def test_an_int4_row_scores_alike_beside_other_sessions_prompt_chunks_and_trees(tiny, prompt_kernel):
     """One ragged pass holding chains, a tree and a prompt chunk of sessions at different lengths (some
-    crossing a key block in the pass): each session's logits are the bits it gets decoding alone."""
+    crossing a key block in the pass): each session's logits are the bits it gets decoding alone, with
+    prompt rows through the int4 products or a dense weight (quantized.Int4Linear.prompt_product)."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_prompt_kernel(prompt_kernel)
     prompts = [[(3 * i + s) % 50 + 3 for i in range(length)] for s, length in enumerate((13, 30, 62, 95))]
     extra = [11, 2, 30, 8, 41]
     alone = []
@@ -222,14 +225,21 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
     assert CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="auto").weights == "float"
 
 
-def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny):
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16", "float32"])
+def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
     """A busy pass's budget (4), a chunk of 16 and an idle pass's (512) prefill an int4 prompt to the same
     bits: every row attends as one query over its keys padded to whole blocks (lean_forward._sdpa_padded),
-    so the answer does not depend on the load the prompt arrived into."""
+    and a dense prompt product takes blocks of one size (quantized.PROMPT_BLOCK), so the answer does not
+    depend on the load the prompt arrived into."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_prompt_kernel(prompt_kernel)
+    if prompt_kernel and not quantized.prompt_rows_alike(lm.lean.layers[0].qkv):  # the start-up probe would refuse it
+        assert quantized.choose_prompt_kernel(lm.lean.layers, 1, lambda name, runs, repeats: {
+            (1, "int4"): 9.0, (1, "bfloat16"): 1.0, (1, "float32"): 1.0}) is None
+        return
     prompt = [(5 * i) % 40 + 3 for i in range(150)]
     scored = []
     for budget in (4, 16, 512):
@@ -242,3 +252,49 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny):
         assert max(chunks) == min(budget, 149), budget
         scored.append(lm.forward(session, [7, 9]))
     assert all(torch.equal(scored[0], other) for other in scored[1:])
+
+
+def test_prompt_rows_take_the_dense_weight_and_replayed_tokens_the_int4_one(tiny):
+    """With a dense prompt product the prompt scores otherwise than in int4 (the dense path serves it), and a
+    session primed with the prompt plus tokens it generated (a replica replaying a request, prompt_length
+    = the prompt's) scores the next position with the bits of the session that decoded them; primed as if
+    all were prompt (the control), it need not."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    prompt, generated = [(7 * i) % 50 + 3 for i in range(70)], [11, 2, 30, 8, 41, 17, 5, 9]
+    int4_only = lm.forward(lm.new_session(prompt))
+    lm.use_prompt_kernel("bfloat16")
+    assert lm.lean.layers[0].qkv.dense.dtype == torch.bfloat16
+    original = lm.new_session(prompt)
+    assert not torch.equal(lm.forward(original), int4_only)
+    for token in generated[:-1]:
+        lm.forward(original, [token])
+    following = lm.forward(original, generated[-1:])[-1]  # after the last generated token
+    replayed = lm.new_session(prompt + generated[:-1], prompt_length=len(prompt))
+    assert torch.equal(lm.forward(replayed, generated[-1:])[-1], following)
+    all_prompt = lm.new_session(prompt + generated[:-1])
+    assert not torch.equal(lm.forward(all_prompt, generated[-1:])[-1], following)
+    lm.use_prompt_kernel(None)
+    assert lm.lean.layers[0].qkv.dense is None
+
+
+def test_the_prompt_kernel_is_chosen_by_its_timings(tiny):
+    """choose_prompt_kernel keeps a dense weight only where a block of prompt rows is PROMPT_MARGIN
+    cheaper through it than through int4, the fastest one, and leaves none otherwise."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    layers, products = lm.lean.layers, quantized.int4_products(lm.lean.layers)
+
+    def timings(int4: float, bf16: float, f32: float):
+        return lambda name, runs, repeats: {(1, "int4"): int4, (1, "bfloat16"): bf16, (1, "float32"): f32}
+
+    assert quantized.choose_prompt_kernel(layers, 1, timings(1.0, 0.9, 2.0)) is None  # not PROMPT_MARGIN cheaper
+    assert all(product.dense is None for product in products)
+    alike = quantized.prompt_rows_alike
+    chosen = quantized.choose_prompt_kernel(layers, 1, timings(3.0, 2.0, 1.0))
+    assert chosen == "float32" and all(product.dense.dtype == torch.float32 for product in products) or not alike(products[0])
+    assert quantized.choose_prompt_kernel(layers, 1, lambda name, runs, repeats: {}) is None  # no time left to measure

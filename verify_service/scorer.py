@@ -235,14 +235,17 @@ class Scorer:
         return self._info
 
     def open(self, prompt: Sequence[int], warp: Warp, keep_features: bool = False,
-             wanted: Callable[[], bool] = lambda: True, feature_layers: Sequence[int] = ()) -> VerifySession:
+             wanted: Callable[[], bool] = lambda: True, feature_layers: Sequence[int] = (),
+             prompt_length: Optional[int] = None) -> VerifySession:
         """A session holding `prompt`; with batching its prefill shares passes with other sessions' rounds
         and stops (Cancelled) between chunks once `wanted()` is False (the caller went away). With
-        `feature_layers` its features are those layers' outputs side by side (an EAGLE-3 head's)."""
+        `feature_layers` its features are those layers' outputs side by side (an EAGLE-3 head's).
+        `prompt_length`: how many of its tokens are the request's prompt (None: all; the rest are
+        generated tokens replayed)."""
         layers = self.check_feature_layers(feature_layers)
         if set(layers) - set(self.lm.captured_layers):  # the first session to ask: hooks added between passes
             self.lm.run(self.lm.capture_layers, layers)
-        session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None)
+        session = self.lm.new_session(prompt, keep_features, prefill=self.batcher is None, prompt_length=prompt_length)
         if self.batcher is not None:
             self.batcher.prefill(session, wanted)
         return VerifySession(session, warp, layers)

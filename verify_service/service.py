@@ -38,11 +38,15 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         warp = Warp.from_proto(request.sampling)
         validate_token_ids(warp.biased_tokens, self.vocab_size, "sampling.logit_bias")
         require(request.return_features or not request.feature_layers, "feature_layers apply only with return_features")
+        require(0 <= request.prompt_length <= len(request.prompt_token_ids),
+                f"prompt_length must be in [0, {len(request.prompt_token_ids)}] (0: every token is the prompt), "
+                f"got {request.prompt_length}")
         self.scorer.check_feature_layers(request.feature_layers)  # before a session is claimed
         prompt_tokens = len(request.prompt_token_ids)
         # id, slot and KV budget claimed before the forward; a caller that goes stops its prefill between chunks
         with self.sessions.opening(request.session_id, prompt_tokens, request.lease_seconds) as keep:
             session = self.scorer.open(list(request.prompt_token_ids), warp, keep_features=request.return_features,
+                                       prompt_length=request.prompt_length or None,
                                        wanted=context.is_active, feature_layers=request.feature_layers)
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "return_features", "lease_seconds", "feature_layers")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "return_features", "lease_seconds", "feature_layers", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     return_features: bool
     lease_seconds: float
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class VerifyPrefillResponse(_message.Message):
     __slots__ = ("sequence_length", "features")

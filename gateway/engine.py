@@ -422,13 +422,10 @@ class Generation:
     def _judge(self, plan: RoundPlan, draft_probs: list, scores: verify_pb2.VerifyResponse,
                masks: list[common_pb2.TokenMask]) -> RoundOutcome:
         drafts, parents = plan.drafts, plan.parents
-        if self.spec.warp.greedy:
-            if parents:
-                return greedy_tree_verify(drafts, parents, list(scores.argmax_token_ids))
-            return greedy_verify(drafts, list(scores.argmax_token_ids))
-        if scores.sampled_token_ids:  # the coupled rule, drawn by the verify: kept while equal, as greedy
-            drawn = list(scores.sampled_token_ids)
-            return greedy_tree_verify(drafts, parents, drawn) if parents else greedy_verify(drafts, drawn)
+        # greedy: the argmax; the coupled rule drawn by the verify: its draws. Drafts are kept while equal.
+        chosen = list(scores.argmax_token_ids if self.spec.warp.greedy else scores.sampled_token_ids)
+        if chosen:
+            return greedy_tree_verify(drafts, parents, chosen) if parents else greedy_verify(drafts, chosen)
         vocab_size = self.backends.target_info.vocab_size
         p = np.stack([decode_distribution(d) for d in scores.target_probs])  # [k + 1, V] (a tree: [n + 1, V])
         if self._coupled(plan):  # a verify that does not draw (an older one): the gateway draws the same rule

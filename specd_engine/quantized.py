@@ -38,6 +38,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from specd_engine.kv_cache import whole_blocks
+
 log = logging.getLogger(__name__)
 
 GROUP = 32  # weights a scale and zero cover, along the input (a GGUF Q4_1 block)
@@ -71,11 +73,6 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     step = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every q is 0
     q = torch.round((groups - low) / step).clamp(0, LEVELS).to(torch.int32)  # [N, K/G, G]
     return q.reshape(n, k), scale[..., 0], (low + (LEVELS + 1) // 2 * scale)[..., 0]
-
-
-def whole_blocks(rows: int) -> int:
-    """rows rounded up to whole PROMPT_BLOCKs."""
-    return -(-rows // PROMPT_BLOCK) * PROMPT_BLOCK
 
 
 class Int4Linear(torch.nn.Module):
@@ -121,7 +118,7 @@ class Int4Linear(torch.nn.Module):
 def dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [P, in] · weight [out, in]ᵀ in blocks of PROMPT_BLOCK rows (Int4Linear.prompt_product) → [P, out]."""
     count = x.shape[0]
-    padded = torch.zeros((whole_blocks(count), x.shape[1]), dtype=weight.dtype, device=x.device)
+    padded = torch.zeros((whole_blocks(count, PROMPT_BLOCK), x.shape[1]), dtype=weight.dtype, device=x.device)
     padded[:count] = x
     blocks = [F.linear(padded[start : start + PROMPT_BLOCK], weight) for start in range(0, padded.shape[0], PROMPT_BLOCK)]
     return torch.cat(blocks)[:count].to(torch.bfloat16).to(x.dtype)

@@ -44,8 +44,8 @@ test-images: setup  ## run the built images as the dev overlay wires them (after
 protos:  ## regenerate the Python stubs next to the .proto files
 	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
 
-setup-llama-cpp: setup  ## optional: llama.cpp (llama-cpp-python, compiled here for this CPU; ~20 min on 2 cores) for bench's llamacpp_* modes
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --quiet llama-cpp-python==0.3.36
+setup-llama-cpp: setup  ## optional: llama.cpp (llama-cpp-python, compiled here for this CPU and smoke-tested; ~20 min on 2 cores, twice where AMX cannot run) for bench's llamacpp_* modes
+	scripts/setup_llama_cpp.sh "$(PIP)" "$(PY)"
 
 bench: setup  ## specd up's defaults vs in-process transformers and, after `make setup-llama-cpp`, llama.cpp (all cores), side by side, on held-out prompts (the README's table)
 	$(SPECD) bench --prompts docs/benchmarks/heldout_prompts.jsonl --limit 14 --max-new-tokens 64 \

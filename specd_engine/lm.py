@@ -201,6 +201,12 @@ def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
     return lean
 
 
+def prompt_rows_of(feed: Feed, start: int) -> int:
+    """How many of a feed's first rows are prompt positions (from `start`, its first position): a prefill
+    chunk's positions before the prompt's last token (CausalLM._prompt_rows); none in any other feed."""
+    return 0 if feed.logits else max(0, min(len(feed.tokens), feed.session.prompt_length - 1 - start))
+
+
 def on_model_thread(method: Callable) -> Callable:
     """Run a CausalLM method on the model's own thread (specd_engine/model_thread.py says why)."""
 
@@ -260,6 +266,7 @@ class CausalLM:
         self.gather = False  # flat passes: one attention call a layer over gathered keys (else one a session)
         self.graphs: Optional[flat_pass.GraphedPasses] = None  # flat passes on CUDA: replayed as CUDA graphs
         self.prompt_kernel: Optional[str] = None  # int4: the dense weight prompt rows take (quantized.choose_prompt_kernel)
+        self.prompt_tiles = self.weights == "int4"  # a ragged int4 pass attends a prompt's rows in tiles (lean_forward.prompt_tiles)
 
     def _int4_missing(self) -> str:
         """What int4 products would need and this model lacks ("" when they can serve it)."""
@@ -425,6 +432,7 @@ class CausalLM:
             raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
         if self.prompt_kernel is not None:  # the flat pass scores prompt rows in int4 too
             self.use_prompt_kernel(None)
+        tiles, self.prompt_tiles = self.prompt_tiles, False  # ... and attends them a row at a time
         reference, max_length = self._probe(), self.max_length
         try:
             capacity = min(capacity or max_length + tree.MAX_TREE_NODES + 1, max_length + tree.MAX_TREE_NODES + 1)
@@ -440,7 +448,7 @@ class CausalLM:
         except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
             why = repr(error)
         if why:
-            self.store, self.graphs, self.max_length = None, None, max_length
+            self.store, self.graphs, self.max_length, self.prompt_tiles = None, None, max_length, tiles
             log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
             return False
         log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, self.store.capacity,
@@ -504,9 +512,15 @@ class CausalLM:
         """The next chunk of at most `budget` prompt positions. Chunks bound a long prompt's activations
         (attention over n positions is heads × n² floats: 137 MiB a matrix for the default target at
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
-        those of one pass."""
+        those of one pass. Where prompt rows attend in tiles (prompt_tiles) a chunk ends at a tile
+        boundary, holding at least one tile, so a tile is never cut between passes."""
         start = session.cached
-        return Feed(session, session.tokens[start : start + min(budget, self.unprefilled(session))], logits=0)
+        end = start + min(budget, self.unprefilled(session))
+        prompt_end = session.prompt_length - 1  # prompt rows: the positions before it (_prompt_rows)
+        if self.prompt_tiles and end < prompt_end:  # whole prompt tiles, at least one (lean_forward.prompt_tiles)
+            tile = lean_forward.PROMPT_TILE
+            end = min(max(end // tile * tile, (start // tile + 1) * tile), prompt_end)
+        return Feed(session, session.tokens[start:end], logits=0)
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
         """A pass over the pending tokens and drafts `extra` (which join the sequence): logits
@@ -682,8 +696,10 @@ class CausalLM:
             ids += feed.tokens
             positions += feed.positions if feed.positions is not None else range(cached, cached + len(feed.tokens))
             mask = None if feed.mask is None else feed.mask.to(device)
-            # int4: every row one query over its keys padded to whole blocks, so a position scores alike in any pass
-            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, padded=self.weights == "int4"))
+            # int4: every row one query over its keys padded to whole blocks, so a position scores alike in any
+            # pass; a prompt's rows in whole tiles
+            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, self.weights == "int4",
+                                                 prompt_rows_of(feed, cached) if self.prompt_tiles else 0))
             at += len(feed.tokens)
         keep = any(feed.session.keep_features for feed in feeds)
         wanted = self._logit_rows(feeds)
@@ -746,8 +762,7 @@ class CausalLM:
             return None
         prompt, at = [], 0
         for feed, start in zip(feeds, starts):
-            if not feed.logits:  # a prefill chunk
-                prompt += range(at, at + max(0, min(len(feed.tokens), feed.session.prompt_length - 1 - start)))
+            prompt += range(at, at + prompt_rows_of(feed, start))
             at += len(feed.tokens)
         if not prompt:
             return None

@@ -117,7 +117,7 @@ def test_an_int4_row_scores_alike_beside_other_sessions_prompt_chunks_and_trees(
     for mine, theirs in zip(together[:3], alone):
         assert torch.equal(mine[-len(extra):], theirs)
     assert torch.equal(together[3][1], tree_alone[0]) and torch.equal(together[3][2], tree_alone[1])
-    assert together[4] is None and chunked.cached == 20
+    assert together[4] is None and chunked.cached == 16  # a budget of 20 cut at whole prompt tiles (lean_forward.PROMPT_TILE)
 
 
 def test_a_machine_whose_attention_rounds_by_batch_gives_each_row_its_own_call(tiny, monkeypatch):
@@ -227,11 +227,13 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
 
 @pytest.mark.parametrize("prompt_kernel", [None, "bfloat16", "float32"])
 def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
-    """A busy pass's budget (4), a chunk of 16 and an idle pass's (512) prefill an int4 prompt to the same
-    bits: every row attends as one query over its keys padded to whole blocks (lean_forward._sdpa_padded),
-    and a dense prompt product takes blocks of one size (quantized.PROMPT_BLOCK), so the answer does not
-    depend on the load the prompt arrived into."""
-    from specd_engine.lm import CausalLM
+    """A busy pass's budget (4), chunks of 16 and 40 and an idle pass's (512) prefill an int4 prompt to the
+    same bits: chunks are cut at whole prompt tiles, each tile one attention call over its keys padded to
+    whole blocks (lean_forward.prompt_tiles), and a dense prompt product takes blocks of one size
+    (quantized.PROMPT_BLOCK), so the answer does not depend on the load the prompt arrived into. A chunk
+    that would start inside a tile is refused."""
+    from specd_engine import lean_forward
+    from specd_engine.lm import CausalLM, Feed
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
@@ -242,16 +244,20 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
         return
     prompt = [(5 * i) % 40 + 3 for i in range(150)]
     scored = []
-    for budget in (4, 16, 512):
+    for budget, chunk in ((4, 16), (16, 16), (40, 32), (512, 149)):
         session = lm.new_session(prompt, prefill=False)
         chunks = []
         while lm.unprefilled(session):
             feed = lm.prefill_feed(session, budget)
             chunks.append(len(feed.tokens))
             lm.run_feeds([feed])
-        assert max(chunks) == min(budget, 149), budget
+        assert max(chunks) == chunk and all(size % lean_forward.PROMPT_TILE == 0 for size in chunks[:-1]), budget
         scored.append(lm.forward(session, [7, 9]))
     assert all(torch.equal(scored[0], other) for other in scored[1:])
+    session = lm.new_session(prompt, prefill=False)
+    lm.run_feeds([Feed(session, session.tokens[:21], logits=0)])  # a chunk cut inside a tile, past prefill_feed
+    with pytest.raises(ValueError, match="tile boundaries"):
+        lm.run_feeds([Feed(session, session.tokens[21:40], logits=0)])
 
 
 def test_prompt_rows_take_the_dense_weight_and_replayed_tokens_the_int4_one(tiny):

@@ -25,7 +25,7 @@ MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
                 "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py",
-                "sampled-coupling": "sampled_coupling.py"}
+                "sampled-coupling": "sampled_coupling.py", "setup-llama-cpp": "setup_llama_cpp.sh"}
 
 
 def make(target: str, env: dict | None = None, **variables: str) -> str:
@@ -55,6 +55,26 @@ def test_every_script_is_run_by_a_make_target_that_a_test_runs():
     for target, script in MAKE_TARGETS.items():
         recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
         assert f"scripts/{script}" in recipe, (target, script)
+
+
+def test_setup_llama_cpp_rebuilds_without_amx_when_the_native_build_fails_its_smoke_test(tmp_path):
+    """scripts/setup_llama_cpp.sh with a pip that records its calls and a python whose first smoke test
+    dies (as llama.cpp's AMX build did on a VM that lists AMX): it installs once natively, then again
+    with GGML_NATIVE off, AMX never named, and smoke-tests that build; a passing smoke test stops it."""
+    log, tries = tmp_path / "pip.log", tmp_path / "tries"
+    pip, python = tmp_path / "pip", tmp_path / "python"
+    pip.write_text(f'#!/bin/sh\necho "CMAKE_ARGS=$CMAKE_ARGS $*" >> {log}\n')
+    python.write_text(f'#!/bin/sh\ncat > /dev/null\necho x >> {tries}\n[ "$(wc -l < {tries})" -gt 1 ]\n')
+    pip.chmod(0o755), python.chmod(0o755)
+    done = subprocess.run(["sh", str(REPO / "scripts" / "setup_llama_cpp.sh"), str(pip), str(python)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    native, rebuilt = log.read_text().splitlines()
+    assert "NATIVE" not in native and "-DGGML_NATIVE=OFF" in rebuilt and "AMX" not in rebuilt
+    assert "--force-reinstall" in rebuilt and "without AMX" in done.stderr and tries.read_text().count("x") == 2
+    log.unlink(), tries.write_text("x\n")  # the smoke test now passes at once: one install
+    subprocess.run(["sh", str(REPO / "scripts" / "setup_llama_cpp.sh"), str(pip), str(python)], check=True, timeout=60)
+    assert len(log.read_text().splitlines()) == 1
 
 
 def test_the_gpu_recipe_trains_both_drafts_and_resumes(gpu_recipe_run):

@@ -41,10 +41,13 @@ class _Entry(Generic[State]):
 class SessionStore(Generic[State]):
     """session id → state, at most `max_sessions`, expiring after `idle_timeout_s` without use, and
     holding at most `max_tokens` positions in all (0 = no token budget): memory is bounded by what
-    the sessions hold, not only by how many there are."""
+    the sessions hold, not only by how many there are. `on_drop` is told of each state released or
+    expired (outside the store's lock), so the service can forget it where it schedules work."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic, max_tokens: int = 0):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic, max_tokens: int = 0,
+                 on_drop: Callable[[State], None] = lambda state: None):
         self.max_sessions = max_sessions
+        self.on_drop = on_drop
         self.max_tokens = max_tokens
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
@@ -146,10 +149,17 @@ class SessionStore(Generic[State]):
         """Drop a session; False when it did not exist. Idempotent."""
         validate_session_id(session_id)
         with self._lock:
-            released = self._entries.pop(session_id, None) is not None
-        if released:
-            self._freed.set()
-        return released
+            entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return False
+        self._dropped([entry])
+        return True
+
+    def _dropped(self, entries: Sequence[_Entry[State]]) -> None:
+        self._freed.set()
+        for entry in entries:
+            if entry.state is not None:
+                self.on_drop(entry.state)
 
     def renew(self, session_ids: Sequence[str]) -> list[str]:
         """Mark sessions as still wanted (their lease starts again); returns the ids not held here."""
@@ -179,10 +189,9 @@ class SessionStore(Generic[State]):
                 for sid, entry in self._entries.items()
                 if now - entry.last_used > (entry.lease_s or self.idle_timeout_s) and not entry.lock.locked()
             ]
-            for sid in stale:
-                del self._entries[sid]
+            dropped = [self._entries.pop(sid) for sid in stale]
         if stale:
-            self._freed.set()
+            self._dropped(dropped)
             log.info("expired %d sessions (lease or idle timeout ran out)", len(stale))
         return stale
 

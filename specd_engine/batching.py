@@ -243,6 +243,14 @@ class ForwardBatcher:
             with model_forward(self.lm.unprefilled(session)):  # the caller's span, as `forward` records it
                 self._wait(self._prefills, _Prefill(session, wanted, self._clock()))
 
+    def forget(self, session: KVSession) -> None:
+        """A session that ended (released or expired): it is no stream a prompt's chunks make room for,
+        nor one a batch waits for. Without this the next request's prompt was cut into a small chunk
+        beside the last request's finished stream, a whole extra pass before its first token."""
+        with self._condition:
+            self._streaming.pop(id(session), None)
+            self._recent = collections.deque((ids - {id(session)} for ids in self._recent), maxlen=self._recent.maxlen)
+
     def _wait(self, queue: collections.deque, item: Any) -> Any:
         with self._condition:
             if self._closed:

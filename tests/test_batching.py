@@ -17,7 +17,7 @@ import torch
 
 from specd_engine.batching import BatchPolicy, ForwardBatcher, make_batcher
 from specd_common.errors import InvalidArgument
-from specd_engine.lm import CausalLM, Feed
+from specd_engine.lm import CausalLM, Feed, KVSession
 from specd_engine.models import load_causal_lm
 
 ATOL = 1e-4
@@ -481,3 +481,34 @@ def test_only_streams_running_before_a_prompt_arrived_hold_its_prefill_back(lm, 
     assert chunk([after]) == chunk([]) == 64
     batcher._streaming = {id(before): before.prefilled_at}  # it had a round in the last pass; its next one is on its way back
     assert batcher._streams_since([before]) == [9.0] and chunk([]) == MIN_PREFILL_CHUNK
+
+
+def test_a_finished_streams_session_no_longer_holds_the_next_prompt_back(lm, monkeypatch):
+    """One request after another: the first one's session, released after its last round, is forgotten
+    (ForwardBatcher.forget), so the next prompt is prefilled in one pass, not a small chunk beside a
+    stream that has ended and then the rest (two passes before its first token). A batch no longer waits
+    for the forgotten session either."""
+    batcher = ForwardBatcher(lm, BatchPolicy(max_batch_size=8, max_wait_ms=1))
+    passes: list[int] = []
+    run_feeds = lm.run_feeds
+    monkeypatch.setattr(lm, "run_feeds", lambda feeds: passes.append(len(feeds)) or run_feeds(feeds))
+    try:
+        def request(prompt: list[int], forget: bool) -> KVSession:
+            session = lm.new_session(prompt, prefill=False)
+            batcher.prefill(session)
+            for _ in range(2):  # its rounds: it streams in the passes after its prefill
+                session.tokens.append(int(torch.argmax(batcher.forward(session)[-1])))
+            if forget:
+                batcher.forget(session)
+            return session
+
+        request(PROMPTS[0], forget=False)
+        passes.clear()
+        remembered = request([(7 * i) % 300 + 1 for i in range(40)], forget=True)
+        assert len(passes) == 4  # a small chunk beside the ended stream, the rest, two rounds
+        assert id(remembered) not in batcher._streaming and batcher._batch_target() == 0
+        passes.clear()
+        request([(11 * i) % 300 + 1 for i in range(40)], forget=True)
+        assert len(passes) == 3  # the whole prompt in one pass, then the two rounds
+    finally:
+        batcher.close()

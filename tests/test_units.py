@@ -244,6 +244,17 @@ def test_idle_sessions_expire():
     assert store.expire_idle() == ["old"] and len(store) == 1
 
 
+def test_the_service_is_told_of_each_session_released_or_expired():
+    now, dropped = [0.0], []
+    store = SessionStore(max_sessions=4, idle_timeout_s=5, clock=lambda: now[0], on_drop=dropped.append)
+    store.create("released", "state of released")
+    store.create("idle", "state of idle")
+    assert store.release("released") and not store.release("released") and not store.release("unknown")
+    now[0] = 6.0
+    assert store.expire_idle() == ["idle"]
+    assert dropped == ["state of released", "state of idle"]
+
+
 # --- admission ----------------------------------------------------------------------------------
 def test_admission_queues_then_refuses():
     admission = Admission(max_active=1, max_waiting=1, max_wait_s=5)

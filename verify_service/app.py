@@ -29,7 +29,7 @@ def start_verify_server(
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
                                        forward, startup, weights, config.max_sessions)
     sessions: SessionStore = SessionStore(
-        config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget
+        config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget, on_drop=scorer.close
     )
     sessions.start_reaper()
     servicer = VerifyServicer(scorer, sessions)

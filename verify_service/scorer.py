@@ -250,6 +250,11 @@ class Scorer:
             self.batcher.prefill(session, wanted)
         return VerifySession(session, warp, layers)
 
+    def close(self, session: VerifySession) -> None:
+        """The session was released or expired: the batcher stops scheduling around it."""
+        if self.batcher is not None:
+            self.batcher.forget(session.sequence)
+
     def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """`layers` as a tuple; INVALID_ARGUMENT unless they are all decoder layers of this target."""
         count = self.lm.loaded.model.config.num_hidden_layers

@@ -177,17 +177,19 @@ class PrefillBudget:
     def __init__(self) -> None:
         self.cost = PassCost()
 
-    def positions(self, decoding: int, rounds: int, waiting: int) -> int:
+    def positions(self, decoding: int, rounds: int, waiting: int, granule: int = 1) -> int:
         """decoding: positions the pass's rounds feed; rounds: how many of them are protected (the module
-        docstring); waiting: prompts being prefilled."""
+        docstring); waiting: prompts being prefilled; granule: the positions a pass's prompt rows cost in
+        (CausalLM.prefill_granule): the budget is whole granules, at least one."""
         if not rounds:
             return PREFILL_CHUNK
         rounds_s, position_s = self.cost.rounds_s(decoding), self.cost.position_s
         if rounds_s is None or not position_s:
-            return MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures the cost
-        share = max(waiting / (rounds + waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
-        budget = share / (1 - share) * rounds_s / position_s
-        return int(min(max(budget, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
+            budget = MIN_PREFILL_CHUNK  # unmeasured: a small chunk, whose pass measures the cost
+        else:
+            share = max(waiting / (rounds + waiting), MIN_PREFILL_SHARE)  # of the pass's time, for the prompts
+            budget = int(min(max(share / (1 - share) * rounds_s / position_s, MIN_PREFILL_CHUNK), PREFILL_CHUNK))
+        return max(budget // granule, 1) * granule
 
     def observe(self, seconds: float, decoding: int, prompt: int, priced: bool) -> None:
         """A pass that fed `decoding` round positions and `prompt` prompt positions (priced: beside protected
@@ -395,7 +397,7 @@ class ForwardBatcher:
             return [], False
         oldest = min(prefill.arrived for prefill in waiting)
         protected = sum(1 for since in streaming_since if since < oldest)  # streaming before it arrived
-        budget = self.prefill_budget.positions(decoding, protected, len(waiting))
+        budget = self.prefill_budget.positions(decoding, protected, len(waiting), self.lm.prefill_granule)
         shares = prefill_shares([self.lm.unprefilled(prefill.session) for prefill in waiting],
                                 [prefill.arrived for prefill in waiting], budget)
         return [(self.lm.prefill_feed(prefill.session, positions), prefill)

@@ -508,6 +508,15 @@ class CausalLM:
         """Prompt positions still to prefill (all but the last token is cached after a prefill)."""
         return max(0, len(session.tokens) - 1 - session.cached)
 
+    @property
+    def prefill_granule(self) -> int:
+        """The prompt positions a pass's prefill chunks are best counted in: a dense prompt product
+        computes whole blocks of quantized.PROMPT_BLOCK rows (16 rows cost what 64 do: the rest of the
+        block is zeros), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
+        if self.prompt_kernel is not None:
+            return quantized.PROMPT_BLOCK
+        return lean_forward.PROMPT_TILE if self.prompt_tiles else 1
+
     def prefill_feed(self, session: KVSession, budget: int) -> Feed:
         """The next chunk of at most `budget` prompt positions. Chunks bound a long prompt's activations
         (attention over n positions is heads × n² floats: 137 MiB a matrix for the default target at

@@ -444,6 +444,9 @@ def test_the_prefill_budget_is_the_prompts_fair_share_of_a_measured_pass():
     assert budget.positions(16, 4, 2) == budget.positions(16, 4, 1) == 7
     assert budget.positions(4, 1, 7) == 66 and budget.positions(16, 0, 1) == PREFILL_CHUNK
     assert budget.positions(4, 1, 1000) == PREFILL_CHUNK
+    # prompt rows costing in blocks (a dense prompt product's 64): whole blocks, at least one
+    assert budget.positions(16, 4, 1, granule=64) == 64 and budget.positions(4, 1, 7, granule=64) == 64
+    assert budget.positions(4, 1, 7, granule=16) == 64 and budget.positions(4, 1, 1000, granule=64) == PREFILL_CHUNK
     budget.observe(0.062 + 0.0015 * 512, 16, 512, priced=False)  # a whole chunk beside unprotected streams
     budget.observe(0.040 + 0.004 * 7, 0, 7, priced=True)  # prompt positions alone: no rounds to price them beside
     assert budget.cost.position_s == pytest.approx(0.004)
@@ -512,3 +515,15 @@ def test_a_finished_streams_session_no_longer_holds_the_next_prompt_back(lm, mon
         assert len(passes) == 3  # the whole prompt in one pass, then the two rounds
     finally:
         batcher.close()
+
+
+def test_prefill_chunks_come_in_the_granule_prompt_rows_cost_in(lm, monkeypatch):
+    """Float weights: rows cost one by one. int4 with tiles: 16 (lean_forward.PROMPT_TILE); with a dense
+    prompt product: its whole block of 64 rows (quantized.PROMPT_BLOCK), which costs the same for 16 rows."""
+    from specd_engine import lean_forward, quantized
+
+    assert lm.prefill_granule == 1
+    monkeypatch.setattr(lm, "prompt_tiles", True)
+    assert lm.prefill_granule == lean_forward.PROMPT_TILE == 16
+    monkeypatch.setattr(lm, "prompt_kernel", "bfloat16")
+    assert lm.prefill_granule == quantized.PROMPT_BLOCK == 64

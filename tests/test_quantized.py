@@ -48,6 +48,18 @@ def test_a_quantized_product_scores_each_row_alone(layer):
     assert (together - reference).abs().max() < 0.02 * reference.abs().max()
 
 
+@pytest.mark.parametrize("shape", [(48, 96), (192, 576), (576, 1536)])
+def test_a_packed_weight_unpacks_to_what_the_kernel_multiplies_by(shape):
+    """Int4Linear.dequantized reads the packed nibbles back (their order read from the packing itself) and
+    must give the very weights the int4 kernel multiplies by: its product by the identity, bit for bit."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+    linear = quantized.Int4Linear(weight)
+    eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
+    by_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, linear.packed, quantized.GROUP, linear.scales_zeros)
+    assert torch.equal(linear.dequantized(), by_kernel.float().t())
+    assert torch.equal(quantized.unpack_levels(linear.packed, *shape), quantized.quantize_groups(weight)[0])
+
+
 def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():
     """lean_forward.row_index: consecutive rows index as a slice (no gather), others as a tensor; a product
     over prompt rows and round rows gives each row the same bits whichever index the pass holds."""

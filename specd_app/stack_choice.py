@@ -4,8 +4,9 @@ The split stack (draft service + verify + gateway) pays where the draft has a de
 its drafts beat the verify's Medusa heads; the heads-only stack (no draft service) pays where draft
 and verify would share cores the verify needs. Which holds depends on the machine and the heads, so
 `specd up` measures it on the first start. Both gateways run in front of one verify and one draft,
-the calibration prompts go through them in turn (A B, then B A), and the faster stack in greedy
-tokens per second is kept (a tie keeps heads-only). The choice is cached per machine, target and heads, like the services'
+the calibration prompts go through them in turn (A B, then B A), and the split stack is kept only
+when it was faster in greedy tokens per second in every pass; otherwise the difference is within
+what the order of a pass moves, a tie, and a tie keeps heads-only. The choice is cached per machine, target and heads, like the services'
 start-up timings (specd_engine/runtime_cache.py); `specd up --remeasure` measures again.
 """
 
@@ -37,6 +38,7 @@ CALIBRATION_PROMPTS = (
 )
 CALIBRATION_TOKENS = 48  # enough rounds per prompt for the adaptive policy to settle, ~1-2 s each on a CPU
 CALIBRATION_PASSES = 2  # A B, then B A: a drift of the machine's speed hits both stacks alike
+CHOICE_RULE = 2  # in the cache key: a choice made by an earlier rule (1: faster overall) is measured again
 
 Generate = Callable[[str, str, int], int]  # (gateway address, prompt, max new tokens) → tokens generated
 
@@ -66,13 +68,15 @@ def resolve_drafter(drafter: str, draft_model: str, target: str, one_cpu: Option
 
 def measure_stacks(addresses: dict[str, str], generate: Generate, prompts: Sequence[str] = CALIBRATION_PROMPTS,
                    tokens: int = CALIBRATION_TOKENS, passes: int = CALIBRATION_PASSES,
-                   stopped: Callable[[], bool] = lambda: False) -> dict[str, float]:
-    """Greedy tokens per second of each stack (name → gateway address), its prompts interleaved with
-    the others' in alternating order; {} when `stopped()` turns true between requests (Ctrl-C while
-    measuring ends the start-up within one request, and nothing is cached)."""
-    seconds, generated = {name: 0.0 for name in addresses}, {name: 0 for name in addresses}
+                   stopped: Callable[[], bool] = lambda: False) -> dict[str, list[float]]:
+    """Greedy tokens per second of each stack (name → gateway address) in each pass, its prompts
+    interleaved with the others' in alternating order (the first pass A B, the next B A); {} when
+    `stopped()` turns true between requests (Ctrl-C while measuring ends the start-up within one
+    request, and nothing is cached)."""
     names = list(addresses)
+    rates: dict[str, list[float]] = {name: [] for name in names}
     for number in range(passes):
+        seconds, generated = {name: 0.0 for name in names}, {name: 0 for name in names}
         for prompt in prompts:
             for name in names if number % 2 == 0 else names[::-1]:
                 if stopped():
@@ -80,13 +84,23 @@ def measure_stacks(addresses: dict[str, str], generate: Generate, prompts: Seque
                 started = time.perf_counter()
                 generated[name] += generate(addresses[name], prompt, tokens)
                 seconds[name] += time.perf_counter() - started
-    return {name: generated[name] / seconds[name] if seconds[name] else 0.0 for name in names}
+        for name in names:
+            rates[name].append(generated[name] / seconds[name] if seconds[name] else 0.0)
+    return rates
 
 
-def choose(rates: dict[str, float]) -> str:
-    """The split stack only when it measured faster: a draft service must pay for its process, its
-    memory and its round trips (a tie, which on a 2-core CPU it is, keeps heads-only)."""
-    return SPLIT if rates.get(SPLIT, 0.0) > rates.get(HEADS, 0.0) else HEADS
+def choose(rates: dict[str, list[float]]) -> str:
+    """The split stack only when it measured faster in every pass (rates: measure_stacks'): a draft
+    service must pay for its process, its memory and its round trips. Each pass runs the stacks in the
+    other order, so a lead smaller than what the order moves does not hold in both: a tie, which on a
+    2-core CPU it is (2026-11-29, Xeon: one start measured split 40.1 against heads 38.6 tokens/s, and
+    side by side sampled they were level, 0.995x and 1.008x their own target-only), keeps heads-only."""
+    split, heads = rates.get(SPLIT, []), rates.get(HEADS, [])
+    return SPLIT if split and len(split) == len(heads) and all(a > b for a, b in zip(split, heads)) else HEADS
+
+
+def mean_rate(rates: Sequence[float]) -> float:
+    return sum(rates) / len(rates) if rates else 0.0
 
 
 def choice_path(key: dict, folder: Optional[str] = None) -> Path:
@@ -105,9 +119,11 @@ def cached_choice(key: dict, folder: Optional[str] = None) -> Optional[dict]:
     return record
 
 
-def save_choice(key: dict, rates: dict[str, float], folder: Optional[str] = None) -> dict:
+def save_choice(key: dict, rates: dict[str, list[float]], folder: Optional[str] = None) -> dict:
+    """Cache the choice and the rates it was made from (measure_stacks': each pass's, and their mean)."""
     record = {"format": runtime_cache.FORMAT, "key": key, "choice": choose(rates),
-              "tokens_per_s": {name: round(rate, 2) for name, rate in rates.items()},
+              "tokens_per_s": {name: round(mean_rate(found), 2) for name, found in rates.items()},
+              "tokens_per_s_by_pass": {name: [round(rate, 2) for rate in found] for name, found in rates.items()},
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     runtime_cache.write(choice_path(key, folder), record)
     return record
@@ -130,7 +146,7 @@ def up_choice_key(args: argparse.Namespace, devices: dict) -> dict:
     """What `specd up --drafter auto`'s measured choice depends on: the machine and its software, the
     target, the draft service's and the verify's default heads, the services' devices and threads."""
     drafter, head = draft_service_default(args.target)
-    return {"machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
+    return {"rule": CHOICE_RULE, "machine": runtime_cache.machine_key(devices["verify"]),  # service_devices: "auto" is already resolved
             "target": args.target, "drafter": drafter, "head": head, "medusa": resolve_medusa_heads("auto", args.target),
             "devices": devices, "threads": args.threads, "num_draft_tokens": args.num_draft_tokens,
             "weights": os.environ.get("SPECD_WEIGHTS", "auto")}  # the verify's --weights (specd up passes the environment on)
@@ -166,7 +182,7 @@ def measure_and_choose(args: argparse.Namespace, ports: dict, devices: dict, com
             children["gateway"] = spawn_in_own_session(commands["gateway"])
         return commands
     record = save_choice(key, rates)
-    log.info("drafter auto: %s tok/s → %s (cached in %s)", record["tokens_per_s"], record["choice"], choice_path(key))
+    log.info("drafter auto: %s tok/s by pass → %s (cached in %s)", record["tokens_per_s_by_pass"], record["choice"], choice_path(key))
     if record["choice"] == HEADS:
         stop_children({"draft": children.pop("draft")})
         commands = service_commands(args.host, ports, args.target, HEADS_ONLY, "", args.threads, args.num_draft_tokens, devices)

@@ -168,8 +168,8 @@ def test_readme_http_examples_work_as_written(specd_up, up_ports):
 
 def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_drafts_accepted(specd_up, up_ports, default_target):
     """`specd up`'s drafter: the verify serves its Medusa heads, and the draft service runs the shipped
-    feature head exactly when the split stack measured faster than heads-only at the first start
-    (the cached choice, with both stacks' measured tokens per second). Then, with prompt lookup switched
+    feature head exactly when the split stack measured faster than heads-only in every pass at the first
+    start (the cached choice, with both stacks' measured tokens per second, pass by pass). Then, with prompt lookup switched
     off (so every draft is the head's own), the feature head's greedy drafts are accepted and the answer
     is the target's."""
     from draft_service.app import load_feature_drafter, start_draft_server
@@ -191,6 +191,7 @@ def test_the_default_drafter_fits_the_machine_and_the_shipped_feature_head_gets_
     record = stack_choice.cached_choice(up_choice_key(args, service_devices(args.verify_device, args.draft_device)))
     assert record is not None and sorted(record["tokens_per_s"]) == ["heads", "split"]
     assert all(rate > 0 for rate in record["tokens_per_s"].values())
+    assert record["choice"] == stack_choice.choose(record["tokens_per_s_by_pass"])
     if record["choice"] == stack_choice.HEADS:
         assert not serving(f"127.0.0.1:{up_ports['draft']}"), "the draft service runs though heads-only measured faster"
     else:

@@ -19,10 +19,12 @@ def test_both_stacks_are_measured_interleaved_and_the_faster_is_chosen():
     rates = stack_choice.measure_stacks({"split": "a:1", "heads": "b:2"}, generate, prompts=("p", "q"), tokens=4, passes=2)
     assert calls == [("a:1", "p"), ("b:2", "p"), ("a:1", "q"), ("b:2", "q"),  # A B
                      ("b:2", "p"), ("a:1", "p"), ("b:2", "q"), ("a:1", "q")]  # then B A
-    assert rates["heads"] > rates["split"] > 0
+    assert len(rates["heads"]) == len(rates["split"]) == 2
+    assert all(heads > split > 0 for heads, split in zip(rates["heads"], rates["split"]))
     assert stack_choice.choose(rates) == "heads"
-    assert stack_choice.choose({"split": 25.0, "heads": 25.0}) == "heads"  # a tie: no draft service to pay for
-    assert stack_choice.choose({"split": 25.5, "heads": 25.0}) == "split"
+    assert stack_choice.choose({"split": [25.0, 25.0], "heads": [25.0, 25.0]}) == "heads"  # a tie: no draft service to pay for
+    assert stack_choice.choose({"split": [25.5, 25.2], "heads": [25.0, 25.0]}) == "split"  # faster in every pass
+    assert stack_choice.choose({"split": [27.0, 24.5], "heads": [25.0, 25.0]}) == "heads"  # faster overall, not in every pass
     calls.clear()
     assert stack_choice.measure_stacks({"split": "a:1", "heads": "b:2"}, generate, prompts=("p",), tokens=4,
                                        stopped=lambda: len(calls) >= 1) == {}  # stopped after the first request
@@ -32,9 +34,11 @@ def test_both_stacks_are_measured_interleaved_and_the_faster_is_chosen():
 def test_the_choice_is_cached_for_exactly_its_key(tmp_path):
     key = {"machine": {"cpu": "x", "cores": 2}, "target": "t"}
     assert stack_choice.cached_choice(key, str(tmp_path)) is None
-    record = stack_choice.save_choice(key, {"split": 19.0, "heads": 21.5}, str(tmp_path))
+    record = stack_choice.save_choice(key, {"split": [19.0, 20.0], "heads": [21.5, 21.0]}, str(tmp_path))
     assert record["choice"] == "heads"
-    assert stack_choice.cached_choice(key, str(tmp_path))["tokens_per_s"] == {"split": 19.0, "heads": 21.5}
+    cached = stack_choice.cached_choice(key, str(tmp_path))
+    assert cached["tokens_per_s"] == {"split": 19.5, "heads": 21.25}
+    assert cached["tokens_per_s_by_pass"] == {"split": [19.0, 20.0], "heads": [21.5, 21.0]}
     assert stack_choice.cached_choice({**key, "target": "other"}, str(tmp_path)) is None
     stack_choice.choice_path(key, str(tmp_path)).write_text("{not json")
     assert stack_choice.cached_choice(key, str(tmp_path)) is None

@@ -248,9 +248,11 @@ class CausalLM:
         if weights == "int4":
             self._pack_int4()
             layouts = {autotune.PLAIN}  # no float32 product is left whose layout could be chosen
-        if loaded.device.type == "cpu":
-            make_linears_switchable(self._serving_module(), self.switch, set(layouts))
-        self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if loaded.device.type == "cpu" else {autotune.PLAIN}
+        # Layouts are the float32 products' (SwitchableLinear): where none was made switchable (a bfloat16 or
+        # int4 model, transformers' linears) the plain weights serve every pass and must stay, so the plain
+        # layout is the only one to time and keep (a copied layout timed faster by noise dropped them).
+        switchable = loaded.device.type == "cpu" and make_linears_switchable(self._serving_module(), self.switch, set(layouts)) > 0
+        self.layouts = (set(layouts) & available_layouts()) or {autotune.PLAIN} if switchable else {autotune.PLAIN}
         self._release_unused_originals()
         self.runtime = autotune.RuntimeChoice(device=str(loaded.device), threads=0, layouts={1: min(self.layouts)}, source="default")
         self.trials: Optional[autotune.ServingTrials] = None  # sizes still settled by timing serving passes (tune)

@@ -107,6 +107,25 @@ def test_an_int4_model_runs_every_pass_on_the_thread_count_it_chose(tiny):
     assert fixed.threads_by_size == {} and fixed.threads == 2 and int4_lm.trials is None
 
 
+def test_a_model_without_float32_products_keeps_its_plain_weights_whatever_timings_say(tiny):
+    """Layouts switch float32 products only (lm.SwitchableLinear). A bfloat16 model's products stay
+    transformers' linears, so timing layouts there is noise; a copied layout (rows) that won by noise
+    once dropped the weights every pass reads (a TypeError in the next pass). Here it has one layout."""
+    import torch
+
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    def timings(name, runs, repeats):  # every layout but plain timed fastest, were any other timed
+        return {key: (0.02 if PLAIN in key else 0.01) for key in runs()}
+
+    lm = CausalLM(load_causal_lm(str(tiny.target), dtype="bfloat16"), layouts={PLAIN, PREPACKED, "rows"})
+    assert lm.layouts == {PLAIN}
+    choice = lm.tune(max_threads=2, measure=timings)
+    lm.use_only(choice.needs)
+    assert choice.needs == {PLAIN} and lm.forward(lm.new_session([5, 6, 7]), [8]).dtype == torch.float32
+
+
 def test_the_choice_records_what_chose_it():
     choice = choose_runtime({1: INTEL, 2: AMD})
     record = json.loads(choice.summary())

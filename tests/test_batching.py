@@ -348,7 +348,10 @@ def test_batching_flags_and_environment(monkeypatch):
 
 def test_concurrent_streams_through_the_services_match_single_streams(tiny):
     """Eight concurrent greedy requests through batching verify and draft services give exactly the
-    tokens each gives alone, and the services really did batch."""
+    tokens each gives alone, and the services really did batch. A batch waits only a fraction of a
+    pass for sessions it expects, and the tiny draft's pass is ~1 ms: whether two Proposes meet
+    depends on how the gateway's threads are scheduled, so the eight go up to three times (each time
+    exact) until the draft has batched too."""
     from specd.v1 import common_pb2, generate_pb2
     from tests.conftest import start_cluster
 
@@ -364,13 +367,16 @@ def test_concurrent_streams_through_the_services_match_single_streams(tiny):
     try:
         stub = cluster.stub()
         alone = [generate(stub, text) for text in prompts]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda text: generate(stub, text), prompts))
         verify_stats = cluster.verify.servicer.scorer.batcher.stats
         draft_stats = cluster.draft.servicer.drafter.batcher.stats
+        for _ in range(3):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda text: generate(stub, text), prompts))
+            assert together == alone
+            if max(verify_stats.sizes) > 1 and max(draft_stats.sizes) > 1:
+                break
     finally:
         cluster.stop()
-    assert together == alone
     assert max(verify_stats.sizes) > 1 and max(draft_stats.sizes) > 1
 
 

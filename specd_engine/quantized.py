@@ -32,7 +32,6 @@ docs/design/engine-room.md.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Optional, Sequence
 
@@ -98,9 +97,10 @@ class Int4Linear(torch.nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)  # [M, out]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def use_dense(self, dtype: Optional[torch.dtype]) -> None:
-        """Keep this weight dequantized in `dtype` too, for prompt rows (prompt_product); None drops it."""
-        self.dense = None if dtype is None else self.dequantized(dtype)  # [out, in]
+    def use_dense(self, dtype: Optional[torch.dtype], slots: Optional[torch.Tensor] = None) -> None:
+        """Keep this weight dequantized in `dtype` too, for prompt rows (prompt_product); None drops it.
+        slots: weight_slots of this shape, when the caller already read them."""
+        self.dense = None if dtype is None else self.dequantized(dtype, slots)  # [out, in]
 
     def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
         """x [P, in] (prompt rows) → [P, out] in x's dtype by the dense weight (use_dense), in blocks of exactly
@@ -110,23 +110,24 @@ class Int4Linear(torch.nn.Module):
         (~1.8 ms a row for the default target's 30 layers here), a GEMM over many rows is several times cheaper."""
         return dense_product(x, self.dense)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The weight [out, in] this layer multiplies by: (q - 8) · scale + zero per group, rounded to
-        bfloat16 as the kernel's weights are, in `dtype`. A test checks it equals the kernel's product by
-        the identity, which took ~4 s for the default target's 210 products at every start."""
+        bfloat16 as the kernel's weights are, in `dtype` (slots: as unpack_levels). A test checks it equals
+        the kernel's product by the identity, which took ~4 s for the default target's 210 products at
+        every start."""
         n, k = self.out_features, self.in_features
-        q = torch.index_select(nibbles(self.packed), 0, weight_slots(n, k)).view(n, k // GROUP, GROUP)
+        q = unpack_levels(self.packed, n, k, slots).view(n, k // GROUP, GROUP)
         scale_zero = self.scales_zeros.float().transpose(0, 1)  # [N, K/G, 2]
         weight = (q.float() - (LEVELS + 1) // 2) * scale_zero[..., :1] + scale_zero[..., 1:]  # [N, K/G, G]
         return weight.to(torch.bfloat16).to(dtype).view(n, k)
 
 
-@functools.lru_cache(maxsize=None)
 def weight_slots(out_features: int, in_features: int) -> torch.Tensor:
     """Where each weight of a packed [N, K] weight lies: [N·K] (row-major) indexes into nibbles(packed).
     The CPU packing interleaves rows and inputs in blocks that depend on the instruction set torch was
     built for, so the order is read from the packing itself: each probe packs 4 bits of every weight's
-    own index, and a slot's digits spell the index it holds."""
+    own index, and a slot's digits spell the index it holds. Up to ~0.2 ms a thousand weights: a pass
+    over many products reads them once a shape (slots_by_shape) and drops them after."""
     count = out_features * in_features
     index = torch.arange(count)
     held = torch.zeros(count, dtype=torch.int64)  # slot → the weight it holds
@@ -143,9 +144,18 @@ def nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & LEVELS, packed >> 4], dim=-1).reshape(-1)
 
 
-def unpack_levels(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """_convert_weight_to_int4pack_for_cpu's inverse: packed [N, K/2] uint8 → q [N, K] int32 in 0..15."""
-    return torch.index_select(nibbles(packed), 0, weight_slots(out_features, in_features)).to(torch.int32).view(out_features, in_features)
+def unpack_levels(packed: torch.Tensor, out_features: int, in_features: int,
+                  slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """_convert_weight_to_int4pack_for_cpu's inverse: packed [N, K/2] uint8 → q [N, K] uint8 in 0..15
+    (slots: weight_slots of this shape, read here when not given)."""
+    slots = weight_slots(out_features, in_features) if slots is None else slots
+    return torch.index_select(nibbles(packed), 0, slots).view(out_features, in_features)
+
+
+def slots_by_shape(products: Sequence[Int4Linear]) -> dict[tuple[int, int], torch.Tensor]:
+    """weight_slots of every shape among `products`, for one pass over all of them: the tables are
+    start-up work (~27 MiB of indexes for the default target), freed with the caller's dict."""
+    return {shape: weight_slots(*shape) for shape in {(product.out_features, product.in_features) for product in products}}
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -183,11 +193,15 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
     if not products:
         return None
 
+    slots: dict = {}  # slots_by_shape, read once for the timing and the weights kept, if either needs them
+
     def runs() -> dict:
+        if not slots:
+            slots.update(slots_by_shape(products))
         inputs = {product.in_features: torch.randn(PROMPT_BLOCK, product.in_features) for product in products}
         made = {(threads, "int4"): lambda: [product(inputs[product.in_features]) for product in products]}
         for name, dtype in PROMPT_KERNELS.items():
-            weights = [product.dequantized(dtype) for product in products]
+            weights = [product.dequantized(dtype, slots[product.out_features, product.in_features]) for product in products]
             made[(threads, name)] = lambda weights=weights: [dense_product(inputs[w.shape[1]], w) for w in weights]
         return made
 
@@ -200,17 +214,25 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
              ", ".join(f"{kernel} {value * 1e3:.1f} ms" for kernel, value in seconds.items()))
     if seconds["int4"] < PROMPT_MARGIN * seconds[best]:
         return None
-    use_prompt_kernel(layers, best)
+    use_prompt_kernel(layers, best, slots)
     if not prompt_rows_alike(products[0]):
         log.warning("a %s GEMM here rounds a row by its neighbours: prompt rows stay in int4", best)
         return use_prompt_kernel(layers, None)
     return best
 
 
-def use_prompt_kernel(layers: Sequence[torch.nn.Module], kernel: Optional[str]) -> Optional[str]:
-    """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or drop them (None)."""
-    for product in int4_products(layers):
-        product.use_dense(None if kernel is None else PROMPT_KERNELS[kernel])
+def use_prompt_kernel(layers: Sequence[torch.nn.Module], kernel: Optional[str],
+                      slots: Optional[dict[tuple[int, int], torch.Tensor]] = None) -> Optional[str]:
+    """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or drop them
+    (None). slots: slots_by_shape of these products, when the caller already read them."""
+    products = int4_products(layers)
+    if kernel is None:
+        for product in products:
+            product.use_dense(None)
+        return None
+    slots = slots or slots_by_shape(products)
+    for product in products:
+        product.use_dense(PROMPT_KERNELS[kernel], slots[product.out_features, product.in_features])
     return kernel
 
 

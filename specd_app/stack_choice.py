@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -99,10 +100,6 @@ def choose(rates: dict[str, list[float]]) -> str:
     return SPLIT if split and len(split) == len(heads) and all(a > b for a, b in zip(split, heads)) else HEADS
 
 
-def mean_rate(rates: Sequence[float]) -> float:
-    return sum(rates) / len(rates) if rates else 0.0
-
-
 def choice_path(key: dict, folder: Optional[str] = None) -> Path:
     return runtime_cache.runtime_folder(folder or "") / f"up-drafter-{runtime_cache.digest(key)}.json"
 
@@ -122,7 +119,7 @@ def cached_choice(key: dict, folder: Optional[str] = None) -> Optional[dict]:
 def save_choice(key: dict, rates: dict[str, list[float]], folder: Optional[str] = None) -> dict:
     """Cache the choice and the rates it was made from (measure_stacks': each pass's, and their mean)."""
     record = {"format": runtime_cache.FORMAT, "key": key, "choice": choose(rates),
-              "tokens_per_s": {name: round(mean_rate(found), 2) for name, found in rates.items()},
+              "tokens_per_s": {name: round(statistics.fmean(found), 2) for name, found in rates.items()},
               "tokens_per_s_by_pass": {name: [round(rate, 2) for rate in found] for name, found in rates.items()},
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     runtime_cache.write(choice_path(key, folder), record)

@@ -151,7 +151,7 @@ def _no_sdpa(layer, index, q, k, v, segments, masks):
     """_attend_each without attention: the KV appends only (the output is not the model's)."""
     for segment in segments:
         rows = slice(segment.start, segment.start + segment.n)
-        segment.cache.update(k[:, :, rows], v[:, :, rows], index)
+        segment.cache.update(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], index)  # [1, Hkv, n, D]
     return q.new_zeros(q.shape)
 
 

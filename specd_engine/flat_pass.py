@@ -207,35 +207,34 @@ def forward_flat(lean: lean_forward.LeanLlama, store: KVStore, ids: torch.Tensor
     store and returns the final hidden state [R, C] (after the final norm) and, when keep_hidden and
     layers are captured, their outputs [R, L, C]. gather: one attention call a layer over all rows
     (keys gathered by slot), else one a session (module docstring)."""
-    x = lean.embed(ids[None])  # [1, R, C]
-    cos, sin = lean.rotary(x, rows.positions[None])  # [1, R, D] each
-    cos, sin = cos.unsqueeze(1), lean_forward.signed_sin(sin).unsqueeze(1)  # [1, 1, R, D]
+    x = lean.embed(ids)  # [R, C]
+    cos, sin = lean_forward.rotary_rows(lean.rotary, x, rows.positions)  # [R, 1, D] each
     mask = rows.visible[:, None, None, :]  # [R, 1, 1, K]
     captured = []
     for index, layer in enumerate(lean.layers):
         attend = lambda q, k, v, index=index, layer=layer: _attend(layer, store, index, q, k, v, rows, mask, gather)  # noqa: E731
-        x = lean._layer(layer, index, x, cos, sin, attend)
+        x = lean._layer(layer, x, cos, sin, attend)
         if index + 1 in capture and keep_hidden:
-            captured.append(x[0])
-    hidden = lean_forward.rms_norm(x, lean.norm, lean.eps)[0]  # [R, C]
+            captured.append(x)
+    hidden = lean_forward.rms_norm(x, lean.norm, lean.eps)  # [R, C]
     return hidden, torch.stack(captured, dim=1) if captured else None
 
 
 def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rows: FlatRows, mask: torch.Tensor, gather: bool) -> torch.Tensor:
-    """q [1, Hq, R, D], k and v [1, Hkv, R, D]: the rows' keys and values written into the store, then
-    each row one query over its slot's first K columns. Returns [1, Hq, R, D]."""
+    """q [R, Hq, D], k and v [R, Hkv, D]: the rows' keys and values written into the store, then each
+    row one query over its slot's first K columns. Returns [R, Hq, D]."""
     keys, values = store.keys[index], store.values[index]  # [S, Hkv, capacity, D]
     if len(rows.runs) == 1 and not gather:  # one session's rows: consecutive columns of one slot, a plain copy
         _, n, slot = rows.runs[0]
         first = rows.first_write
-        keys[slot, :, first : first + n] = k[0]  # [Hkv, n, D]
-        values[slot, :, first : first + n] = v[0]
+        keys[slot, :, first : first + n] = k.transpose(0, 1)  # [Hkv, n, D]
+        values[slot, :, first : first + n] = v.transpose(0, 1)
     else:
-        keys[rows.slots, :, rows.writes] = k[0].transpose(0, 1)  # [R, Hkv, D] into (slot, column) pairs
-        values[rows.slots, :, rows.writes] = v[0].transpose(0, 1)
+        keys[rows.slots, :, rows.writes] = k  # [R, Hkv, D] into (slot, column) pairs
+        values[rows.slots, :, rows.writes] = v
     width = mask.shape[-1]
-    queries = q[0].transpose(0, 1).unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
+    queries = q.unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
     gqa = layer.heads != layer.kv_heads
     if rows.compact is not None:  # a tree's nodes: each row's keys in the order decoding its path would hold them
         index = (rows.slots[:, None], slice(None), rows.compact)
@@ -251,7 +250,7 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
                                               attn_mask=mask[first : first + n], scale=layer.scaling, enable_gqa=gqa)
                for first, n, slot in rows.runs]
         out = torch.cat(out) if len(out) > 1 else out[0]  # [R, Hq, 1, D]
-    return out.squeeze(2).transpose(0, 1)[None]  # [1, Hq, R, D]
+    return out.squeeze(2)  # [R, Hq, D]
 
 
 GRAPH_ROWS = (8, 32, 128)  # a CUDA pass's rows are padded to the first of these that holds them; more run eagerly

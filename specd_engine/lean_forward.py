@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specd_engine import kv_cache
+from specd_engine.quantized import Int4Linear
 
 
 def unsupported(model: torch.nn.Module) -> str:
@@ -142,15 +143,19 @@ class LeanLlama(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=input_ids.device).expand(batch, n)  # [B, n]
         mask = attention_mask_for(attention_mask, n, past, input_ids.device)  # None or bool [B, 1, n, past + n]
-        x = self.embed(input_ids)  # [B, n, C]
-        cos, sin = self.rotary(x, position_ids)  # [B, n, D] each
-        cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [B, 1, n, D]
+        x = self.embed(input_ids).flatten(0, 1)  # [B·n, C]: the layers take rows
+        cos, sin = rotary_rows(self.rotary, x, position_ids.flatten())  # [B·n, 1, D] each
+
+        def attend_cache(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            as_batch = lambda rows: rows.view(batch, n, *rows.shape[1:]).transpose(1, 2)  # noqa: E731  [B, h, n, D]
+            return _attend_cache(layer, index, cache, mask, as_batch(q), as_batch(k), as_batch(v)).transpose(1, 2).flatten(0, 1)
+
         captured = []
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, index, x, cos, sin, functools.partial(_attend_cache, layer, index, cache, mask))
+            x = self._layer(layer, x, cos, sin, functools.partial(attend_cache, layer, index))
             if index + 1 in capture and keep_hidden:
-                captured.append(x)
-        hidden = rms_norm(x, self.norm, self.eps)  # [B, n, C]
+                captured.append(x.view(batch, n, -1))
+        hidden = rms_norm(x, self.norm, self.eps).view(batch, n, -1)  # [B, n, C]
         logits = self.lm_head(hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:])  # [B, kept, V]
         return LeanOutput(logits, hidden if keep_hidden else None, torch.stack(captured, dim=2) if captured else None)
 
@@ -164,35 +169,42 @@ class LeanLlama(torch.nn.Module):
         [T, C] (after the final norm; the caller takes the LM head of the rows it needs) and, when
         keep_hidden and layers are captured, their outputs [T, L, C]. `prompt`: the rows that are prompt
         positions, whose products may take a dense weight (product)."""
-        x = self.embed(input_ids[None])  # [1, T, C]
-        cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
-        cos, sin = cos.unsqueeze(1), signed_sin(sin).unsqueeze(1)  # [1, 1, T, D]
+        x = self.embed(input_ids)  # [T, C]
+        cos, sin = rotary_rows(self.rotary, x, position_ids)  # [T, 1, D] each
         masks = [key_width_groups(s, input_ids.device, self.query_per_call) if s.padded else
                  attention_mask_for(None if s.mask is None else s.mask[None, None], s.n, s.cache.get_seq_length(), input_ids.device)
                  for s in segments]  # padded: key_width_groups; else None (causal) or bool [1, 1, n, cached + n]; once a pass
         captured = []
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, index, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks), prompt)
+            x = self._layer(layer, x, cos, sin, lambda q, k, v: _attend_each(layer, index, q, k, v, segments, masks), prompt)
             if index + 1 in capture and keep_hidden:
-                captured.append(x[0])
-        hidden = rms_norm(x, self.norm, self.eps)[0]  # [T, C]
+                captured.append(x)
+        hidden = rms_norm(x, self.norm, self.eps)  # [T, C]
         return hidden, torch.stack(captured, dim=1) if captured else None
 
-    def _layer(self, layer: LeanLayer, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, layer: LeanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                prompt: Optional[PromptRows] = None) -> torch.Tensor:
-        """x [B, n, C] through one decoder layer; attend(q, k, v) appends k and v to the cache(s) and
-        returns the attention output [B, Hq, n, D]. `prompt` (a ragged pass, B = 1): see product."""
-        batch, n, _ = x.shape
+        """A pass's rows x [T, C] through one decoder layer; attend(q [T, Hq, D], k and v [T, Hkv, D])
+        appends k and v to the cache(s) and returns the attention output [T, Hq, D]. Rows, not [B, n]
+        batches: every tensor a layer makes is a plain 2-D or 3-D one, so a layer is ~80 operators
+        instead of ~200 (view and transpose bookkeeping, casts), which was a fifth of a one-session
+        decoding pass on a 2-vCPU Xeon. `prompt`: the rows whose products may take a dense weight."""
+        rows = x.shape[0]
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        h = rms_norm(x, layer.input_norm, self.eps)
-        qk, v = product(layer.qkv, h, prompt).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)  # [B, n, · D]
-        qk = rotate(qk.view(batch, n, heads + kv_heads, dim).transpose(1, 2), cos, sin)  # [B, Hq + Hkv, n, D]: one rotation for both
-        attended = attend(qk[:, :heads], qk[:, heads:], v.view(batch, n, kv_heads, dim).transpose(1, 2))  # [B, Hq, n, D]
-        x = x + product(layer.o, attended.transpose(1, 2).reshape(batch, n, heads * dim), prompt)
-        h = rms_norm(x, layer.post_norm, self.eps)
-        gate, up = product(layer.gate_up, h, prompt).split(layer.intermediate, dim=-1)  # [B, n, I] each
+        qkv = product(layer.qkv, rms_norm(x, layer.input_norm, self.eps), prompt).to(x.dtype)  # [T, (Hq + 2 Hkv) D]
+        qk = rotate(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)  # [T, Hq + Hkv, D]: one rotation for both
+        attended = attend(qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim))  # [T, Hq, D]
+        x = x + product(layer.o, attended.reshape(rows, heads * dim), prompt)  # (a bfloat16 product is promoted exactly)
+        gate, up = product(layer.gate_up, rms_norm(x, layer.post_norm, self.eps), prompt).to(x.dtype).split(layer.intermediate, dim=-1)  # [T, I] each
         return x + product(layer.down, F.silu(gate) * up, prompt)
+
+
+def rotary_rows(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of rows at `positions` [T] (x [T, C] gives the dtype and device): cos and
+    signed_sin [T, 1, D], broadcast over a row's heads (rotate)."""
+    cos, sin = rotary(x[None], positions[None])  # [1, T, D] each
+    return cos[0].unsqueeze(1), signed_sin(sin[0]).unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -214,19 +226,19 @@ def row_index(rows: Sequence[int], device: Optional[torch.device] = None) -> tor
 
 
 def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRows]) -> torch.Tensor:
-    """linear(h) for h [1, T, C], with the prompt rows through the linear's dense weight where it keeps one
-    (quantized.Int4Linear.prompt_product: where the machine's GEMM takes a row for less than the int4
-    kernel). A row's product depends only on whether it is a prompt position, never on what shares its
-    pass: both kernels compute each row on its own."""
+    """linear(h) for rows h [T, C] → [T, out]: an int4 product in the kernel's bfloat16 (the caller's add
+    or cast makes it h's dtype exactly, one operator fewer), with the prompt rows through the linear's
+    dense weight where it keeps one (quantized.Int4Linear.prompt_product: where the machine's GEMM
+    takes a row for less than the int4 kernel). A row's product depends only on whether it is a prompt
+    position, never on what shares its pass: both kernels compute each row on its own."""
     if prompt is None or getattr(linear, "dense", None) is None:
-        return linear(h)
-    rows = h[0]  # [T, C]
+        return linear.rows(h) if isinstance(linear, Int4Linear) else linear(h)
     if prompt.other is None:
-        return linear.prompt_product(rows)[None]
-    out = rows.new_empty((rows.shape[0], linear.out_features))  # [T, out]
-    out[prompt.prompt] = linear.prompt_product(rows[prompt.prompt])
-    out[prompt.other] = linear(rows[prompt.other])
-    return out[None]
+        return linear.prompt_product(h)
+    out = h.new_empty((h.shape[0], linear.out_features))  # [T, out]
+    out[prompt.prompt] = linear.prompt_product(h[prompt.prompt])
+    out[prompt.other] = linear.rows(h[prompt.other]).to(h.dtype)
+    return out
 
 
 def _attend_cache(layer: LeanLayer, index: int, cache: DynamicCache, mask: Optional[torch.Tensor], q: torch.Tensor,
@@ -252,17 +264,21 @@ class Segment:
 
 def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  segments: Sequence[Segment], masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Attention of a ragged pass: q [1, Hq, T, D], k and v [1, Hkv, T, D]; each segment's keys and
-    values go to its own cache and its queries attend to that cache alone. Returns [1, Hq, T, D]."""
-    out = []
+    """Attention of a ragged pass: q [T, Hq, D], k and v [T, Hkv, D]; each segment's keys and values go
+    to its own cache and its queries attend to that cache alone. Returns [T, Hq, D]."""
+    out = None if len(segments) == 1 else torch.empty_like(q)
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
-        keys, values = segment.cache.update(k[:, :, rows], v[:, :, rows], index)  # [1, Hkv, cached + n, D]
+        as_cache = lambda states: states[rows].transpose(0, 1)[None]  # noqa: E731  [1, h, n, D]
+        keys, values = segment.cache.layers[index].update(as_cache(k), as_cache(v))  # [1, Hkv, cached + n, D]
         if segment.padded:
-            out.append(_sdpa_padded(layer, q[:, :, rows], segment.cache.layers[index], mask))
+            attended = _sdpa_padded(layer, q[rows], segment.cache.layers[index], mask)  # [n, Hq, D]
         else:
-            out.append(_sdpa(layer, q[:, :, rows], keys, values, mask))
-    return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+            attended = _sdpa(layer, as_cache(q), keys, values, mask)[0].transpose(0, 1)  # [n, Hq, D]
+        if out is None:
+            return attended
+        out[rows] = attended
+    return out
 
 
 def _sdpa(layer: LeanLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -387,51 +403,40 @@ def queries_batch_alike(layer: LeanLayer, device: torch.device, widths: Sequence
 
 
 def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequence[KeyWidthGroup]) -> torch.Tensor:
-    """A segment's rows (q [1, Hq, n, D]), each one query over its own keys padded to whole key blocks
+    """A segment's rows (q [n, Hq, D]), each one query over its own keys padded to whole key blocks
     (key_width_groups; read from the growing buffer past the cache's length, zeros or earlier finite
-    values, all masked; a tree's compacted): one SDPA call per group. Returns [1, Hq, n, D]."""
+    values, all masked; a tree's compacted): one SDPA call per group. Returns [n, Hq, D]."""
     out = None if len(groups) == 1 else torch.empty_like(q)
+    gqa = layer.heads != layer.kv_heads
     for group in groups:
         count, width = group.mask.shape[0], group.mask.shape[-1]
         if group.tile:  # a prompt tile: its rows one block of queries over a view of the buffer
-            tile = F.scaled_dot_product_attention(q[:, :, group.rows], cache_layer._key_buffer.narrow(2, 0, width),
-                                                  cache_layer._value_buffer.narrow(2, 0, width), attn_mask=group.mask,
-                                                  scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads)  # [1, Hq, r, D]
-            if out is None:
-                return tile
-            out[:, :, group.rows] = tile
-            continue
-        if group.columns is None:  # a view of the buffer, broadcast to every row: no copy
-            keys, values = cache_layer._key_buffer.narrow(2, 0, width), cache_layer._value_buffer.narrow(2, 0, width)  # [1, Hkv, K, D]
-            if count > 1:  # (a lone row's plain view: broadcasting costs a single query ~30% more in SDPA)
-                keys, values = keys.expand(count, -1, -1, -1), values.expand(count, -1, -1, -1)  # [g, Hkv, K, D]
+            attended = F.scaled_dot_product_attention(q[group.rows].transpose(0, 1)[None], cache_layer._key_buffer.narrow(2, 0, width),
+                                                      cache_layer._value_buffer.narrow(2, 0, width), attn_mask=group.mask,
+                                                      scale=layer.scaling, enable_gqa=gqa)[0].transpose(0, 1)  # [r, Hq, D]
         else:
-            keys = cache_layer._key_buffer[0][:, group.columns].transpose(0, 1)  # [g, Hkv, K, D]
-            values = cache_layer._value_buffer[0][:, group.columns].transpose(0, 1)
-        if count == q.shape[2] == 1:  # (each view op costs microseconds: a decode pass pays ~30 layers of them)
-            queries = q  # [1, Hq, 1, D]
-        elif isinstance(group.rows, slice) and count == 1:
-            queries = q.narrow(2, group.rows.start, 1)  # [1, Hq, 1, D]
-        else:
-            rows = q[0, :, group.rows] if isinstance(group.rows, slice) else q[0].index_select(1, group.rows)  # [Hq, g, D]
-            queries = rows.transpose(0, 1).unsqueeze(2).contiguous()  # [g, Hq, 1, D]
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=layer.scaling,
-                                                  enable_gqa=layer.heads != layer.kv_heads).permute(2, 1, 0, 3)  # [1, Hq, g, D]
+            if group.columns is None:  # a view of the buffer, broadcast to every row: no copy
+                keys, values = cache_layer._key_buffer.narrow(2, 0, width), cache_layer._value_buffer.narrow(2, 0, width)  # [1, Hkv, K, D]
+                if count > 1:  # (a lone row's plain view: broadcasting costs a single query ~30% more in SDPA)
+                    keys, values = keys.expand(count, -1, -1, -1), values.expand(count, -1, -1, -1)  # [g, Hkv, K, D]
+            else:
+                keys = cache_layer._key_buffer[0][:, group.columns].transpose(0, 1)  # [g, Hkv, K, D]
+                values = cache_layer._value_buffer[0][:, group.columns].transpose(0, 1)
+            queries = q if count == q.shape[0] else q[group.rows]  # [g, Hq, D]: every row its own batch entry
+            attended = F.scaled_dot_product_attention(queries.unsqueeze(2), keys, values, attn_mask=group.mask, scale=layer.scaling,
+                                                      enable_gqa=gqa)[:, :, 0]  # [g, Hq, D]
         if out is None:
             return attended
-        if isinstance(group.rows, slice):
-            out[:, :, group.rows] = attended
-        else:
-            out.index_copy_(2, group.rows, attended)
+        out[group.rows] = attended
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm of x [..., C]: one fused op in float32 (bit-identical there); in half precision
-    transformers' own steps (normalised in float32, cast back, then scaled), which the fused op's
-    rounding would not follow."""
+    """LlamaRMSNorm of x [..., C], transformers' own steps (normalised in float32, cast back, then
+    scaled). In float32 they are six operators in place where they can be: F.rms_norm's CPU composite
+    runs ~20 (two copies of x among them) for the same bits, ~40 µs a call, 61 calls a pass."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 

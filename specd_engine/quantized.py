@@ -93,9 +93,12 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("scales_zeros", scales_zeros.contiguous().to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)  # [M, out]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self.rows(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] → [M, out] in bfloat16, the kernel's own output (a caller that adds it to float32 rows
+        needs no cast: the promotion is exact)."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
 
     def use_dense(self, dtype: Optional[torch.dtype], slots: Optional[torch.Tensor] = None) -> None:
         """Keep this weight dequantized in `dtype` too, for prompt rows (prompt_product); None drops it.

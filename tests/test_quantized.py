@@ -70,11 +70,12 @@ def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():
     weight, _ = q4_1_blocks(48, 96, seed=3)
     linear = quantized.Int4Linear(weight)
     linear.use_dense(torch.bfloat16)
-    h = torch.randn(1, 7, 96, generator=torch.Generator().manual_seed(4))  # rounds' rows 0-2, prompt rows 3-6
+    h = torch.randn(7, 96, generator=torch.Generator().manual_seed(4))  # rounds' rows 0-2, prompt rows 3-6
     as_views = lean_forward.product(linear, h, lean_forward.PromptRows(slice(3, 7), slice(0, 3)))
     gathered = lean_forward.product(linear, h, lean_forward.PromptRows(torch.arange(3, 7), torch.arange(3)))
     assert torch.equal(as_views, gathered)
-    assert torch.equal(as_views[0, 3:], linear.prompt_product(h[0, 3:])) and torch.equal(as_views[0, :3], linear(h[0, :3]))
+    assert torch.equal(as_views[3:], linear.prompt_product(h[3:])) and torch.equal(as_views[:3], linear(h[:3]))
+    assert torch.equal(lean_forward.product(linear, h, None).float(), linear(h))  # the int4 kernel's bfloat16, promoted exactly
 
 
 def test_a_gguf_s_weight_bits_are_read_once_and_remembered_beside_its_conversion(tmp_path, monkeypatch):

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specd_common.errors import InvalidArgument, ResourceExhausted
@@ -234,23 +233,16 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
         keys[rows.slots, :, rows.writes] = k  # [R, Hkv, D] into (slot, column) pairs
         values[rows.slots, :, rows.writes] = v
     width = mask.shape[-1]
-    queries = q.unsqueeze(2)  # [R, Hq, 1, D]: every row its own batch entry
-    gqa = layer.heads != layer.kv_heads
     if rows.compact is not None:  # a tree's nodes: each row's keys in the order decoding its path would hold them
         index = (rows.slots[:, None], slice(None), rows.compact)
-        out = F.scaled_dot_product_attention(queries, keys[index].transpose(1, 2), values[index].transpose(1, 2),
-                                             attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
-    elif gather:
-        out = F.scaled_dot_product_attention(queries, keys[:, :, :width].index_select(0, rows.slots),
-                                             values[:, :, :width].index_select(0, rows.slots), attn_mask=mask,
-                                             scale=layer.scaling, enable_gqa=gqa)  # [R, Hq, 1, D]
-    else:
-        out = [F.scaled_dot_product_attention(queries[first : first + n], keys[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
-                                              values[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
-                                              attn_mask=mask[first : first + n], scale=layer.scaling, enable_gqa=gqa)
-               for first, n, slot in rows.runs]
-        out = torch.cat(out) if len(out) > 1 else out[0]  # [R, Hq, 1, D]
-    return out.squeeze(2)  # [R, Hq, D]
+        return lean_forward.row_attention(layer, q, keys[index].transpose(1, 2), values[index].transpose(1, 2), mask)
+    if gather:
+        return lean_forward.row_attention(layer, q, keys[:, :, :width].index_select(0, rows.slots),
+                                          values[:, :, :width].index_select(0, rows.slots), mask)
+    out = [lean_forward.row_attention(layer, q[first : first + n], keys[slot : slot + 1, :, :width].expand(n, -1, -1, -1),
+                                      values[slot : slot + 1, :, :width].expand(n, -1, -1, -1), mask[first : first + n])
+           for first, n, slot in rows.runs]
+    return torch.cat(out) if len(out) > 1 else out[0]  # [R, Hq, D]
 
 
 GRAPH_ROWS = (8, 32, 128)  # a CUDA pass's rows are padded to the first of these that holds them; more run eagerly

@@ -76,14 +76,20 @@ def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# the engine's pass as timed: a change to specd_engine that changes what a pass costs bumps it, so
+# timings cached under the old code are measured again instead of pricing rounds by a stale cost
+ENGINE_REVISION = 2
+
+
 def machine_key(device: str = "cpu") -> dict:
     """What about this machine and its software changes a timing: CPU model, usable cores (affinity,
-    cgroup quota, OMP_NUM_THREADS), the GPU when the device is CUDA, torch and transformers versions."""
+    cgroup quota, OMP_NUM_THREADS), the GPU when the device is CUDA, torch and transformers versions,
+    and the engine's own revision."""
     import torch
     import transformers
 
     key = {"cpu": cpu_model(), "arch": platform.machine(), "cores": autotune.available_cores(),
-           "torch": torch.__version__, "transformers": transformers.__version__}
+           "torch": torch.__version__, "transformers": transformers.__version__, "engine": ENGINE_REVISION}
     if device.startswith("cuda"):
         key["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return key

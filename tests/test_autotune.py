@@ -309,7 +309,7 @@ def test_a_changed_machine_software_or_model_is_a_miss(tmp_path, change):
     assert calls == [1, 1] and changed.path != warm.path
 
 
-def test_the_key_follows_the_torch_version_the_cores_and_the_model(tmp_path, monkeypatch):
+def test_the_key_follows_the_torch_version_the_cores_the_engine_and_the_model(tmp_path, monkeypatch):
     import torch
 
     from specd_engine import runtime_cache
@@ -322,6 +322,8 @@ def test_the_key_follows_the_torch_version_the_cores_and_the_model(tmp_path, mon
     assert runtime_cache.machine_key("cpu")["cores"] == 2 != one["cores"]
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert runtime_cache.machine_key("cpu")["torch"] == "0.0.1"
+    monkeypatch.setattr(runtime_cache, "ENGINE_REVISION", runtime_cache.ENGINE_REVISION + 1)
+    assert runtime_cache.machine_key("cpu")["engine"] == runtime_cache.ENGINE_REVISION  # a pass that costs otherwise is timed again
     small, other = load_causal_lm(str(build_model(tmp_path / "a", seed=0))), load_causal_lm(str(build_model(tmp_path / "b", seed=0, layers=1)))
     assert runtime_cache.model_key("m", small.model) == runtime_cache.model_key("m", small.model)
     assert runtime_cache.model_key("m", small.model)["config"] != runtime_cache.model_key("m", other.model)["config"]

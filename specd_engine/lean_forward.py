@@ -4,9 +4,9 @@ Why: the default target (SmolLM2-135M, 30 decoder layers) streams 540 MB of floa
 ~20 ms at the ~27 GB/s a 2-core Intel Xeon VM reads; transformers' LlamaForCausalLM took 32 ms there
 for one position, the rest spent between the matrix products: ~45 small operations a layer (an
 RMSNorm of five, three projections where one fused one does, mask and rotary set-up per pass,
-module and hook plumbing). This forward runs each layer as one RMSNorm op, one fused q/k/v
-product, one rotation of q and k together (four operations), the cache append, SDPA, the output
-product, one RMSNorm, one fused gate/up product and the down product. Measured there (`scripts/lean_forward_bench.py`,
+module and hook plumbing). This forward runs each layer over the pass's rows [T, C] as an RMSNorm,
+one fused q/k/v product, one rotation of q and k together (four operations), the cache append,
+SDPA, the output product, an RMSNorm, one fused gate/up product and the down product. Measured there (`scripts/lean_forward_bench.py`,
 docs/benchmarks/lean_forward_s40b.json: 200 positions cached, each forward in its own process, the
 faster weight layout of each), a pass over 1 / 2 / 4 / 8 positions took 27.8 / 29.3 / 36.9 / 49.2 ms
 against transformers' 31.9 / 34.5 / 44.6 / 55.5: 11–17% less.

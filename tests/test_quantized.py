@@ -334,3 +334,16 @@ def test_the_prompt_kernel_is_chosen_by_its_timings(tiny):
     chosen = quantized.choose_prompt_kernel(layers, 1, timings(3.0, 2.0, 1.0))
     assert chosen == "float32" and all(product.dense.dtype == torch.float32 for product in products) or not alike(products[0])
     assert quantized.choose_prompt_kernel(layers, 1, lambda name, runs, repeats: {}) is None  # no time left to measure
+
+
+def test_a_prepacked_prompt_weight_gives_the_plain_weight_s_bits():
+    """quantized.prompt_weight reorders a bfloat16 prompt weight once for oneDNN (where this CPU's oneDNN
+    runs bfloat16; else it stays plain): prompt rows get the same bits through it as through the plain
+    weight, one row, a whole block and more than one block."""
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    packed = quantized.prompt_weight(weight)
+    assert packed.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for rows in (1, quantized.PROMPT_BLOCK, quantized.PROMPT_BLOCK + 36):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(quantized.dense_product(x, packed), quantized.dense_product(x, weight)), rows
+    assert not quantized.prompt_weight(weight.float()).is_mkldnn  # float32 prompt weights stay as MKL reads them

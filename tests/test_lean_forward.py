@@ -171,3 +171,34 @@ def test_a_padded_row_reads_its_own_key_width_whatever_shares_its_pass():
     grandchild = next(group for group in groups if 4 in rows_of(group))
     row = rows_of(grandchild).index(4)
     assert grandchild.columns[row, : cached + 4].tolist() == list(range(cached)) + [cached, cached + 1, cached + 2, cached + 4]
+
+
+LAYER_OPERATORS = 180  # aten operators a layer of an int4 decoding pass may run (170 now; 189 before rows layers)
+
+
+def test_an_int4_decoding_layer_stays_within_its_operator_budget(model_path):
+    """A one-session int4 decoding pass runs at most LAYER_OPERATORS aten operators a decoder layer
+    (the torch profiler on the model thread; a layer's share is the pass with every layer less the
+    pass with one). Each operator costs microseconds on a CPU: the [B, H, n, D] layout and
+    F.rms_norm's composite ran 189 a layer, ~a fifth of a one-session pass (engine-room.md)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specd_engine.lm import Feed
+
+    lm = CausalLM(load_causal_lm(str(model_path)), weights="int4")
+    session = lm.new_session([(7 * i) % 50 + 3 for i in range(60)])
+    lm.forward(session)
+    layers = lm.lean.layers
+
+    def operators(count: int) -> int:
+        lm.lean.layers = layers[:count]
+        try:
+            lm.run_feeds_then_rewind([Feed(session, [7], logits=1)])  # warm: first-call set-up is not the layer's
+            with profile(activities=[ProfilerActivity.CPU]) as run:
+                lm.run_feeds_then_rewind([Feed(session, [7], logits=1)])
+            return sum(1 for event in run.events() if event.name.startswith("aten::"))
+        finally:
+            lm.lean.layers = layers
+
+    per_layer = (lm.run(operators, len(layers)) - lm.run(operators, 1)) / (len(layers) - 1)
+    assert 20 < per_layer <= LAYER_OPERATORS, per_layer

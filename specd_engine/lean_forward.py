@@ -187,9 +187,10 @@ class LeanLlama(torch.nn.Module):
                prompt: Optional[PromptRows] = None) -> torch.Tensor:
         """A pass's rows x [T, C] through one decoder layer; attend(q [T, Hq, D], k and v [T, Hkv, D])
         appends k and v to the cache(s) and returns the attention output [T, Hq, D]. Rows, not [B, n]
-        batches: every tensor a layer makes is a plain 2-D or 3-D one, so a layer is ~80 operators
-        instead of ~200 (view and transpose bookkeeping, casts), which was a fifth of a one-session
-        decoding pass on a 2-vCPU Xeon. `prompt`: the rows whose products may take a dense weight."""
+        batches: every tensor a layer makes is a plain 2-D or 3-D one, without the views, transposes
+        and casts of the batched layout (with rms_norm's steps, 170 aten operators a layer of an int4
+        decoding pass against 189: test_lean_forward's budget). `prompt`: the rows whose products may
+        take a dense weight."""
         rows = x.shape[0]
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         qkv = product(layer.qkv, rms_norm(x, layer.input_norm, self.eps), prompt).to(x.dtype)  # [T, (Hq + 2 Hkv) D]
@@ -270,9 +271,10 @@ def _attend_each(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor,
     for segment, mask in zip(segments, masks):
         rows = slice(segment.start, segment.start + segment.n)
         as_cache = lambda states: states[rows].transpose(0, 1)[None]  # noqa: E731  [1, h, n, D]
-        keys, values = segment.cache.layers[index].update(as_cache(k), as_cache(v))  # [1, Hkv, cached + n, D]
+        cache_layer = segment.cache.layers[index]
+        keys, values = cache_layer.update(as_cache(k), as_cache(v))  # [1, Hkv, cached + n, D]
         if segment.padded:
-            attended = _sdpa_padded(layer, q[rows], segment.cache.layers[index], mask)  # [n, Hq, D]
+            attended = _sdpa_padded(layer, q[rows], cache_layer, mask)  # [n, Hq, D]
         else:
             attended = _sdpa(layer, as_cache(q), keys, values, mask)[0].transpose(0, 1)  # [n, Hq, D]
         if out is None:
@@ -441,8 +443,9 @@ def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequenc
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm of x [..., C], transformers' own steps (normalised in float32, cast back, then
-    scaled). In float32 they are six operators in place where they can be: F.rms_norm's CPU composite
-    runs ~20 (two copies of x among them) for the same bits, ~40 µs a call, 61 calls a pass."""
+    scaled). In float32 they are six calls (eight aten operators), in place where they can be:
+    F.rms_norm's CPU composite runs ~20 operators (two copies of x among them) for the same bits, and
+    a pass makes 61 of these calls."""
     if x.dtype == torch.float32:
         return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)

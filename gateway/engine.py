@@ -34,7 +34,8 @@ from gateway.observe import GenerationObserver
 from gateway.options import GatewayOptions
 from gateway.planner import RoundPlanner
 from gateway.policy import POLICY
-from gateway.proposers import DRAFT, FORCED, HEADS, JOINED, DraftProposer, HeadProposer, LookupProposer, RoundContext, RoundPlan
+from gateway.proposers import (DRAFT, FORCED, HEADS, JOINED, PLAIN, DraftProposer, HeadProposer, LookupProposer, RoundContext,
+                               RoundPlan)
 from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
                                rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
@@ -182,6 +183,7 @@ class Generation:
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
         self.sessions = SessionSet(self.request_id, spec.warp.to_proto(common_pb2.SamplingParams), backends.keeper)
         self._verify = Link()
+        self._next_scored = False  # the verify's prefill scored the next position: the next round is plain and free
         self.draft = DraftProposer(backends, self.sessions, speculate=spec.speculate, adaptive=spec.adaptive,
                                    num_draft_tokens=spec.num_draft_tokens, branches=spec.branches,
                                    greedy_drafts=spec.reproducible and not spec.warp.greedy,
@@ -242,8 +244,10 @@ class Generation:
         self.draft.stop_if_unfed(load_allows)
         if ctx.allowed:  # a draft session that failed competes again once its back-off is over
             self.draft.reopen_if_due(list(self.sequence))
-        # 1-2. Plan and propose
-        plan = self._forced_plan(ctx) or self.planner.plan(ctx)
+        # 1-2. Plan and propose. A round whose one row the prefill scored runs no pass: plain, it brings the
+        # first token at once and the drafts wait a round; it is priced by nothing (it is no round's sample)
+        free, self._next_scored = self._next_scored, False
+        plan = RoundPlan(PLAIN) if free else self._forced_plan(ctx) or self.planner.plan(ctx)
         draft_probs = self._propose(plan)
         masks = self._constrain(plan, draft_probs)
         proposed = time.perf_counter()
@@ -265,17 +269,18 @@ class Generation:
         # 6. Emit
         emitted = outcome.emitted(plan.drafts)
         chunk = self._emit(emitted, round_logprobs(scores, emitted, self.spec.top_logprobs, self.spec.warp.greedy))
-        if self.spec.speculate:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
+        if self.spec.speculate and not free:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
             self.backends.observe_round(len(emitted), len(plan.drafts) + 1, time.perf_counter() - started,
                                         self._running(), ctx.allowed)
         self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy or bool(scores.sampled_token_ids),
                            len(self.sequence))
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
-        self._measure_costs(plan, started, proposed)
         seconds = time.perf_counter() - started
-        self.guard.observe(len(emitted), seconds, plain=not plan.drafts and not self.heads.asked, alone=ctx.alone,
-                           forced=plan.source == FORCED, expected=plan.expected)
+        if not free:
+            self._measure_costs(plan, started, proposed)
+            self.guard.observe(len(emitted), seconds, plain=not plan.drafts and not self.heads.asked, alone=ctx.alone,
+                               forced=plan.source == FORCED, expected=plan.expected)
         self.stats.rested_rounds = self.guard.rested
         if log.isEnabledFor(logging.DEBUG):  # what the planner chose and expected against what the round did
             log.debug("round %s %s: %d drafts%s, expected %.2f tokens, kept %d, %.1f ms (verify priced %.1f ms)",
@@ -364,6 +369,7 @@ class Generation:
                 reply = self.sessions.open(self._verify, pool, replica, verify_pb2.VerifyPrefillRequest, self.sequence,
                                            self._timeout(), return_features=features is not None,
                                            feature_layers=self.draft.feature_layers(), prompt_length=len(self.spec.prompt_ids))
+                self._next_scored = reply.next_scored
                 if features is not None:
                     features.put(reply.features)
                 return

@@ -1,8 +1,9 @@
 """A session's token sequence and how much of it a cache holds: the KV-sync bookkeeping, torch-free.
 
 Invariant: `cached` positions of `tokens` have keys/values in the drafter's or target's cache, and
-at least one token is always pending (cached < len(tokens)), so every forward pass feeds at least
-the last token and yields the next position's logits.
+at least one token is pending (cached < len(tokens)), so every forward pass feeds at least the last
+token and yields the next position's logits. One exception: a verify whose prefill scored the
+prompt's last token holds every token and those logits (specd_engine/lm.py, KVSession.scored).
 """
 
 from __future__ import annotations

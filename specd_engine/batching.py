@@ -239,7 +239,7 @@ class ForwardBatcher:
 
     def prefill(self, session: KVSession, wanted: Callable[[], bool] = lambda: True) -> None:
         """Prefill a session made with CausalLM.new_session(prefill=False), in chunks that share the passes
-        of the other sessions' rounds; returns when all but its last prompt token is cached. Cancelled
+        of the other sessions' rounds; returns when its prompt is cached (CausalLM.prefill_end). Cancelled
         (before its next chunk) once `wanted()` is False."""
         if self.lm.unprefilled(session):
             with model_forward(self.lm.unprefilled(session)):  # the caller's span, as `forward` records it

@@ -41,12 +41,24 @@ class PendingTree:
     parents: list[int]
 
 
+@dataclass(frozen=True)
+class ScoredRow:
+    """What a prefill computed at the prompt's last token (CausalLM.prescores): that row's logits, final
+    hidden state and captured layers. The session's next chain or tree reads it as its row 0 instead of
+    feeding the token again, so the first round after a prompt needs a pass only for its drafts."""
+
+    logits: torch.Tensor  # [1, V]
+    hidden: torch.Tensor  # [1, H]
+    layers: Optional[torch.Tensor]  # [1, L, H] (CausalLM.capture_layers), or None
+
+
 @dataclass
 class Feed:
     """One session's part of a pass: the tokens it feeds and what it wants back. A chain feeds its
     pending tokens and drafts (`extra`, which join the sequence); a tree its pending tokens and the
     tree's nodes (`tree`, at `positions`, seeing each other by `mask`); a prefill chunk part of a
-    prompt, wanting no logits."""
+    prompt, wanting no logits (its last chunk may keep its last row's: `scores_last`). A round whose
+    row 0 a prefill scored (`scored`) feeds only its drafts, maybe none."""
 
     session: "KVSession"
     tokens: list[int]
@@ -55,6 +67,13 @@ class Feed:
     tree: Optional[PendingTree] = None  # a tree's nodes
     positions: Optional[list[int]] = None  # a tree's positions; None: consecutive after the cache
     mask: Optional[torch.Tensor] = None  # a tree's bool [n, cached + n], True = may attend
+    scored: Optional[ScoredRow] = None  # a round: its row 0, scored by the prefill (KVSession.scored)
+    scores_last: bool = False  # a prefill chunk that ends the prompt and keeps its last row's scores
+
+    @property
+    def is_round(self) -> bool:
+        """A chain or tree (logits come back), not a prefill chunk."""
+        return bool(self.logits) or self.scored is not None
 
 
 class KVSession(TokenSequence):
@@ -63,7 +82,9 @@ class KVSession(TokenSequence):
     With keep_features, every forward also leaves the final hidden state of the positions it read
     in fed_features [n, H] (from position fed_start): what feature drafters are sent; where the model
     captures decoder layers' outputs too (CausalLM.capture_layers), those in fed_layers [n, L, H]. After a tree
-    pass (CausalLM.forward_tree) `tree` says which cache rows hold its nodes."""
+    pass (CausalLM.forward_tree) `tree` says which cache rows hold its nodes. After a prefill that scored
+    the prompt's last token (CausalLM.prescores), the cache holds every token and `scored` the next
+    position's scores, until a round reads them or a commit moves the sequence on."""
 
     cache: DynamicCache
     keep_features: bool = False
@@ -74,11 +95,17 @@ class KVSession(TokenSequence):
     tree: Optional[PendingTree] = None
     prefilled_at: float = float("-inf")  # the batcher's clock when its prompt was cached (-inf: not by a batcher)
     prompt_length: int = 0  # positions [0, prompt_length) are the request's prompt: prefilled, they may take dense products
+    scored: Optional[ScoredRow] = None  # the next position's scores, from the prefill (no token is pending then)
 
     def apply_commit(self, prefix_length: int, append: Sequence[int]) -> None:
-        """TokenSequence.apply_commit, once no tree's nodes sit in the cache past the committed rows."""
+        """TokenSequence.apply_commit, once no tree's nodes sit in the cache past the committed rows. A
+        commit that keeps the sequence as it is keeps the prefill's scored row (and the cache it needs);
+        any other drops it."""
         if self.tree is not None:
             raise RuntimeError("a scored draft tree is pending: CausalLM.settle_tree must keep its path before a commit")
+        if self.scored is not None and prefix_length == len(self.tokens) and not append:
+            return
+        self.scored = None
         super().apply_commit(prefix_length, append)
 
 
@@ -199,12 +226,6 @@ def lean_forward_for(loaded: LoadedModel) -> Optional[lean_forward.LeanLlama]:
         return None
     log.info("model passes: the lean forward (specd_engine/lean_forward.py), which agrees with transformers' on a probe")
     return lean
-
-
-def prompt_rows_of(feed: Feed, start: int) -> int:
-    """How many of a feed's first rows are prompt positions (from `start`, its first position): a prefill
-    chunk's positions before the prompt's last token (CausalLM._prompt_rows); none in any other feed."""
-    return 0 if feed.logits else max(0, min(len(feed.tokens), feed.session.prompt_length - 1 - start))
 
 
 def on_model_thread(method: Callable) -> Callable:
@@ -465,7 +486,8 @@ class CausalLM:
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True,
                     prompt_length: Optional[int] = None) -> KVSession:
-        """A session holding `prompt`, with everything but the last token in its cache (prefill=False:
+        """A session holding `prompt`, with everything but the last token in its cache, or all of it and
+        the next position's scores where the prefill scores the last token (prescores; prefill=False:
         nothing cached yet; the caller prefills it with prefill_feed, e.g. in chunks that share passes
         with other sessions: specd_engine/batching.py). `prompt_length`: how many of its tokens are the
         request's prompt (the rest are generated tokens replayed, which are scored as generated ones:
@@ -486,7 +508,7 @@ class CausalLM:
             cache = self._new_cache(0)
             self.model_thread.run(kv_cache.copy_into, session.cache, cache)
         copy = self._session(session.tokens, cache, session.keep_features)
-        copy.cached = session.cached
+        copy.cached, copy.scored = session.cached, session.scored
         return copy
 
     def _new_cache(self, reserve: int) -> DynamicCache:
@@ -505,10 +527,36 @@ class CausalLM:
             weakref.finalize(session, self.store.release, slot)
         return session
 
-    @staticmethod
-    def unprefilled(session: KVSession) -> int:
-        """Prompt positions still to prefill (all but the last token is cached after a prefill)."""
-        return max(0, len(session.tokens) - 1 - session.cached)
+    @property
+    def prescores(self) -> bool:
+        """Whether a prefill scores the prompt's last token with the other prompt rows, keeping that row's
+        logits for the first round (KVSession.scored): the first token then waits for no pass of its own,
+        and a first round with no drafts runs none. Only where a prompt row's bits depend on its
+        position alone (int4's ragged pass: per-row products, tiles cut by position, dense blocks of
+        fixed size), so the first token is the same however the prompt was chunked and whatever shared
+        its passes. Elsewhere (a float32 GEMM rounds a row by the chunk's row count) the first round
+        scores the last token as a generated one."""
+        return self.prompt_tiles and self.store is None
+
+    def prompt_end(self, session: KVSession) -> int:
+        """Positions before this one are prompt rows (they may attend in tiles and take dense products):
+        the whole prompt where the prefill scores its last token, else all of it but that token."""
+        return session.prompt_length if self.prescores else session.prompt_length - 1
+
+    def prefill_end(self, session: KVSession) -> int:
+        """Positions a prefill caches: all of a prompt whose last token it scores (not a replay, whose
+        last token is a generated one), else all but the last token."""
+        whole = self.prescores and session.prompt_length == len(session.tokens)
+        return len(session.tokens) if whole else len(session.tokens) - 1
+
+    def unprefilled(self, session: KVSession) -> int:
+        """Prompt positions still to prefill."""
+        return max(0, self.prefill_end(session) - session.cached)
+
+    def _prompt_rows_of(self, feed: Feed, start: int) -> int:
+        """How many of a feed's first rows are prompt positions (from `start`, its first position): a prefill
+        chunk's positions before prompt_end (_prompt_rows); none in any other feed."""
+        return 0 if feed.is_round else max(0, min(len(feed.tokens), self.prompt_end(feed.session) - start))
 
     @property
     def prefill_granule(self) -> int:
@@ -525,13 +573,13 @@ class CausalLM:
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
         those of one pass. Where prompt rows attend in tiles (prompt_tiles) a chunk ends at a tile
         boundary, holding at least one tile, so a tile is never cut between passes."""
-        start = session.cached
+        start, last = session.cached, self.prefill_end(session)
         end = start + min(budget, self.unprefilled(session))
-        prompt_end = session.prompt_length - 1  # prompt rows: the positions before it (_prompt_rows)
+        prompt_end = self.prompt_end(session)  # prompt rows: the positions before it (_prompt_rows)
         if self.prompt_tiles and end < prompt_end:  # whole prompt tiles, at least one (lean_forward.prompt_tiles)
             tile = lean_forward.PROMPT_TILE
             end = min(max(end // tile * tile, (start // tile + 1) * tile), prompt_end)
-        return Feed(session, session.tokens[start:end], logits=0)
+        return Feed(session, session.tokens[start:end], logits=0, scores_last=end == last == len(session.tokens))
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
         """A pass over the pending tokens and drafts `extra` (which join the sequence): logits
@@ -539,6 +587,8 @@ class CausalLM:
         self.check_room(session, extra)
         self.settle_tree(session, [])
         fed = session.pending() + list(extra)
+        if session.scored is not None:  # row 0 is the prefill's: the pass scores the drafts alone, maybe none
+            return Feed(session, fed, logits=len(extra), extra=list(extra), scored=session.scored)
         return Feed(session, fed, logits=min(len(extra) + 1, len(fed)), extra=list(extra))
 
     def tree_feed(self, session: KVSession, tokens: Sequence[int], parents: Sequence[int]) -> Feed:
@@ -561,7 +611,9 @@ class CausalLM:
         mask[fed:, past : past + fed] = True
         mask[fed:, past + fed :] = torch.tensor(tree.ancestry(parents), dtype=torch.bool).reshape(nodes, nodes)
         pending_tree = PendingTree(len(session.tokens), list(tokens), list(parents)) if nodes else None
-        return Feed(session, pending + list(tokens), logits=nodes + 1, tree=pending_tree, positions=positions, mask=mask)
+        scored = session.scored  # row 0 is the prefill's (then nothing is pending): the pass scores the nodes
+        return Feed(session, pending + list(tokens), logits=nodes + (scored is None), tree=pending_tree, positions=positions,
+                    mask=mask, scored=scored)
 
     def forward(self, session: KVSession, extra: Sequence[int] = ()) -> torch.Tensor:
         """Feed pending + extra tokens; return logits [len(extra) + 1, V] for the positions after
@@ -633,24 +685,28 @@ class CausalLM:
 
     @staticmethod
     def _advance(feed: Feed) -> None:
-        """The session after its feed's pass: what the pass put in its cache is accounted for."""
+        """The session after its feed's pass: what the pass put in its cache is accounted for (and a
+        prefill's scored row, once a round read it, dropped)."""
         session = feed.session
         session.tokens.extend(feed.extra)
-        session.cached = session.cached + len(feed.tokens) if not feed.logits else len(session.tokens)
+        session.cached = len(session.tokens) if feed.is_round else session.cached + len(feed.tokens)
         session.tree = feed.tree
+        if feed.scored is not None:
+            session.scored = None
 
     @staticmethod
-    def _keep_features(feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor]) -> None:
+    def _keep_features(feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor], last_chunk: bool) -> None:
         """The feed's rows of the final hidden state [n, H] (and captured layers [n, L, H]) as the session's
-        features. A prefill chunk's are kept aside and the prompt's joined once, after its last chunk
-        (they are those of one pass; joining at every chunk would copy them once a chunk)."""
+        features, from position `start`. A prefill chunk's are kept aside and the prompt's joined once,
+        after its `last_chunk` (they are those of one pass; joining at every chunk would copy them once a
+        chunk)."""
         session = feed.session
-        if feed.logits:
+        if feed.is_round:
             session.fed_start, session.fed_features, session.fed_layers = start, hidden, layers
             return
         parts = session.prefill_parts = (session.prefill_parts if start > 0 else None) or []
         parts.append((hidden, layers))
-        if start + len(feed.tokens) >= len(session.tokens) - 1:  # the prompt's last chunk
+        if last_chunk:
             session.fed_start, session.fed_features = 0, torch.cat([features for features, _ in parts])  # [n, H]
             session.fed_layers = torch.cat([part for _, part in parts]) if layers is not None else None  # [n, L, H]
             session.prefill_parts = None
@@ -709,10 +765,13 @@ class CausalLM:
             mask = None if feed.mask is None else feed.mask.to(device)
             # int4: every row one query over its keys padded to whole blocks, so a position scores alike in any
             # pass; a prompt's rows in whole tiles
-            segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, self.weights == "int4",
-                                                 prompt_rows_of(feed, cached) if self.prompt_tiles else 0))
+            if feed.tokens:  # a round whose row 0 the prefill scored may feed nothing
+                segments.append(lean_forward.Segment(feed.session.cache, at, len(feed.tokens), mask, self.weights == "int4",
+                                                     self._prompt_rows_of(feed, cached) if self.prompt_tiles else 0))
             at += len(feed.tokens)
-        keep = any(feed.session.keep_features for feed in feeds)
+        if not at:  # every row was scored by a prefill: no pass
+            return self._hand_back(feeds, starts, None, None, None)
+        keep = any(feed.session.keep_features or feed.scores_last for feed in feeds)  # a scored row keeps its layers
         wanted = self._logit_rows(feeds)
         with self._forward_lock, model_forward(at), self._runtime_for(at, trial=len(feeds) == 1):  # serving trials time lone passes
             hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=device),
@@ -773,7 +832,7 @@ class CausalLM:
             return None
         prompt, at = [], 0
         for feed, start in zip(feeds, starts):
-            prompt += range(at, at + prompt_rows_of(feed, start))
+            prompt += range(at, at + self._prompt_rows_of(feed, start))
             at += len(feed.tokens)
         if not prompt:
             return None
@@ -782,26 +841,43 @@ class CausalLM:
 
     @staticmethod
     def _logit_rows(feeds: Sequence[Feed]) -> list[int]:
-        """The rows of a pass over the feeds' tokens in order whose logits are wanted: each feed's last `logits`."""
+        """The rows of a pass over the feeds' tokens in order whose logits are wanted: each feed's last
+        `logits`, and the last row of a prefill chunk that scores it."""
         wanted, at = [], 0
         for feed in feeds:
             at += len(feed.tokens)
-            wanted += range(at - feed.logits, at)
+            wanted += range(at - feed.logits, at) if not feed.scores_last else [at - 1]
         return wanted
 
-    def _hand_back(self, feeds: Sequence[Feed], starts: Sequence[int], hidden: torch.Tensor, layers: Optional[torch.Tensor],
-                   logits: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    def _hand_back(self, feeds: Sequence[Feed], starts: Sequence[int], hidden: Optional[torch.Tensor],
+                   layers: Optional[torch.Tensor], logits: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """After a pass over the feeds' rows in order (hidden [T, H], layers [T, L, H] or None, logits of
-        the wanted rows [W, V]): each feed's logits [feed.logits, V] (None for a prefill chunk), its
-        features kept where asked, and its session moved on."""
+        the wanted rows [W, V]; all None when no row was fed): each feed's logits (a round's [k + 1, V],
+        its row 0 the prefill's where it scored it; None for a prefill chunk), its features kept where
+        asked, a prefill's scored row kept, and its session moved on."""
         results, row, at = [], 0, 0
         for feed, start in zip(feeds, starts):
-            results.append(logits[row : row + feed.logits] if feed.logits else None)  # [feed.logits, V]
+            n, session = len(feed.tokens), feed.session
+            rows = hidden[at : at + n] if n else None  # [n, H]
+            row_layers = layers[at : at + n] if layers is not None and n else None  # [n, L, H]
+            mine = logits[row : row + feed.logits] if feed.logits else None  # [feed.logits, V]
+            if feed.scores_last:  # the prompt's last row: its scores wait for the first round
+                session.scored = ScoredRow(logits[row : row + 1].clone(), rows[-1:].clone(),
+                                           row_layers[-1:].clone() if row_layers is not None else None)
+                row += 1
+                rows, row_layers = rows[:-1], row_layers[:-1] if row_layers is not None else None
+            elif feed.scored is not None:  # a round reads its row 0 from the prefill: [1 + n, ...]
+                scored = feed.scored
+                mine = scored.logits if mine is None else torch.cat((scored.logits, mine))
+                rows = scored.hidden if rows is None else torch.cat((scored.hidden, rows))
+                if scored.layers is not None:
+                    row_layers = scored.layers if row_layers is None else torch.cat((scored.layers, row_layers))
+                start -= 1
             row += feed.logits
-            if feed.session.keep_features:
-                mine = slice(at, at + len(feed.tokens))
-                self._keep_features(feed, start, hidden[mine], layers[mine] if layers is not None else None)
-            at += len(feed.tokens)
+            results.append(mine)
+            if session.keep_features:
+                self._keep_features(feed, start, rows, row_layers, start + n >= self.prefill_end(session))
+            at += n
             self._advance(feed)
         return results
 
@@ -820,7 +896,8 @@ class CausalLM:
             logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
                                                 logits_to_keep=max(feed.logits, 1), **custom)  # [1, kept, V], [1, n, H], [1, n, L, H]
         if session.keep_features:
-            self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None)
+            self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None,
+                                start + len(feed.tokens) >= self.prefill_end(session))
         self._advance(feed)
         return logits[0].float() if feed.logits else None  # [feed.logits, V]
 
@@ -842,7 +919,7 @@ class CausalLM:
         for row, (feed, start) in enumerate(zip(feeds, starts)):
             n = len(feed.tokens)  # rows are left-aligned: the feed's tokens are its row's first n positions
             if feed.session.keep_features:
-                self._keep_features(feed, start, hidden[row, :n], layers[row, :n] if layers is not None else None)
+                self._keep_features(feed, start, hidden[row, :n], layers[row, :n] if layers is not None else None, True)  # chains
             self._advance(feed)
             results.append(logits[row, n - feed.logits : n].float())  # [feed.logits, V]
         return results

@@ -226,15 +226,24 @@ def test_int4_weights_need_the_lean_forward(tiny):
 @pytest.mark.parametrize("forward", ["auto", "flat"])
 def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny, forward):
     """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output,
-    its passes ragged (auto) or flat (specd_engine/flat_pass.py)."""
+    its passes ragged (auto) or flat (specd_engine/flat_pass.py). Ragged, the first token costs no pass
+    of its own (CausalLM.prescores: the gateway's first round is plain and free)."""
     running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4", forward=forward)
+    lm = running.verify.servicer.scorer.lm
+    passes, ragged = [], lm.lean.forward_ragged
+    lm.lean.forward_ragged = lambda *args, **kwargs: passes.append(1) or ragged(*args, **kwargs)
     try:
         stub = running.stub()
         for prompt in PROMPTS:
+            del passes[:]
             speculative = generate(stub, text=prompt, max_new_tokens=40, draft_length_policy=FIXED)
+            speculative_passes = len(passes)
+            del passes[:]
             target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
             assert list(speculative.token_ids) == list(target_only.token_ids), prompt
             assert speculative.stats.draft_tokens > 0 and speculative.stats.target_passes < len(speculative.token_ids)
+            if forward == "auto":  # the prefill's pass scored the first token, and the first round ran none
+                assert len(passes) == len(target_only.token_ids) and speculative_passes == speculative.stats.target_passes, prompt
     finally:
         running.stop()
 
@@ -257,8 +266,8 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
 
 @pytest.mark.parametrize("prompt_kernel", [None, "bfloat16", "float32"])
 def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
-    """A busy pass's budget (4), chunks of 16 and 40 and an idle pass's (512) prefill an int4 prompt to the
-    same bits: chunks are cut at whole prompt tiles, each tile one attention call over its keys padded to
+    """A busy pass's budget (4), chunks of 16 and 40 and an idle pass's (512) prefill an int4 prompt, and
+    score its last token (the first round's row 0), to the same bits: chunks are cut at whole prompt tiles, each tile one attention call over its keys padded to
     whole blocks (lean_forward.prompt_tiles), and a dense prompt product takes blocks of one size
     (quantized.PROMPT_BLOCK), so the answer does not depend on the load the prompt arrived into. A chunk
     that would start inside a tile is refused."""
@@ -274,7 +283,7 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
         return
     prompt = [(5 * i) % 40 + 3 for i in range(150)]
     scored = []
-    for budget, chunk in ((4, 16), (16, 16), (40, 32), (512, 149)):
+    for budget, chunk in ((4, 16), (16, 16), (40, 32), (512, 150)):  # the last token too (CausalLM.prescores)
         session = lm.new_session(prompt, prefill=False)
         chunks = []
         while lm.unprefilled(session):
@@ -288,6 +297,49 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
     lm.run_feeds([Feed(session, session.tokens[:21], logits=0)])  # a chunk cut inside a tile, past prefill_feed
     with pytest.raises(ValueError, match="tile boundaries"):
         lm.run_feeds([Feed(session, session.tokens[21:40], logits=0)])
+
+
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"])
+def test_an_int4_prefill_scores_the_prompts_last_token_for_the_first_round(tiny, prompt_kernel, monkeypatch):
+    """CausalLM.prescores: an int4 prefill caches the whole prompt and keeps its last row's scores. The first
+    round reads them as its row 0: with no drafts it runs no pass, and a chain or tree scores its drafts
+    with the bits of decoding them one at a time. A commit that moves the sequence drops the row, and a
+    replica replaying the request (prompt_length) scores the next position with the original's bits."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    lm.use_prompt_kernel(prompt_kernel)
+    prompt, extra = [(7 * i) % 50 + 3 for i in range(45)], [11, 2, 30]
+    session = lm.new_session(prompt)
+    assert lm.prescores and session.cached == len(prompt) and session.scored is not None
+    passes, ragged = [], lm.lean.forward_ragged
+    monkeypatch.setattr(lm.lean, "forward_ragged", lambda *args, **kwargs: passes.append(1) or ragged(*args, **kwargs))
+    first = lm.forward(session)  # [1, V]
+    assert not passes and first.shape == (1, lm.vocab_size) and session.scored is None
+    one_by_one = torch.cat([first] + [lm.forward(session, [token]) for token in extra])  # nothing pending: each its own row
+    chain = lm.forward(lm.new_session(prompt), extra)  # [4, V]
+    assert torch.equal(chain, one_by_one)
+    node_rows = lm.forward_tree(lm.new_session(prompt), [11, 2, 5], [-1, 0, 0])  # 11 -> 2, and 11 -> 5
+    assert torch.equal(node_rows[:3], chain[:3])
+
+    moved = lm.new_session(prompt)
+    moved.apply_commit(len(prompt), [])  # the sequence as it is: the row stays
+    assert moved.scored is not None and moved.cached == len(prompt)
+    moved.apply_commit(len(prompt), [11])
+    assert moved.scored is None and moved.cached == len(prompt) and moved.pending() == [11]
+    assert torch.equal(lm.forward(moved), chain[1:2])
+    replayed = lm.new_session(prompt + [11], prompt_length=len(prompt))
+    assert replayed.scored is None and replayed.cached == len(prompt)
+    assert torch.equal(lm.forward(replayed), chain[1:2])
+
+    featured = lm.new_session(prompt, keep_features=True)  # the Prefill's features: every prompt position but the last
+    assert featured.fed_start == 0 and featured.fed_features.shape[0] == len(prompt) - 1
+    lm.forward(featured, extra)  # the first round's: the last prompt position's (the prefill's row) and the drafts'
+    assert featured.fed_start == len(prompt) - 1 and featured.fed_features.shape[0] == 1 + len(extra)
+    single = lm.new_session(prompt[:1], keep_features=True)
+    assert single.scored is not None and single.fed_features.shape[0] == 0
+    assert lm.forward(single).shape == (1, lm.vocab_size) and single.fed_start == 0 and single.fed_features.shape[0] == 1
 
 
 def test_prompt_rows_take_the_dense_weight_and_replayed_tokens_the_int4_one(tiny):

@@ -188,6 +188,7 @@ class Scorer:
 
         def runs() -> dict:
             first = self.lm.new_session(prompt)  # not via the batcher: this runs on the model thread; copied, not prefilled again
+            first.apply_commit(len(first.tokens), [next_token])  # a token pending, as in every round after the first
             sessions.extend(VerifySession(self.lm.copy_session(first) if i else first, Warp()) for i in range(max(rows)))
             return {(self.lm.runtime.threads_for(b * n) or threads, b, n): batched_round(b, n) for b in rows for n in positions}
 
@@ -369,7 +370,7 @@ class Scorer:
             draw = Draw(coupled.seed, [base] + [base + depth for depth in depths], coupled.return_target_probs)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed,
                     top_logprobs, draw)
-        if self.batcher is not None:
+        if self.batcher is not None and not (session.sequence.scored is not None and not draft_token_ids):  # else: no pass
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:
             logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]

@@ -51,7 +51,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             keep(session)
         drop_if_abandoned(self.sessions, request.session_id, context)
         return verify_pb2.VerifyPrefillResponse(
-            sequence_length=len(session.sequence.tokens), features=self.scorer.last_features(session)
+            sequence_length=len(session.sequence.tokens), features=self.scorer.last_features(session),
+            next_scored=session.sequence.scored is not None,
         )
 
     @grpc_errors

@@ -26,12 +26,14 @@ class VerifyPrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class VerifyPrefillResponse(_message.Message):
-    __slots__ = ("sequence_length", "features")
+    __slots__ = ("sequence_length", "features", "next_scored")
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SCORED_FIELD_NUMBER: _ClassVar[int]
     sequence_length: int
     features: _common_pb2.TargetFeatures
-    def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ...) -> None: ...
+    next_scored: bool
+    def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., next_scored: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens", "top_logprobs", "coupled_draw")

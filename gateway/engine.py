@@ -244,9 +244,8 @@ class Generation:
         self.draft.stop_if_unfed(load_allows)
         if ctx.allowed:  # a draft session that failed competes again once its back-off is over
             self.draft.reopen_if_due(list(self.sequence))
-        # 1-2. Plan and propose. A round whose one row the prefill scored runs no pass: plain, it brings the
-        # first token at once and the drafts wait a round; it is priced by nothing (it is no round's sample)
-        free, self._next_scored = self._next_scored, False
+        # 1-2. Plan and propose. A round whose one row the prefill scored runs no pass: plain, the first token
+        free, self._next_scored = self._next_scored, False  # comes at once; no price learns from it
         plan = RoundPlan(PLAIN) if free else self._forced_plan(ctx) or self.planner.plan(ctx)
         draft_probs = self._propose(plan)
         masks = self._constrain(plan, draft_probs)

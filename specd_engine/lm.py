@@ -573,13 +573,13 @@ class CausalLM:
         2,000 tokens) and let other sessions' rounds share its passes; the cache and features are
         those of one pass. Where prompt rows attend in tiles (prompt_tiles) a chunk ends at a tile
         boundary, holding at least one tile, so a tile is never cut between passes."""
-        start, last = session.cached, self.prefill_end(session)
+        start = session.cached
         end = start + min(budget, self.unprefilled(session))
         prompt_end = self.prompt_end(session)  # prompt rows: the positions before it (_prompt_rows)
         if self.prompt_tiles and end < prompt_end:  # whole prompt tiles, at least one (lean_forward.prompt_tiles)
             tile = lean_forward.PROMPT_TILE
             end = min(max(end // tile * tile, (start // tile + 1) * tile), prompt_end)
-        return Feed(session, session.tokens[start:end], logits=0, scores_last=end == last == len(session.tokens))
+        return Feed(session, session.tokens[start:end], logits=0, scores_last=end == len(session.tokens))
 
     def chain_feed(self, session: KVSession, extra: Sequence[int] = ()) -> Feed:
         """A pass over the pending tokens and drafts `extra` (which join the sequence): logits
@@ -694,11 +694,10 @@ class CausalLM:
         if feed.scored is not None:
             session.scored = None
 
-    @staticmethod
-    def _keep_features(feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor], last_chunk: bool) -> None:
+    def _keep_features(self, feed: Feed, start: int, hidden: torch.Tensor, layers: Optional[torch.Tensor]) -> None:
         """The feed's rows of the final hidden state [n, H] (and captured layers [n, L, H]) as the session's
         features, from position `start`. A prefill chunk's are kept aside and the prompt's joined once,
-        after its `last_chunk` (they are those of one pass; joining at every chunk would copy them once a
+        after its last chunk (they are those of one pass; joining at every chunk would copy them once a
         chunk)."""
         session = feed.session
         if feed.is_round:
@@ -706,7 +705,7 @@ class CausalLM:
             return
         parts = session.prefill_parts = (session.prefill_parts if start > 0 else None) or []
         parts.append((hidden, layers))
-        if last_chunk:
+        if start + len(feed.tokens) >= self.prefill_end(session):  # the prompt's last chunk
             session.fed_start, session.fed_features = 0, torch.cat([features for features, _ in parts])  # [n, H]
             session.fed_layers = torch.cat([part for _, part in parts]) if layers is not None else None  # [n, L, H]
             session.prefill_parts = None
@@ -876,7 +875,7 @@ class CausalLM:
             row += feed.logits
             results.append(mine)
             if session.keep_features:
-                self._keep_features(feed, start, rows, row_layers, start + n >= self.prefill_end(session))
+                self._keep_features(feed, start, rows, row_layers)
             at += n
             self._advance(feed)
         return results
@@ -896,8 +895,7 @@ class CausalLM:
             logits, hidden, layers = self._pass(input_ids, session.cache, session.keep_features,
                                                 logits_to_keep=max(feed.logits, 1), **custom)  # [1, kept, V], [1, n, H], [1, n, L, H]
         if session.keep_features:
-            self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None,
-                                start + len(feed.tokens) >= self.prefill_end(session))
+            self._keep_features(feed, start, hidden[0], layers[0] if layers is not None else None)
         self._advance(feed)
         return logits[0].float() if feed.logits else None  # [feed.logits, V]
 
@@ -919,7 +917,7 @@ class CausalLM:
         for row, (feed, start) in enumerate(zip(feeds, starts)):
             n = len(feed.tokens)  # rows are left-aligned: the feed's tokens are its row's first n positions
             if feed.session.keep_features:
-                self._keep_features(feed, start, hidden[row, :n], layers[row, :n] if layers is not None else None, True)  # chains
+                self._keep_features(feed, start, hidden[row, :n], layers[row, :n] if layers is not None else None)
             self._advance(feed)
             results.append(logits[row, n - feed.logits : n].float())  # [feed.logits, V]
         return results

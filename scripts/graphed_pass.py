@@ -24,7 +24,8 @@ import torch
 from specd_common.config import DEFAULT_TARGET
 from specd_engine import flat_pass
 from specd_engine.autotune import measure_interleaved
-from specd_engine.lm import CausalLM, Feed
+from specd_engine.lm import CausalLM
+from specd_engine.sessions import Feed
 from specd_engine.models import load_causal_lm
 
 SHAPES = ((1, 1), (1, 4), (8, 1), (8, 4), (32, 1))  # (sessions, rows each): decode, a verify's chain, batches
@@ -74,25 +75,25 @@ def measure(lms: dict, context: int, repeats: int) -> dict:
     for sessions, rows in SHAPES:
         ragged_run, _ = pass_runs(ragged, sessions, rows, context)
         flat_run, held = pass_runs(flat, sessions, rows, context)
-        graphs, flat.graphs = flat.graphs, None
+        graphs, flat.passes.graphs = flat.passes.graphs, None
         runs = {"ragged": ragged_run, "flat": flat_run}
         entry = {}
         if graphs is not None:
             eager = flat_run()
-            flat.graphs = graphs
+            flat.passes.graphs = graphs
             entry["graph_equals_eager"] = all(torch.equal(a, b) for a, b in zip(eager, flat_run()))
-            flat.graphs = None
+            flat.passes.graphs = None
 
             def graphed(graphs=graphs, run=flat_run):
-                flat.graphs = graphs
+                flat.passes.graphs = graphs
                 try:
                     run()
                 finally:
-                    flat.graphs = None
+                    flat.passes.graphs = None
 
             runs["graphed"] = graphed
         entry.update({f"{name}_ms": ms for name, ms in median_ms(runs, repeats).items()})
-        flat.graphs = graphs
+        flat.passes.graphs = graphs
         shapes[f"{sessions}x{rows}"] = entry
         del held, runs, flat_run  # their sessions' slots go back
     shapes["prefill"] = {f"{name}_ms": ms for name, ms in median_ms(

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from specd_common.config import DEFAULT_TARGET
 from specd_engine import lean_forward
 from specd_engine.autotune import measure_interleaved
-from specd_engine.lm import CausalLM, Feed
+from specd_engine.lm import CausalLM
+from specd_engine.sessions import Feed
 from specd_engine.models import load_causal_lm
 
 GROUP = 32  # int4 group size, as specd_engine/quantized.py packs

@@ -9,7 +9,7 @@ What is chosen (each overridable by a flag, each logged in one line, each report
     draft, gRPC) instead of fighting them.
   * linear layout per position count: PyTorch's default CPU linear (which repacks the weight on
     every call), the weight prepacked once in oneDNN's layout, or MKL's packed one-row GEMM
-    (specd_engine.lm.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
+    (specd_engine.layouts.SwitchableLinear; on the 2-core AMD EPYC VM: 54 vs 61 ms for a decoding step),
     or "tall": a linear whose weight has more rows than columns (the LM head, the MLP's gate and up)
     computed as W·xᵀ, one stream over the weight for all rows, which on that EPYC scores 4 rows of
     the 49,152-row LM head ~2.5x faster than PyTorch's x·Wᵀ; narrower layers stay plain; "cols":

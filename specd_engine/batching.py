@@ -62,7 +62,8 @@ import torch
 
 from specd_common.config import BatchPolicy  # with the flags that set it: the CLI must not import torch
 from specd_common.errors import Cancelled
-from specd_engine.lm import PREFILL_CHUNK, CausalLM, Feed, KVSession
+from specd_engine.lm import PREFILL_CHUNK, CausalLM
+from specd_engine.sessions import Feed, KVSession
 from specd_common.telemetry import model_forward
 
 PASS_TIME_SMOOTHING = 0.2  # weight of the newest pass in the moving average of pass times

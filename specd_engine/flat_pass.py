@@ -35,6 +35,7 @@ session, with the same bits (the same kernel over the same values).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -42,8 +43,14 @@ from typing import Optional, Sequence
 import torch
 from transformers import DynamicCache
 
+from specd_common import tree
 from specd_common.errors import InvalidArgument, ResourceExhausted
 from specd_engine import kv_cache, lean_forward
+from specd_engine.passes import PassOutput, keeps_hidden, logit_rows
+from specd_engine.sessions import Feed
+from specd_engine.tuning import PassRuntime
+
+log = logging.getLogger(__name__)
 
 KEY_BLOCK, whole_blocks = kv_cache.KEY_BLOCK, kv_cache.whole_blocks  # a pass's key count is a multiple of KEY_BLOCK
 
@@ -325,3 +332,90 @@ class _EagerReplay:
 
     def __init__(self, run):
         self.replay = run
+
+
+class FlatPasses:
+    """The pass engine over the store (passes.py): every feed's rows in one flat pass, each row
+    attending its own slot, replayed as a CUDA graph where a captured shape holds it; the LM head only
+    over the rows whose logits are wanted. CausalLM.use_flat_pass starts it after a probe."""
+
+    def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, device: torch.device, runtime: PassRuntime, gather: bool):
+        self.lean, self.store, self.device, self.runtime, self.gather = lean, store, device, runtime, gather
+        # fixed-shape passes replayed as CUDA graphs on a GPU, padding rows in a spare slot
+        self.graphs = GraphedPasses(lean, store, store.claim()) if device.type == "cuda" else None
+
+    @torch.inference_mode()
+    def run(self, feeds: Sequence[Feed], starts: Sequence[int], captured: Sequence[int]) -> PassOutput:
+        slots = [slot_of(feed.session.cache) for feed in feeds]
+        if None in slots:
+            raise ValueError("a flat pass needs every session in a store slot (made after use_flat_pass)")
+        rows = flat_rows([(slot, start, len(feed.tokens), feed.positions, feed.mask)
+                          for feed, slot, start in zip(feeds, slots, starts)], self.device)
+        for slot in slots:
+            self.store.prepare(slot, rows.visible.shape[1])
+        ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=self.device)  # [R]
+        keep, wanted = keeps_hidden(feeds), logit_rows(feeds)
+        with self.runtime.pass_of(len(ids), trial=len(feeds) == 1):
+            hidden = layers = None
+            if self.graphs is not None and not (keep and captured):  # a graph keeps no layer's outputs
+                hidden = self._replay(ids, rows)  # [R, H] or None
+            if hidden is None:
+                # several sessions decoding one row each: gathering their keys costs less than a call a session,
+                # on a CPU too; one session reads a view of its slot (no copy)
+                gather = self.gather or len(ids) == len(feeds) > 1
+                hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured)  # [R, H], [R, L, H] or None
+            logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]
+        for feed, start in zip(feeds, starts):
+            for layer in feed.session.cache.layers:
+                layer.set_length(start + len(feed.tokens))
+        return PassOutput(hidden, layers, logits)
+
+    def _replay(self, ids: torch.Tensor, rows: FlatRows) -> Optional[torch.Tensor]:
+        """The pass replayed as a CUDA graph ([R, H]), or None where no captured shape holds it. A shape
+        that fails to capture turns graphs off, with the reason in the log: passes then run eagerly."""
+        try:
+            return self.graphs.run(ids, rows)
+        except Exception:  # noqa: BLE001: a serving verify keeps serving, eagerly
+            log.exception("CUDA graphs are off: capturing a flat pass of %d rows failed", len(ids))
+            self.graphs = None
+            return None
+
+
+def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
+    """Make `lm` (a CausalLM with the lean forward) serve every pass as one flat pass over a KV store
+    allocated now: `slots` sessions at once, each up to `capacity` positions (0: the model's context
+    and a tree's nodes); gather: one attention call a layer (default: on a GPU; the CPU gathers slower
+    than it calls). Sessions made before keep their own caches and must end first. A probe (a
+    prompt, then a chain, twice: a CUDA graph's capture and its replay) must score as the ragged pass
+    does (lean_forward.logits_disagree), or the ragged pass keeps serving and the log says why;
+    returns whether the flat pass serves. A flat pass scores prompt rows in int4, a row at a time."""
+    if lm.lean is None:
+        raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
+    ragged, max_length, nodes = lm.passes, lm.max_length, tree.MAX_TREE_NODES + 1
+    if ragged.prompt_kernel is not None:
+        lm.use_prompt_kernel(None)
+    tiles, ragged.tiles = ragged.tiles, False  # the reference: the ragged pass attending prompt rows one by one
+    reference = probe(lm)
+    try:
+        capacity = min(capacity or max_length + nodes, max_length + nodes)
+        lm.store = lm.run(KVStore.for_model, lm.loaded.model.config, slots, capacity, lm.loaded.device, lm.lean.embed.weight.dtype)
+        lm.max_length = min(max_length, lm.store.capacity - nodes)
+        lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning, lm.loaded.device.type == "cuda" if gather is None else gather)
+        dtype = torch.bfloat16 if lm.weights == "int4" else lm.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
+        why = lean_forward.logits_disagree(probe(lm), reference, dtype) or lean_forward.logits_disagree(probe(lm), reference, dtype)
+    except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
+        why = repr(error)
+    if why:
+        lm.store, lm.passes, lm.max_length, ragged.tiles = None, ragged, max_length, tiles
+        log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
+        return False
+    log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, lm.store.capacity,
+             lm.store.bytes() / 2**20, "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
+    return True
+
+
+def probe(lm) -> torch.Tensor:
+    """Logits [1 + PROBE_STEP, V] of a short prompt's next position and then of a chain after it."""
+    ids = [token % lm.vocab_size for token in range(1, lean_forward.PROBE_PROMPT + lean_forward.PROBE_STEP + 1)]
+    session = lm.new_session(ids[: lean_forward.PROBE_PROMPT])
+    return torch.cat([lm.forward(session), lm.forward(session, ids[lean_forward.PROBE_PROMPT :])])

@@ -23,7 +23,7 @@ full attention in every layer). `unsupported(model)` says why another is not.
 
 from __future__ import annotations
 
-import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from specd_engine import kv_cache
+from specd_engine import kv_cache, quantized
 from specd_engine.quantized import Int4Linear
+
+log = logging.getLogger(__name__)
 
 
 def unsupported(model: torch.nn.Module) -> str:
@@ -52,16 +54,6 @@ def unsupported(model: torch.nn.Module) -> str:
     if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         return "not a LlamaForCausalLM layout (model.model.layers, model.lm_head)"
     return ""
-
-
-@dataclass
-class LeanOutput:
-    """What a pass returns: logits [B, kept, V] and, when asked, the final hidden state [B, n, H]
-    (after the final norm) and the captured layers' outputs [B, n, L, H]."""
-
-    logits: torch.Tensor
-    hidden: Optional[torch.Tensor] = None
-    layers: Optional[torch.Tensor] = None
 
 
 class LeanLayer(torch.nn.Module):
@@ -130,35 +122,6 @@ class LeanLlama(torch.nn.Module):
             layer.release_originals()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache, position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, logits_to_keep: int = 0, keep_hidden: bool = False,
-                capture: Sequence[int] = ()) -> LeanOutput:
-        """One pass over input_ids [B, n] appending to `cache`. position_ids [B, n] default to the
-        positions after the cache's; attention_mask is None (causal), a bool [B, 1, n, cached + n]
-        (True = may attend: a tree) or a padding mask [B, cached + n] (1 = a real position: a packed
-        batch, causal among the new positions). logits_to_keep: 0 = every position, else the last ones.
-        capture: decoder layers (1-based) whose outputs to return beside the final hidden state."""
-        batch, n = input_ids.shape
-        past = cache.get_seq_length()
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=input_ids.device).expand(batch, n)  # [B, n]
-        mask = attention_mask_for(attention_mask, n, past, input_ids.device)  # None or bool [B, 1, n, past + n]
-        x = self.embed(input_ids).flatten(0, 1)  # [B·n, C]: the layers take rows
-        cos, sin = rotary_rows(self.rotary, x, position_ids.flatten())  # [B·n, 1, D] each
-
-        def attend_cache(layer: LeanLayer, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            as_batch = lambda rows: rows.view(batch, n, *rows.shape[1:]).transpose(1, 2)  # noqa: E731  [B, h, n, D]
-            return _attend_cache(layer, index, cache, mask, as_batch(q), as_batch(k), as_batch(v)).transpose(1, 2).flatten(0, 1)
-
-        captured = []
-        for index, layer in enumerate(self.layers):
-            x = self._layer(layer, x, cos, sin, functools.partial(attend_cache, layer, index))
-            if index + 1 in capture and keep_hidden:
-                captured.append(x.view(batch, n, -1))
-        hidden = rms_norm(x, self.norm, self.eps).view(batch, n, -1)  # [B, n, C]
-        logits = self.lm_head(hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:])  # [B, kept, V]
-        return LeanOutput(logits, hidden if keep_hidden else None, torch.stack(captured, dim=2) if captured else None)
-
     @torch.inference_mode()
     def forward_ragged(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: Sequence[Segment],
                        keep_hidden: bool = False, capture: Sequence[int] = (),
@@ -240,13 +203,6 @@ def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRow
     out[prompt.prompt] = linear.prompt_product(h[prompt.prompt])
     out[prompt.other] = linear.rows(h[prompt.other]).to(h.dtype)
     return out
-
-
-def _attend_cache(layer: LeanLayer, index: int, cache: DynamicCache, mask: Optional[torch.Tensor], q: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of a pass over one cache (a session, or a padded batch): k and v [B, Hkv, n, D] appended."""
-    keys, values = cache.update(k, v, index)  # [B, Hkv, past + n, D]
-    return _sdpa(layer, q, keys, values, mask)
 
 
 @dataclass
@@ -441,6 +397,23 @@ def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequenc
     return out
 
 
+def pack_int4(lean: LeanLlama, device: torch.device) -> None:
+    """The lean layers' products in 4-bit groups and the LM head in 8 bits (quantized.py), in place; and
+    where this machine's attention rounds a query by the queries batched beside it (a start-up probe,
+    queries_batch_alike), each verify row gets its own attention call (exact, slower)."""
+    packed, head = quantized.quantize_layers(lean.layers), "float32"
+    try:
+        lean.lm_head, head = quantized.Int8Linear(lean.lm_head.weight), "8 bits a weight"
+    except ValueError as why:
+        log.warning("the LM head stays float32: %s", why)
+    log.info("weights: %d of %d decoder products in 4-bit groups, the LM head in %s, bfloat16 inputs", packed,
+             len(quantized.PRODUCTS) * len(lean.layers), head)
+    if not queries_batch_alike(lean.layers[0], device):
+        lean.query_per_call = True
+        log.warning("this machine's attention rounds a query by the queries batched beside it: each row of a "
+                    "verify pass gets its own attention call (exact, slower)")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm of x [..., C], transformers' own steps (normalised in float32, cast back, then
     scaled). In float32 they are six calls (eight aten operators), in place where they can be:
@@ -493,7 +466,9 @@ def disagreement(lean: LeanLlama, model: torch.nn.Module, new_cache: Callable[[]
     ids = torch.arange(1, PROBE_PROMPT + PROBE_STEP + 1, device=model.device).remainder(vocab)[None]  # [1, n]
     ours, theirs = new_cache(), new_cache()
     for fed in (ids[:, :PROBE_PROMPT], ids[:, PROBE_PROMPT:]):
-        mine = lean(fed, ours).logits.float()  # [1, n, V]
+        past, n = ours.get_seq_length(), fed.shape[1]
+        positions = torch.arange(past, past + n, device=fed.device)  # [n]
+        mine = lean.lm_head(lean.forward_ragged(fed[0], positions, [Segment(ours, 0, n)])[0]).float()[None]  # [1, n, V]
         reference = model(input_ids=fed, past_key_values=theirs, use_cache=True).logits.float()  # [1, n, V]
         why = logits_disagree(mine, reference, next(model.parameters()).dtype)
         if why:

@@ -101,14 +101,14 @@ def test_an_int4_model_runs_every_pass_on_the_thread_count_it_chose(tiny):
     assert available_cores() >= 2, "CI's machine has 2 cores; this compares thread counts"
     float_lm = CausalLM(load_causal_lm(str(tiny.target)), layouts={PLAIN})
     varied = float_lm.tune(max_threads=2, measure=timings)
-    assert varied.threads_by_size == {1: 1, 2: 2} and float_lm.trials is not None
+    assert varied.threads_by_size == {1: 1, 2: 2} and float_lm.tuning.trials is not None
     int4_lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     fixed = int4_lm.tune(max_threads=2, measure=timings)
-    assert fixed.threads_by_size == {} and fixed.threads == 2 and int4_lm.trials is None
+    assert fixed.threads_by_size == {} and fixed.threads == 2 and int4_lm.tuning.trials is None
 
 
 def test_a_model_without_float32_products_keeps_its_plain_weights_whatever_timings_say(tiny):
-    """Layouts switch float32 products only (lm.SwitchableLinear). A bfloat16 model's products stay
+    """Layouts switch float32 products only (layouts.SwitchableLinear). A bfloat16 model's products stay
     transformers' linears, so timing layouts there is noise; a copied layout (rows) that won by noise
     once dropped the weights every pass reads (a TypeError in the next pass). Here it has one layout."""
     import torch
@@ -120,7 +120,7 @@ def test_a_model_without_float32_products_keeps_its_plain_weights_whatever_timin
         return {key: (0.02 if PLAIN in key else 0.01) for key in runs()}
 
     lm = CausalLM(load_causal_lm(str(tiny.target), dtype="bfloat16"), layouts={PLAIN, PREPACKED, "rows"})
-    assert lm.layouts == {PLAIN}
+    assert lm.tuning.layouts == {PLAIN}
     choice = lm.tune(max_threads=2, measure=timings)
     lm.use_only(choice.needs)
     assert choice.needs == {PLAIN} and lm.forward(lm.new_session([5, 6, 7]), [8]).dtype == torch.float32
@@ -202,14 +202,14 @@ def test_a_tiny_model_tunes_itself_and_still_computes_the_same_logits(tmp_path):
         assert choice.source == "measured" and choice.threads in thread_candidates(threads)
         assert lm.run(torch.get_num_threads) == choice.threads  # set where the model runs: its own thread
         assert set(choice.costs_ms) == set(thread_candidates(threads))
-        assert lm.layouts == choice.needs
+        assert lm.tuning.layouts == choice.needs
         got = lm.forward(lm.new_session(prompt), drafts)
         assert torch.allclose(got, expected, atol=1e-4)
         # serving trials: passes of one size alternate candidates until that size settles; logits unchanged
-        lm.trials = ServingTrials({2: [(choice.threads_for(2), choice.layout_for(2)), (1, PLAIN)]}, passes=2)
+        lm.tuning.trials = ServingTrials({2: [(choice.threads_for(2), choice.layout_for(2)), (1, PLAIN)]}, passes=2)
         for token in range(4):
             logits = lm.forward(lm.new_session(prompt), [20 + token])  # a pass over 2 positions: the prompt's last token + one draft
-        assert 2 in choice.settled_in_serving and lm.trials.next(2) is None
+        assert 2 in choice.settled_in_serving and lm.tuning.trials.next(2) is None
         assert torch.allclose(logits, reference.forward(reference.new_session(prompt), [23]), atol=1e-4)
     finally:
         lm.run(torch.set_num_threads, threads)

@@ -1,6 +1,6 @@
 """Batch scheduling: a batched forward equals one-session-at-a-time, and the batcher groups concurrent calls.
 
-Correctness first: the ragged pass (and transformers' padded one) must give every session the logits
+Correctness first: the ragged pass (and transformers' forward, a feed at a time) must give every session the logits
 (and the cache) it would get alone, for ragged pasts, ragged draft lengths, trees, prompt chunks,
 empty caches and after rollbacks.
 """
@@ -17,7 +17,8 @@ import torch
 
 from specd_engine.batching import BatchPolicy, ForwardBatcher, make_batcher
 from specd_common.errors import InvalidArgument
-from specd_engine.lm import CausalLM, Feed, KVSession
+from specd_engine.lm import CausalLM
+from specd_engine.sessions import Feed, KVSession
 from specd_engine.models import load_causal_lm
 
 ATOL = 1e-4
@@ -66,39 +67,37 @@ def run_rounds(lm: CausalLM, rounds: Sequence[Sequence[tuple[int, list[int], lis
             assert_caches_match(one, other)
 
 
-def count_passes(monkeypatch, method: str) -> list[int]:
-    """Feeds per call of CausalLM.<method> (a pass), recorded while the test runs."""
+def count_passes(monkeypatch, engine: type) -> list[int]:
+    """Feeds per pass of the pass engine `engine` (passes.py), recorded while the test runs."""
     passes: list[int] = []
-    real = getattr(CausalLM, method)
-    monkeypatch.setattr(CausalLM, method, lambda self, feeds: passes.append(len(feeds)) or real(self, feeds))
+    real = engine.run
+    monkeypatch.setattr(engine, "run", lambda self, feeds, *args: passes.append(len(feeds)) or real(self, feeds, *args))
     return passes
 
 
 def test_a_batch_of_sessions_is_one_model_pass(lm, reference_lm, monkeypatch):
-    """Sessions as new_session makes them, one after a tree, share one pass: the lean forward's ragged
-    pass, and transformers' padded one (its caches packable)."""
-    from specd_engine import kv_batch
+    """Sessions as new_session makes them, one after a tree, share one pass of the lean forward's ragged
+    engine; transformers' forward (other architectures) runs a pass a feed, with the same logits."""
+    from specd_engine.passes import RaggedPasses, TransformersPasses
 
-    ragged, padded = count_passes(monkeypatch, "_run_ragged"), count_passes(monkeypatch, "_run_batch")
+    ragged, apart = count_passes(monkeypatch, RaggedPasses), count_passes(monkeypatch, TransformersPasses)
+    logits = []
     for model in (lm, reference_lm):
         sessions = [model.new_session(prompt) for prompt in PROMPTS[:3]]
         model.forward_tree(sessions[0], [1, 2, 3], [-1, -1, 0])
         model.settle_tree(sessions[0], [0, 2])
-        assert all(kv_batch.is_packable(session.cache) for session in sessions)
-        model.forward_batch([(session, [4]) for session in sessions])
-    assert ragged[-1] == 3 and padded == [3]
+        logits.append(model.forward_batch([(session, [4]) for session in sessions]))
+    assert ragged[-1] == 3 and apart[-1] == 3
+    for one, other in zip(*logits):
+        torch.testing.assert_close(one, other, atol=ATOL, rtol=0)
 
 
 def test_a_ragged_pass_attends_in_place_and_its_cost_does_not_grow_with_the_others_context(lm, monkeypatch):
-    """No session's cache is copied into a batch: kv_batch never packs, every cache buffer keeps its
-    storage, and the bytes a pass allocates beside three sessions holding 480 positions each exceed
-    those beside three holding 20 by far less than one session's cache (a padded batch would copy
-    all three caches, every layer)."""
+    """No session's cache is copied into a batch: every cache buffer keeps its storage, and the bytes a
+    pass allocates beside three sessions holding 480 positions each exceed those beside three holding
+    20 by far less than one session's cache (a padded batch would copy all three caches, every layer)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specd_engine import kv_batch
-
-    monkeypatch.setattr(kv_batch, "pack", lambda *args, **kwargs: pytest.fail("a ragged pass must not pack caches"))
 
     def allocated(context: int) -> tuple[int, int]:
         sessions = [lm.new_session([(7 * i + row) % 300 + 1 for i in range(context)]) for row in range(3)]
@@ -529,7 +528,7 @@ def test_prefill_chunks_come_in_the_granule_prompt_rows_cost_in(lm, monkeypatch)
     from specd_engine import lean_forward, quantized
 
     assert lm.prefill_granule == 1
-    monkeypatch.setattr(lm, "prompt_tiles", True)
+    monkeypatch.setattr(lm.ragged, "tiles", True)
     assert lm.prefill_granule == lean_forward.PROMPT_TILE == 16
-    monkeypatch.setattr(lm, "prompt_kernel", "bfloat16")
+    monkeypatch.setattr(lm.ragged, "prompt_kernel", "bfloat16")
     assert lm.prefill_granule == quantized.PROMPT_BLOCK == 64

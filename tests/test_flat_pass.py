@@ -73,13 +73,13 @@ def test_one_attention_call_a_layer_or_one_a_session_give_the_same_bits(flat):
     for session in sessions:
         flat.forward(session)
     feeds = [flat.chain_feed(session, DRAFTS[: 1 + j]) for j, session in enumerate(sessions)]
-    flat.gather = False
+    flat.passes.gather = False
     apart = flat.run_feeds_then_rewind(feeds)
-    flat.gather = True
+    flat.passes.gather = True
     try:
         gathered = flat.run_feeds_then_rewind(feeds)
     finally:
-        flat.gather = False
+        flat.passes.gather = False
     assert all(torch.equal(a, b) for a, b in zip(apart, gathered))
 
 
@@ -165,10 +165,10 @@ def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tin
         lm.forward(session)
     feeds = [lm.chain_feed(session, DRAFTS[: 2 + j]) for j, session in enumerate(sessions)]
     eager = lm.run_feeds_then_rewind(feeds)
-    lm.graphs = flat_pass.GraphedPasses(lm.lean, lm.store, lm.store.claim())
+    lm.passes.graphs = flat_pass.GraphedPasses(lm.lean, lm.store, lm.store.claim())
     replayed = lm.run_feeds_then_rewind(feeds)  # 9 rows: the 32-row shape
     again = lm.run_feeds_then_rewind(feeds)  # the captured shape, replayed
-    assert set(lm.graphs.graphs) == {(32, flat_pass.GRAPH_MIN_KEYS)}
+    assert set(lm.passes.graphs.graphs) == {(32, flat_pass.GRAPH_MIN_KEYS)}
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(eager, replayed, again))
     assert all(torch.equal(row, decoded(lm, PROMPT[: 25 + 10 * j], DRAFTS[: 2 + j])) for j, row in enumerate(replayed))
     sessions[0].keep_features = True

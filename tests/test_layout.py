@@ -134,6 +134,19 @@ def test_a_generation_runs_rounds_and_the_proposers_keep_their_own_state():
     assert "PROBE" not in engine.read_text() and "backoff" not in engine.read_text()
 
 
+def test_the_engine_runs_every_pass_through_one_engine_and_causal_lm_stays_small():
+    """specd_engine/lm.py's CausalLM makes a pass's feeds and hands each session its rows back (at most
+    300 lines); the passes themselves are the pass engines' (passes.py, flat_pass.py), the runtime and
+    its start-up measurements tuning.py's, a session's own bookkeeping sessions.py's. The engine has
+    one forward path a model: CausalLM runs every feed through `self.passes.run`, no pass of its own."""
+    lm = REPO / "specd_engine" / "lm.py"
+    assert class_lines(lm, "CausalLM") <= 300
+    text = lm.read_text()
+    assert text.count("self.passes.run(") == 1
+    assert "forward_ragged" not in text and "forward_flat" not in text and "self.loaded.model(" not in text
+    assert not (REPO / "specd_engine" / "kv_batch.py").exists()
+
+
 def test_every_policy_threshold_has_its_principle():
     """One SpeculationPolicy holds the policy's constants, each with a one-line comment saying why."""
     path = REPO / "gateway" / "policy.py"

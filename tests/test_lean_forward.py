@@ -120,7 +120,7 @@ def test_a_lean_forward_that_fails_its_probe_leaves_transformers_serving(model_p
     def broken(self, *args, **kwargs):
         raise TypeError("rotary_emb() takes 2 positional arguments")  # e.g. another transformers' module signature
 
-    monkeypatch.setattr(lean_forward.LeanLlama, "forward", broken)
+    monkeypatch.setattr(lean_forward.LeanLlama, "forward_ragged", broken)
     lm = CausalLM(load_causal_lm(str(model_path), device="cpu", dtype="float32"))
     assert lm.lean is None
     assert lm.forward(lm.new_session([5, 9, 14]), [3]).shape[0] == 2  # transformers' forward serves
@@ -183,7 +183,7 @@ def test_an_int4_decoding_layer_stays_within_its_operator_budget(model_path):
     F.rms_norm's composite ran 189 a layer, ~a fifth of a one-session pass (engine-room.md)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specd_engine.lm import Feed
+    from specd_engine.sessions import Feed
 
     lm = CausalLM(load_causal_lm(str(model_path)), weights="int4")
     session = lm.new_session([(7 * i) % 50 + 3 for i in range(60)])

@@ -272,7 +272,8 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
     (quantized.PROMPT_BLOCK), so the answer does not depend on the load the prompt arrived into. A chunk
     that would start inside a tile is refused."""
     from specd_engine import lean_forward
-    from specd_engine.lm import CausalLM, Feed
+    from specd_engine.lm import CausalLM
+    from specd_engine.sessions import Feed
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")

@@ -835,7 +835,7 @@ def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 
     from specd_engine.autotune import COLS, LAYOUTS, MKL, PLAIN, PREPACKED, ROWS, TALL
-    from specd_engine.lm import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
+    from specd_engine.layouts import LayoutSwitch, SwitchableLinear, available_layouts, make_linears_switchable
 
     torch.manual_seed(0)
     # the first layer is tall (32 outputs from 16 inputs: the W·xᵀ path), the second is not
@@ -864,7 +864,7 @@ def test_a_layer_keeps_only_the_weights_of_the_layouts_it_runs():
     import torch
 
     from specd_engine.autotune import ROWS
-    from specd_engine.lm import LayoutSwitch, make_linears_switchable
+    from specd_engine.layouts import LayoutSwitch, make_linears_switchable
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32))

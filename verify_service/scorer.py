@@ -16,7 +16,8 @@ from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.config import ServerConfig, StartupMeasurement
 from specd_common.errors import require
 from specd_engine.features import encode_features
-from specd_engine.lm import PREFILL_CHUNK, CausalLM, KVSession
+from specd_engine.lm import PREFILL_CHUNK, CausalLM
+from specd_engine.sessions import KVSession
 from specd_engine.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
@@ -95,7 +96,7 @@ class Scorer:
     `threads` > 0; at most `max_threads` > 0) and the linear-weight layout per forward size, among those `prepack` allows
     (auto: all, measured; on: oneDNN-prepacked; mkl: MKL's packed one-row GEMM, else plain; tall: W·xᵀ
     for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
-    off: PyTorch's plain layout; specd_engine.lm.SwitchableLinear), then its KV-token budget and, when it
+    off: PyTorch's plain layout; specd_engine.layouts.SwitchableLinear), then its KV-token budget and, when it
     batches, what batched rounds cost (measure_batch_costs). `forward`: auto runs the passes with
     specd_engine/lean_forward.py where it serves the model, transformers keeps transformers'. With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
@@ -149,7 +150,7 @@ class Scorer:
         loaded = self.lm.loaded
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
-            "layouts": sorted(self.lm.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
+            "layouts": sorted(self.lm.tuning.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
             "weights": self.lm.weights, "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,

@@ -402,7 +402,7 @@ class Generation:
                 draft_parents=plan.parents,
                 return_features=features is not None,
                 return_head_drafts=ask_heads,
-                head_candidates=self.heads.candidates_per_head(),
+                head_candidates=self.heads.candidates_per_head(), head_depth=self.heads.depth if ask_heads else 0,
                 head_rows=self.heads.rows_to_ask(plan, self.spec.warp.greedy or coupled is not None) if ask_heads else 0,
                 allowed_tokens=masks,
                 top_logprobs=max(self.spec.top_logprobs, 1) if self.spec.top_logprobs is not None and self.spec.warp.greedy else 0,

@@ -22,6 +22,7 @@ class SpeculationPolicy:
     rescue_prior: float = 0.3  # a tree's alternatives hold the target's token where the best misses ~30% of the time
     shared_decay: float = 0.99  # the server-wide estimate a new request starts from follows the last ~100 rounds of its kind
     probe_every_rounds: int = 8  # a drafter declined this many rounds in a row drafts once, to re-measure itself
+    heads_past_best_chain: int = 1  # proposals of one head more than the best chain drafts: the estimate learns deeper positions only from drafts
 
     # --- never slower as served (gateway/guard.py) ---
     guard_trial_rounds: int = 8  # a verdict on 8 rounds of 1-4 tokens each: fewer say too little, more lose longer

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from draft_training.medusa_training import answer_rows, medusa_rows, simulate_chain
-from gateway.adaptive import StepCosts, depth_sums
+from gateway.adaptive import StepCosts, best_rate, depth_sums
 from gateway.features import HeadProposals, head_drafts_at
 from specd.v1 import common_pb2
 from tests.conftest import start_cluster
@@ -117,9 +117,9 @@ def test_the_scorer_gives_token_input_heads_each_rows_own_next_token(tiny, monke
     seen = []
     real = MedusaHeads.ranked
 
-    def recording(self, features, next_tokens=None, layer_features=None, candidates=1):
+    def recording(self, features, next_tokens=None, layer_features=None, candidates=1, depth=0):
         seen.append(next_tokens.tolist())
-        return real(self, features, next_tokens, layer_features, candidates)
+        return real(self, features, next_tokens, layer_features, candidates, depth)
 
     monkeypatch.setattr(MedusaHeads, "ranked", recording)
     def argmax_after(drafts: list[int]) -> list[int]:
@@ -152,8 +152,8 @@ def test_a_batch_proposes_once_what_its_sessions_would_alone(tiny, monkeypatch):
     scorer = Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", medusa=heads)
     calls = []
     real = MedusaHeads.ranked
-    monkeypatch.setattr(MedusaHeads, "ranked", lambda self, features, tokens=None, layers=None, candidates=1:
-                        calls.append(features.shape[0]) or real(self, features, tokens, layers, candidates))
+    monkeypatch.setattr(MedusaHeads, "ranked", lambda self, features, tokens=None, layers=None, candidates=1, depth=0:
+                        calls.append(features.shape[0]) or real(self, features, tokens, layers, candidates, depth))
     greedy, sampled, plain = (scorer.open([5, 17, 42], warp) for warp in (Warp(), Warp(temperature=0.8), Warp()))
     parts = [Part(greedy, [9, 3], head_drafts=True), Part(sampled, [9], head_drafts=True), Part(plain, [4])]
     for part in parts:
@@ -250,6 +250,17 @@ def test_heads_candidates_are_their_best_in_order(tiny):
         scores = heads.head_output(index, heads.fused(features), tokens) @ heads.head_columns  # [4, V']
         assert torch.equal(top[:, index], heads.vocab_ids[scores.topk(3).indices])
         tokens = torch.cat((tokens, best[:, index : index + 1]), dim=1)
+
+
+def test_heads_asked_for_fewer_propose_what_the_first_of_all_propose(tiny):
+    """ranked(depth=d): only the first d heads run (chained ones read the earlier heads' best), and they
+    propose exactly what the first d of all the heads do, with the same confidences."""
+    heads, loaded = random_token_heads(tiny, chained=True)
+    features, next_tokens = torch.randn(4, loaded.model.config.hidden_size), torch.randint(0, 50, (4,))
+    every, confident = heads.ranked(features, next_tokens, candidates=2)  # [4, K, 2] each
+    for depth in range(1, HEADS + 1):
+        some, sure = heads.ranked(features, next_tokens, candidates=2, depth=depth)
+        assert some.shape == (4, depth, 2) and torch.equal(some, every[:, :depth]) and torch.equal(sure, confident[:, :depth])
 
 
 def test_a_failing_reply_fails_its_session_alone(tiny, monkeypatch):
@@ -573,6 +584,8 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
         costs.observe_verify(positions, 0.120)
     generation = head_policy_generation(costs)
     assert asks_heads(generation)  # the prior (0.5) pays for a 20% dearer pass
+    k, _ = best_rate(generation.heads.acceptance.chain(3), 3, lambda k: generation.context().free_cost(k, heads=True))
+    assert k >= 1 and generation.heads.depth == min(3, k + generation.heads.policy.heads_past_best_chain)  # each head costs a product
     for _ in range(10):
         generation.heads.acceptance.update(3, 0)  # every proposal rejected
     assert not asks_heads(generation)
@@ -582,6 +595,7 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
         rounds += 1
         assert rounds < 100, "a request that stopped asking must ask again once its estimate forgets"
     assert rounds > 3  # ... but not at once
+    assert generation.heads.depth >= 1
     generation.heads.proposals = HeadProposals([[7], [8], [9]])
     assert head_round(generation)[0][:1] == [7]  # it asked: the proposals are judged by the estimate as before
 
@@ -607,6 +621,7 @@ def test_heads_beside_a_better_draft_still_draft_one_token_every_few_rounds():
     for _ in range(3 * (every + 1)):
         asked.append(asks_heads(generation))
         if asked[-1]:
+            assert generation.heads.depth == 1  # a probe drafts one token: the first head alone is run
             generation.heads.proposals = HeadProposals([[7], [8], [9]])  # the Verify that asked returns them
             assert head_round(generation) == ([7], [])  # one token, the first head's best
         else:
@@ -1055,7 +1070,7 @@ def test_the_verify_reports_its_heads(medusa_cluster, tiny):
     assert set(product) == {"1", "2", "4", "8"} and all(choice.split()[0] in ("float32", "bfloat16") for choice in product.values())
 
 
-def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
+def test_the_verify_refuses_too_many_head_candidates_and_runs_the_heads_asked_for(medusa_cluster):
     import grpc
 
     from specd.v1 import verify_pb2, verify_pb2_grpc
@@ -1070,6 +1085,14 @@ def test_the_verify_refuses_too_many_head_candidates(medusa_cluster):
             reply = stub.Verify(verify_pb2.VerifyRequest(session_id="many", commit=common_pb2.Commit(prefix_length=2),
                                                          return_head_drafts=True, head_candidates=4), timeout=10)
             assert reply.head_drafts.candidates == 4 and len(reply.head_drafts.token_ids) == HEADS * 4
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Verify(verify_pb2.VerifyRequest(session_id="many", return_head_drafts=True, head_depth=-1), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "head_depth" in caught.value.details()
+            for depth in (1, HEADS + 5):  # the first head's proposals alone; a depth past the heads: all of them
+                again = stub.Verify(verify_pb2.VerifyRequest(session_id="many", commit=common_pb2.Commit(prefix_length=2),
+                                                             return_head_drafts=True, head_candidates=4, head_depth=depth), timeout=10)
+                shown = min(depth, HEADS)
+                assert again.head_drafts.heads == shown and list(again.head_drafts.token_ids) == list(reply.head_drafts.token_ids)[: 4 * shown]
         finally:
             stub.Release(common_pb2.ReleaseRequest(session_id="many"), timeout=10)
 

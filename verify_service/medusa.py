@@ -178,18 +178,20 @@ class MedusaHeads(nn.Module):
 
     @torch.inference_mode()
     def ranked(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
-               layer_features: Optional[torch.Tensor] = None, candidates: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               layer_features: Optional[torch.Tensor] = None, candidates: int = 1, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """propose's candidates, always [N, K, c], and each one's probability under its head's softmax
         over the heads' vocabulary [N, K, c] (float32): the heads' confidence, which says where a
-        tree's alternatives are worth their verified positions (EAGLE-2's dynamic trees)."""
+        tree's alternatives are worth their verified positions (EAGLE-2's dynamic trees). depth > 0:
+        only the first `depth` heads propose (K = depth; each head costs a product over V' × H)."""
         features = self.fused(features, layer_features)
+        heads = min(depth, len(self.heads)) if depth > 0 else len(self.heads)
         if not self.config.chained_input:
-            outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(len(self.heads))])  # [K, N, H]
+            outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(heads)])  # [K, N, H]
             top, probs = self.top_columns(outputs.flatten(0, 1), candidates, with_probs=True)  # [K·N, c] each: one product
             shape = (*outputs.shape[:2], candidates)
             return self.vocab_ids[top.view(shape)].transpose(0, 1), probs.view(shape).transpose(0, 1)
         tokens, picks, confidences = next_tokens[:, None], [], []  # [N, 1 + proposals so far]
-        for index in range(len(self.heads)):
+        for index in range(heads):
             top, probs = self.top_columns(self.head_output(index, features, tokens), candidates, with_probs=True)  # [N, c] each
             picks.append(self.vocab_ids[top])
             confidences.append(probs)

@@ -73,6 +73,7 @@ class Part:
     allowed: Optional[torch.Tensor] = None  # [k + 1, V] bool: the tokens a grammar allows at each row (structured output)
     top_logprobs: int = 0  # greedy: the likeliest tokens of each row to return with their log probabilities
     draw: Optional[Draw] = None  # sampling: the verify draws each row's token (the coupled rule)
+    head_depth: int = 0  # when head_drafts: proposals of the first head_depth heads (0: all)
 
 
 class HeadInputs(NamedTuple):
@@ -317,7 +318,8 @@ class Scorer:
         """The Medusa heads' proposals for each part that asks for them (None for the others), from one
         propose over all their rows: the heads' cost is reading their V' × H rows once a head per call,
         plus a little a row (on the 2-core AMD EPYC, one row 3.2 ms, four rows 4.7 ms), so a batch's
-        sessions share it."""
+        sessions share it; the heads run as deep as the deepest part asks (VerifyRequest.head_depth),
+        and each part gets its own depth's."""
         inputs = [self.head_inputs(part.session, own, part.drafts, part.parents, part.head_rows, part.draw is not None)
                   if part.head_drafts else None for part, own in zip(parts, owns)]
         asked = [item for item in inputs if item is not None]
@@ -325,20 +327,21 @@ class Scorer:
             return [None] * len(parts)
         layers = torch.cat([item.layers for item in asked]) if asked[0].layers is not None else None  # [rows, L, H]
         candidates = max(part.head_candidates for part, item in zip(parts, inputs) if item is not None)
+        depths = [part.head_depth or len(self.medusa.heads) for part, item in zip(parts, inputs) if item is not None]
         features = torch.cat([item.features for item in asked])  # [rows, H]
         next_tokens = torch.cat([item.next_tokens for item in asked])  # [rows]
-        proposals, confidences = self.medusa.ranked(features, next_tokens, layers, candidates)  # [rows, K, c] each
+        proposals, confidences = self.medusa.ranked(features, next_tokens, layers, candidates, max(depths))  # [rows, K, c] each
         replies, row = [], 0
         for part, item in zip(parts, inputs):
             if item is None:
                 replies.append(None)
                 continue
-            mine = slice(row, row + item.features.shape[0])
+            mine, heads = slice(row, row + item.features.shape[0]), min(part.head_depth or proposals.shape[1], proposals.shape[1])
             row += item.features.shape[0]
             replies.append(common_pb2.HeadDrafts(start_position=part.session.sequence.fed_start + item.first,
-                                                 heads=proposals.shape[1], candidates=part.head_candidates,
-                                                 token_ids=proposals[mine, :, : part.head_candidates].flatten().tolist(),
-                                                 confidences=confidences[mine, :, : part.head_candidates].flatten().tolist()))
+                                                 heads=heads, candidates=part.head_candidates,
+                                                 token_ids=proposals[mine, :heads, : part.head_candidates].flatten().tolist(),
+                                                 confidences=confidences[mine, :heads, : part.head_candidates].flatten().tolist()))
         return replies
 
     def settle_tree(self, session: VerifySession, prefix_length: int, append: Sequence[int]) -> None:
@@ -354,7 +357,7 @@ class Scorer:
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
               features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0,
               allowed: Optional[torch.Tensor] = None, top_logprobs: int = 0,
-              coupled: Optional[verify_pb2.CoupledDraw] = None) -> Scores:
+              coupled: Optional[verify_pb2.CoupledDraw] = None, head_depth: int = 0) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
@@ -370,7 +373,7 @@ class Scorer:
             depths = tree.depths(parents) if parents else range(1, len(draft_token_ids) + 1)
             draw = Draw(coupled.seed, [base] + [base + depth for depth in depths], coupled.return_target_probs)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed,
-                    top_logprobs, draw)
+                    top_logprobs, draw, head_depth)
         if self.batcher is not None and not (session.sequence.scored is not None and not draft_token_ids):  # else: no pass
             return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
         if parents:

@@ -69,6 +69,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 f"head_candidates must be in [0, {MAX_HEAD_CANDIDATES}], got {request.head_candidates}")
         require(0 <= request.head_rows <= MAX_TREE_NODES + 1,
                 f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
+        require(request.head_depth >= 0, f"head_depth must be ≥ 0 (0: every head), got {request.head_depth}")
         check_top_logprobs(request.top_logprobs)
         allowed = self._allowed(request.allowed_tokens, len(drafts) + 1)
         with self.sessions.use(request.session_id) as session:
@@ -80,7 +81,7 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
                                        request.head_candidates, request.head_rows, allowed, request.top_logprobs,
-                                       request.coupled_draw if request.HasField("coupled_draw") else None)
+                                       request.coupled_draw if request.HasField("coupled_draw") else None, request.head_depth)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,

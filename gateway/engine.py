@@ -251,7 +251,7 @@ class Generation:
         masks = self._constrain(plan, draft_probs)
         proposed = time.perf_counter()
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
-        scores = self._verify_drafts(plan, self.planner.ask_heads(ctx), masks)
+        scores = self._verify_drafts(plan, self.planner.decide_heads_ask(ctx), masks)
         # 4. Judge
         outcome = self._judge(plan, draft_probs, scores, masks)
         # 5. Commit

@@ -40,14 +40,17 @@ class RoundPlanner:
             if k and rate > rival:
                 return RoundPlan(LOOKUP, copy[:k], copied=k, expected=self.lookup.expected(copy, k))
             self.lookup.decline()
-        if (headed := self.heads.offer(ctx, rival, self.draft.enabled)) is not None:
-            return headed
+        offer = self.heads.offer(ctx, rival, self.draft.enabled)
+        self.heads.settle(offer)
+        if offer.plan is not None:
+            return offer.plan
         k, widened = self.draft.shape(ctx)
         return RoundPlan(DRAFT, k=k, widened=widened, expected=self.draft.expected(ctx, k, widened)) if k else RoundPlan(PLAIN)
 
-    def ask_heads(self, ctx: RoundContext) -> bool:
-        """Whether this round's Verify asks for the heads' proposals (for the next round)."""
-        return self.heads.ask(ctx, self.draft.rate(ctx), self.draft.enabled)
+    def decide_heads_ask(self, ctx: RoundContext) -> bool:
+        """Decide, and record, whether this round's Verify asks for the heads' proposals (for the next
+        round): HeadProposer.ask answers, record_ask keeps the answer."""
+        return self.heads.record_ask(self.heads.ask(ctx, self.draft.rate(ctx), self.draft.enabled))
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> Verdict:
         """Each proposer learns from the round; returns the verdict (what of the drafts was kept)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -139,6 +139,26 @@ class LookupProposer:
             self.acceptance.update(plan.copied, min(verdict.kept, plan.copied))
 
 
+@dataclass(frozen=True)
+class HeadAsk:
+    """What this round's Verify asks of the heads (HeadProposer.ask): proposals or not, from how many
+    heads (VerifyRequest.head_depth), and whether not asking declines a head round."""
+
+    asked: bool = False
+    depth: int = 0
+    declined: bool = False
+
+
+TAKEN, DECLINED, NO_OFFER = "taken", "declined", "none"  # what became of a HeadOffer (HeadProposer.settle)
+
+
+class HeadOffer(NamedTuple):
+    """A head round on offer (HeadProposer.offer), or None, and what settling it records."""
+
+    plan: Optional[RoundPlan]
+    outcome: str  # TAKEN (a round or a probe), DECLINED (no round paid) or NO_OFFER (nothing to judge)
+
+
 class HeadProposer:
     """The verify's Medusa heads: each head's candidates after the last committed token, with their
     confidences, arrive with a Verify that asked for them. A round takes the nodes that pay by their
@@ -159,25 +179,29 @@ class HeadProposer:
         self._declined = False  # the last Verify did not ask: no head round could pay
         self._declined_rounds = 0  # rounds in a row whose proposals did not pay (a probe follows)
 
-    def ask(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> bool:
-        """Whether this round's Verify should return proposals for the next round: only when a head round
-        could pay by the heads' acceptance so far (proposals cost every pass that asks, used or not; the
-        fixed policy: when no draft service drafts). Not asking counts as declining. And from how many
-        heads (`depth`): as many as the best chain by that acceptance drafts, and heads_past_best_chain
-        more (a probe: one; the fixed policy: num_draft_tokens), since each head costs the verify a
-        product over its vocabulary (one head 1.8 ms, three 4.1 ms beside a 19 ms decoding pass of the
-        default target, 2-vCPU Xeon)."""
-        self._declined, self.depth = False, 0
+    def ask(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> HeadAsk:
+        """Whether this round's Verify should return proposals for the next round (a query: record_ask
+        keeps the answer): only when a head round could pay by the heads' acceptance so far (proposals
+        cost every pass that asks, used or not; the fixed policy: when no draft service drafts). Not
+        asking counts as declining. And from how many heads (`depth`): as many as the best chain by that
+        acceptance drafts, and heads_past_best_chain more (a probe: one; the fixed policy:
+        num_draft_tokens), since each head costs the verify a product over its vocabulary (one head
+        1.8 ms, three 4.1 ms beside a 19 ms decoding pass of the default target, 2-vCPU Xeon)."""
         if not self.heads or not ctx.allowed:
-            self.asked = False
-        elif not self.adaptive:
-            self.asked, self.depth = not draft_enabled, min(self.heads, self.num_draft_tokens)
-        else:
-            k, rate = best_rate(self.acceptance.chain(self.heads), self.heads, lambda k: ctx.free_cost(k, heads=True))
-            paying = bool(k) and rate > rival_rate
-            self._declined = not paying and not self._probe_due()
-            self.asked, self.depth = not self._declined, min(self.heads, k + self.policy.heads_past_best_chain) if paying else 1
-        return self.asked
+            return HeadAsk()
+        if not self.adaptive:
+            return HeadAsk(not draft_enabled, min(self.heads, self.num_draft_tokens))
+        k, rate = best_rate(self.acceptance.chain(self.heads), self.heads, lambda k: ctx.free_cost(k, heads=True))
+        if bool(k) and rate > rival_rate:
+            return HeadAsk(True, min(self.heads, k + self.policy.heads_past_best_chain))
+        probe = self._probe_due()
+        return HeadAsk(probe, 1 if probe else 0, declined=not probe)
+
+    def record_ask(self, ask: HeadAsk) -> bool:
+        """This round's Verify asks as `ask` says (its cost is priced apart; a declined one forgets when
+        the next round settles its offer); returns whether it asks."""
+        self.asked, self.depth, self._declined = ask.asked, ask.depth, ask.declined
+        return ask.asked
 
     def _probe_due(self) -> bool:
         """probe_every_rounds rounds in a row took no head round: the next one drafts one head token,
@@ -239,33 +263,39 @@ class HeadProposer:
             return HeadProposals()
         return proposals
 
-    def offer(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> Optional[RoundPlan]:
-        """A head round (the proposals are taken), or None when there are none, speculation is paused or
-        the rival (the draft service) promises more tokens per second. The fixed policy drafts every
-        candidate of the first num_draft_tokens heads, only where no draft service drafts."""
-        proposals = self.take()
+    def offer(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> HeadOffer:
+        """A head round from the last Verify's proposals, or none when there are none, speculation is
+        paused or the rival (the draft service) promises more tokens per second (a query: settle
+        takes the proposals and records the outcome). The fixed policy drafts every candidate of the
+        first num_draft_tokens heads, only where no draft service drafts."""
+        proposals = HeadProposals() if self._declined else self.proposals
         if not proposals or not ctx.allowed:
-            return None
+            return HeadOffer(None, NO_OFFER)
         if not self.adaptive:
-            if draft_enabled:
-                return None
             drafts, parents = every_candidate(proposals.tokens[: ctx.draft_cap(self.num_draft_tokens)])
-            return RoundPlan(HEADS, drafts, parents) if drafts else None
+            return HeadOffer(RoundPlan(HEADS, drafts, parents) if drafts and not draft_enabled else None, NO_OFFER)
         tokens, confidences = self._candidates(proposals, ctx)
         scales = self.calibration.scales(len(tokens))
         nodes, rate = confident_tree(tokens, confidences, scales, self.round_cost(ctx))
-        if nodes and rate > rival_rate:
-            self._declined_rounds = 0
-        elif tokens and self._probe_due():  # one token, so the calibration and the estimate learn
-            nodes, self._declined_rounds = [TreeNode((tokens[0][0],), min(confidences[0][0] * scales[0], 1.0))], 0
-        else:
-            self._declined_rounds += 1
-            self.acceptance.update(0, 0)
-            return None
+        if not (nodes and rate > rival_rate):
+            if not (tokens and self._probe_due()):
+                return HeadOffer(None, DECLINED)
+            nodes = [TreeNode((tokens[0][0],), min(confidences[0][0] * scales[0], 1.0))]  # one token, so the calibration and the estimate learn
         drafts, parents = tree_of(nodes)
         raw = {node.path: node.value for node in head_nodes(tokens, confidences)}
-        return RoundPlan(HEADS, drafts, parents, head_nodes=frozenset(range(len(nodes))), head_predicted=depth_sums(nodes, raw),
-                         expected=tree_expected(nodes))
+        return HeadOffer(RoundPlan(HEADS, drafts, parents, head_nodes=frozenset(range(len(nodes))),
+                                   head_predicted=depth_sums(nodes, raw), expected=tree_expected(nodes)), TAKEN)
+
+    def settle(self, offer: HeadOffer) -> None:
+        """The round has chosen: the proposals are taken (a Verify that did not ask declined a head
+        round), and the offer's outcome recorded: a round taken or probed starts the count of declined
+        rounds again; a declined offer counts one and the estimate forgets a little."""
+        self.take()
+        if offer.outcome == TAKEN:
+            self._declined_rounds = 0
+        elif offer.outcome == DECLINED:
+            self._declined_rounds += 1
+            self.acceptance.update(0, 0)
 
     def joined(self, plan: RoundPlan, nodes: list[TreeNode], raw: dict[tuple[int, ...], float]) -> RoundPlan:
         """Record that a round took these of the heads' nodes (`raw`: the heads' paths → unscaled values)."""

@@ -546,12 +546,13 @@ def head_policy_generation(costs: StepCosts, draft_service: bool = False, max_ne
 def head_round(generation) -> tuple[list[int], list[int]]:
     """The heads' offer this round as (drafts, parents), ([], []) when they decline."""
     ctx = generation.context()
-    plan = generation.heads.offer(ctx, generation.draft.rate(ctx), generation.draft.enabled)
-    return (plan.drafts, plan.parents) if plan is not None else ([], [])
+    offer = generation.heads.offer(ctx, generation.draft.rate(ctx), generation.draft.enabled)
+    generation.heads.settle(offer)
+    return (offer.plan.drafts, offer.plan.parents) if offer.plan is not None else ([], [])
 
 
 def asks_heads(generation) -> bool:
-    return generation.planner.ask_heads(generation.context())
+    return generation.planner.decide_heads_ask(generation.context())
 
 
 def test_heads_give_way_to_a_draft_that_promises_more():
@@ -601,6 +602,31 @@ def test_a_verify_asks_for_proposals_only_when_a_head_round_could_pay():
 
     assert asks_heads(head_policy_generation(costs, adaptive=False))  # no draft service: the heads draft
     assert not asks_heads(head_policy_generation(costs, draft_service=True, adaptive=False))  # the draft service drafts
+
+
+def test_asking_the_heads_and_their_offer_are_queries_and_settling_records_them():
+    """HeadProposer.ask and offer change nothing, however often they are called; record_ask and settle
+    are where a round's choice is kept (issue 56: methods read as queries do not change state)."""
+    costs = StepCosts()
+    costs.observe_verify(1, 0.100)
+    for positions in range(2, 6):
+        costs.observe_verify(positions, 0.120)
+    generation = head_policy_generation(costs)
+    heads, ctx = generation.heads, generation.context()
+    generation.heads.proposals = HeadProposals([[7], [8], [9]], [[0.9], [0.8], [0.7]])
+
+    def state():
+        return (heads.proposals, heads.asked, heads.depth, heads._declined, heads._declined_rounds,
+                heads.acceptance.chain(3))
+
+    before = state()
+    asks = [heads.ask(ctx, 0.0, False) for _ in range(3)]
+    offers = [heads.offer(ctx, 0.0, False) for _ in range(3)]
+    assert state() == before and asks[0] == asks[1] == asks[2] and asks[0].asked
+    assert offers[0].plan is not None and offers[0] == offers[1] == offers[2]
+    assert heads.record_ask(asks[0]) and (heads.asked, heads.depth) == (True, asks[0].depth)
+    heads.settle(offers[0])
+    assert not heads.proposals and heads.offer(ctx, 0.0, False).plan is None  # taken: once
 
 
 def test_heads_beside_a_better_draft_still_draft_one_token_every_few_rounds():

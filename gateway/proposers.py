@@ -272,8 +272,10 @@ class HeadProposer:
         if not proposals or not ctx.allowed:
             return HeadOffer(None, NO_OFFER)
         if not self.adaptive:
+            if draft_enabled:
+                return HeadOffer(None, NO_OFFER)
             drafts, parents = every_candidate(proposals.tokens[: ctx.draft_cap(self.num_draft_tokens)])
-            return HeadOffer(RoundPlan(HEADS, drafts, parents) if drafts and not draft_enabled else None, NO_OFFER)
+            return HeadOffer(RoundPlan(HEADS, drafts, parents) if drafts else None, NO_OFFER)
         tokens, confidences = self._candidates(proposals, ctx)
         scales = self.calibration.scales(len(tokens))
         nodes, rate = confident_tree(tokens, confidences, scales, self.round_cost(ctx))

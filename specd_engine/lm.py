@@ -348,7 +348,7 @@ class CausalLM:
             n, session = len(feed.tokens), feed.session
             hidden = out.hidden[at : at + n] if n and out.hidden is not None else None  # [n, H]
             layers = out.layers[at : at + n] if n and out.layers is not None else None  # [n, L, H]
-            wanted = feed.logits if not feed.scores_last else 1
+            wanted = feed.logit_rows
             logits = out.logits[row : row + wanted] if wanted else None  # [wanted, V]
             row, at = row + wanted, at + n
             if feed.is_round:

@@ -45,7 +45,7 @@ def logit_rows(feeds: Sequence[Feed]) -> list[int]:
     wanted, at = [], 0
     for feed in feeds:
         at += len(feed.tokens)
-        wanted += range(at - feed.logits, at) if not feed.scores_last else [at - 1]
+        wanted += range(at - feed.logit_rows, at)
     return wanted
 
 

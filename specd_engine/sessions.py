@@ -59,6 +59,11 @@ class Feed:
     prompt_rows: int = 0  # its first rows are prompt positions (dense products, tiles), by position: set by CausalLM.run_feeds
 
     @property
+    def logit_rows(self) -> int:
+        """How many rows' logits the pass computes for it: its last `logits`, or a scoring chunk's last row."""
+        return 1 if self.scores_last else self.logits
+
+    @property
     def is_round(self) -> bool:
         """A chain or tree (logits come back), not a prefill chunk."""
         return bool(self.logits) or self.scored is not None
@@ -102,10 +107,12 @@ class KVSession(TokenSequence):
         captured layers [n, L, H] from position `start` (None where it fed nothing). Returns the
         round's logits [k + 1, V], its row 0 the prefill's where that scored it; keeps the features
         where asked, and moves the session on (drafts join the tokens, a tree waits to be settled)."""
-        if feed.scored is not None:  # row 0 is the prefill's: [1 + n, ...]
-            logits, hidden, layers = (row if mine is None else torch.cat((row, mine))
-                                      for row, mine in ((feed.scored.logits, logits), (feed.scored.hidden, hidden),
-                                                        (feed.scored.layers, layers)))
+        scored = feed.scored
+        if scored is not None:  # row 0 is the prefill's: [1 + n, ...]
+            logits = scored.logits if logits is None else torch.cat((scored.logits, logits))
+            hidden = scored.hidden if hidden is None else torch.cat((scored.hidden, hidden))
+            if scored.layers is not None:  # (a prefill before any layer was captured kept none)
+                layers = scored.layers if layers is None else torch.cat((scored.layers, layers))
             start, self.scored = start - 1, None
         if self.keep_features:
             self.fed_start, self.fed_features, self.fed_layers = start, hidden, layers

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass sampled-coupling long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass flat-fold-widths sampled-coupling long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -88,6 +88,9 @@ ab-gateways: setup  ## two gateways' speculation side by side on one verify, wit
 
 pass-anatomy: setup  ## where a verify pass's time goes as rows and sessions grow: product kernels, KV appends, attention (ANATOMY_ARGS="--rows 1 2 4 8 --sessions 1 8"; docs/design/engine-room.md)
 	$(PY) scripts/pass_anatomy.py $(ANATOMY_ARGS)
+
+flat-fold-widths: setup  ## the flat pass's folded attention at key widths of 64, 128, 256 beside the ragged pass (FOLD_ARGS="--repeats 7"; docs/design/engine-room.md)
+	$(PY) scripts/flat_fold_widths.py $(FOLD_ARGS)
 
 graphed-pass: setup  ## the engine's flat pass beside its ragged one, and (CUDA) as graphs (GRAPHED_ARGS="--device cpu --weights int4 --context 400 --repeats 7"; docs/design/engine-room.md)
 	$(PY) scripts/graphed_pass.py $(GRAPHED_ARGS)

@@ -133,10 +133,15 @@ def main() -> None:
         result["shapes"] = measure(lms, args.context, args.repeats)
     except Exception as error:  # a device window must still record what ran
         result["error"] = repr(error)
+    print_and_save(result, args.out)
+
+
+def print_and_save(result: dict, out: str) -> None:
+    """The result as one JSON line on stdout, and in `out` where given."""
     text = json.dumps(result)
     print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
+    if out:
+        with open(out, "w") as handle:
             handle.write(text + "\n")
 
 

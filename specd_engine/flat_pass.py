@@ -12,47 +12,77 @@ replay. Here:
 - **Rows.** A pass is a flat batch of rows: each new position of each session (a decode, a chain's
   drafts, a tree's nodes, a prompt chunk) with its slot, the column its keys go to, its rotary
   position and the columns it may see.
-- **One attention call per layer** over all rows: each row is one query over the first `keys`
-  columns of its slot (gathered by slot index), `keys` a multiple of KEY_BLOCK, the columns it may
-  not see masked.
-- **Exact by construction.** A row's attention reads only its own slot, and CPU SDPA gives one
-  query the same bits over any key count that is a multiple of the vector width (8 floats on AVX2)
-  with the columns past its own masked: masked keys add exact zeros, whole masked blocks rescale by
-  exactly 1 (checked over 1–2,000 visible keys padded to 8–2,100; an unpadded count that is no such
-  multiple differs in the last bits). A masked column *between* visible ones is not harmless (it
-  moves the later keys' vector lanes), so a tree's node reads its keys compacted (`compact`: the
-  committed columns, its ancestors', its own), in the order decoding its path holds them. So a row's
-  bits do not depend on what shares its pass. With products that score
-  each row alone (int4, int8; specd_engine/quantized.py) a position's logits are then the same alone,
-  in a chain, in a tree, beside other sessions and after prompt chunks of any size
-  (tests/test_flat_pass.py).
+- **Attention folded, each row at its own key width** (`fold_rows`, `folded_attention`). A row
+  reads the columns it sees padded to whole FOLD_KEY_BLOCKs, its own count whatever shares its pass:
+  CPU SDPA rounds a query by its call's key count (past ~256 keys on a 2-vCPU Xeon, a row padded to
+  the pass's widest differed from itself alone, and the default target's logits moved by up to 0.28
+  beside a session four times as long). Rows of one width, of sessions with one row count (rounded
+  up to a power of two), make one call in place over the block of slots they hold, a view of the
+  store (no copy): each row a block of query rows (its query heads of one key head, padded to a power
+  of two so SDPA's query blocks never split a row), padding rows and idle slots masked to column 0. A
+  decode batch of similar contexts, or chains of one draft length, is one call a layer.
+- **Exact by construction**, where the start-up probe (`probe_folding`) finds this machine's SDPA
+  computing a block of query rows alike alone, among other rows and as one batch entry of several;
+  on a CPU the flat pass serves only there. A masked column *between* visible ones is not harmless
+  (it moves the later keys' vector lanes), so a tree's node reads its keys compacted (the committed
+  columns, its ancestors', its own), gathered, in the order decoding its path holds them. With
+  products that score each row alone (int4, int8; specd_engine/quantized.py) a position's logits are
+  then the same alone, in a chain, in a tree, beside other sessions and after prompt chunks of any
+  size (tests/test_flat_pass.py).
 
-Gathering keys by slot copies rows × Hkv × keys × D a layer: microseconds on a GPU, and on the
-CPU of the engine-room measurements more than the calls it saves. So `gather` may be off: then the
-rows of one session share one call over a broadcast view of their slot (no copy), one call per
-session, with the same bits (the same kernel over the same values).
+Where folding does not serve (a GPU's eager passes, until a device window measures them), `gather`
+decides: one call a layer over keys gathered by slot, or a call a session over a broadcast view of its
+slot; both pad to the pass's widest row. On a 2-vCPU Xeon the folded pass took 17–19% less than
+the ragged one for 32 sessions, 4–5% less for 8, and 3–9% more for one (its padded keys and query
+rows); through the services it did not beat the ragged pass (docs/design/engine-room.md), which stays
+the CPU default.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specd_common import tree
 from specd_common.errors import InvalidArgument, ResourceExhausted
 from specd_engine import kv_cache, lean_forward
-from specd_engine.passes import PassOutput, keeps_hidden, logit_rows
+from specd_engine.passes import PassOutput, keeps_hidden, logit_rows, prompt_rows
 from specd_engine.sessions import Feed
 from specd_engine.tuning import PassRuntime
 
 log = logging.getLogger(__name__)
 
 KEY_BLOCK, whole_blocks = kv_cache.KEY_BLOCK, kv_cache.whole_blocks  # a pass's key count is a multiple of KEY_BLOCK
+# A folded row reads the keys it sees padded to whole blocks of this many, alone or beside any rows: CPU SDPA
+# rounds a query by the key count of its call (one query over 278 keys differed from itself over 320 padded
+# to 512 on a 2-vCPU Xeon), so a row's count is its own and rows share a call only where their counts agree.
+# Larger shares more calls at concurrency, smaller pads less (a decode row reads 128 more keys on average).
+FOLD_KEY_BLOCK = 256
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_MADV_DONTNEED = 4  # Linux: the pages of a private anonymous mapping read as zeros again, and leave the resident set
+
+
+def forget_pages(tensor: torch.Tensor) -> None:
+    """Give the whole memory pages inside a contiguous CPU tensor back to the system (Linux): they read as
+    zeros when next touched, and until then the process does not hold them. Elsewhere nothing."""
+    if _LIBC is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return
+    start = tensor.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def slot_capacity(kv_tokens: int, slots: int) -> int:
@@ -64,13 +94,13 @@ def slot_capacity(kv_tokens: int, slots: int) -> int:
 class KVStore:
     """Every session's keys and values, allocated once: per layer [slots, Hkv, capacity, D].
 
-    capacity is whole key blocks, so a row's padded keys never pass its slot's end."""
+    capacity is whole FOLD_KEY_BLOCKs, so a row's padded keys never pass its slot's end."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int, device: torch.device,
                  dtype: torch.dtype):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a KV store needs at least one slot and one column, not {slots} × {capacity}")
-        self.slots, self.capacity = slots, whole_blocks(capacity)
+        self.slots, self.capacity = slots, whole_blocks(capacity, FOLD_KEY_BLOCK)  # a folded row's keys stay inside
         shape = (slots, kv_heads, self.capacity, head_dim)
         # empty: the memory is the operating system's until a slot's columns are first zeroed (`prepare`), so a
         # CPU verify holds what its sessions reached, not its whole budget
@@ -102,10 +132,17 @@ class KVStore:
             return self._free.pop()
 
     def release(self, slot: int) -> None:
+        """Give `slot` back, and on a CPU its pages to the system (forget_pages: they read as zeros, finite,
+        when a later session reaches them), so a verify holds the memory of the sessions it holds, not
+        of every slot's longest past session. The next claim takes the lowest free slot, so the sessions
+        held sit in a block of low slots, what a folded attention call spans (Fold)."""
         with self._lock:
             if slot in self._free or not 0 <= slot < self.slots:
                 raise ValueError(f"slot {slot} is not held")
+            for tensor in self.keys + self.values:
+                forget_pages(tensor[slot])
             self._free.append(slot)
+            self._free.sort(reverse=True)
 
     def prepare(self, slot: int, columns: int) -> None:
         """Make the first `columns` of `slot` finite before a pass reads them: a masked column still enters
@@ -175,14 +212,107 @@ class FlatRows:
     runs: list[tuple[int, int, int]]
     first_write: int = 0  # the first row's column (a pass of one session writes its consecutive columns from here)
     compact: Optional[torch.Tensor] = None  # [R, K] the columns each row reads, in order, where a tree's node is among them
+    folds: Optional[list["Fold"]] = None  # the attention calls of a folded pass (fold_rows); None: gathered or a call a session
+
+    @property
+    def reads(self) -> int:
+        """Key columns of a slot the pass may read (masked or not): they must be finite (KVStore.prepare)."""
+        return max([self.visible.shape[1]] + [fold.keys for fold in self.folds or ()])
+
+
+
+
+def query_rows(group: int) -> int:
+    """Query rows a row takes in a folded call: its `group` query heads of one key head, padded with zero
+    rows to a power of two of at least 2. CPU SDPA splits a call's query rows into blocks of 32 (64 or
+    256 in long calls) and a block of one row takes another path (a row's heads 30–32 of a call of 33
+    rounded otherwise); a power of two never straddles a block nor leaves a row alone in one."""
+    return max(2, 1 << (group - 1).bit_length())
+
+
+@dataclass
+class Fold:
+    """One attention call: each row one block of query rows (query_rows: its query heads of one key head,
+    zero rows after) over `keys` columns, the columns it may not see masked.
+
+    In place (columns None): over a block of the store's slots, [first, first + slots), each slot's rows
+    side by side (`rows` of them, padding after); no key is copied. Gathered (columns [F, keys]): each
+    row its own batch entry over the columns `columns` of slot `gather_slots` [F], in that order (a
+    tree's node, compacted: lean_forward.tree_compaction).
+
+    pass_rows [F]: the pass's rows this call answers; at [F]: each one's row in [slots × rows]; mask
+    [slots, 1, rows · query rows, keys]: additive, a padding row (and an idle slot's) seeing column 0
+    only; view: the pass's rows are this call's rows in order (no scatter, no gather)."""
+
+    first: int
+    slots: int
+    rows: int
+    keys: int
+    pass_rows: torch.Tensor
+    at: torch.Tensor
+    mask: torch.Tensor
+    view: bool
+    columns: Optional[torch.Tensor] = None
+    gather_slots: Optional[torch.Tensor] = None
+
+
+def fold_rows(runs: Sequence[tuple[int, int, int, int, Optional[torch.Tensor]]], group: int, device: torch.device) -> list[Fold]:
+    """A pass's attention in as few calls as keep every row's arithmetic its own (probe_folding). runs:
+    each session's (first row, rows, slot, cached columns, tree mask or None). A row reads the columns it
+    sees padded to whole FOLD_KEY_BLOCKs; rows of one width and sessions of one row count (rounded up
+    to a power of two) share a call in place over their slots' block: a decode batch of similar
+    contexts, or chains of one draft length, is one call a layer. A tree's rows read their keys
+    compacted, gathered, a call a width. `group`: query heads a key head."""
+    width = lambda seen: whole_blocks(seen, FOLD_KEY_BLOCK)  # noqa: E731
+    as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    padded = query_rows(group)
+    in_place: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (keys, rows) → (first row, rows, slot, first seen)
+    gathered: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # keys → (row, slot, columns, visible)
+    for first, n, slot, cached, mask in runs:
+        if mask is not None:  # a tree's rows: each its compacted columns
+            seen = cached + mask[:, cached:].sum(dim=1)  # [n]
+            for row in range(n):
+                keys = width(int(seen[row]))
+                columns, visible = lean_forward.tree_compaction(cached, mask[row : row + 1].cpu(), keys)  # [1, K] each
+                gathered.setdefault(keys, []).append((first + row, slot, columns[0], visible[0]))
+            continue
+        row = 0
+        while row < n:  # a chain's or chunk's rows see cached + 1, cached + 2, ...: runs of one width
+            keys = width(cached + row + 1)
+            count = min(n, keys - cached) - row
+            in_place.setdefault((keys, 1 << (count - 1).bit_length()), []).append((first + row, count, slot, cached + row + 1))
+            row += count
+    folds = []
+    total = sum(n for _, n, _, _, _ in runs)
+    for (keys, size), members in sorted(in_place.items()):
+        low = min(slot for _, _, slot, _ in members)
+        slots = max(slot for _, _, slot, _ in members) - low + 1
+        seen = torch.ones((slots, size), dtype=torch.long)  # [slots, rows]: columns each row sees (padding: one)
+        pass_rows, at = [], []
+        for start, count, slot, first_seen in members:
+            seen[slot - low, :count] = torch.arange(first_seen, first_seen + count)
+            pass_rows += range(start, start + count)
+            at += range((slot - low) * size, (slot - low) * size + count)
+        visible = torch.arange(keys)[None, None, :] < seen[:, :, None]  # [slots, rows, K]
+        mask = lean_forward.additive_mask(visible).repeat_interleave(padded, dim=1)[:, None]  # [slots, 1, rows · padded, K]
+        view = slots * size == total and pass_rows == at == list(range(total))
+        folds.append(Fold(low, slots, size, keys, as_long(pass_rows), as_long(at), mask.to(device), view))
+    for keys, members in sorted(gathered.items()):
+        visible = torch.stack([visible for _, _, _, visible in members])  # [F, K]
+        mask = lean_forward.additive_mask(visible)[:, None, None, :].expand(-1, 1, padded, -1).contiguous()  # [F, 1, padded, K]
+        folds.append(Fold(0, len(members), 1, keys, as_long([row for row, _, _, _ in members]), as_long(list(range(len(members)))),
+                          mask.to(device), False, torch.stack([columns for _, _, columns, _ in members]).to(device),
+                          as_long([slot for _, slot, _, _ in members])))
+    return folds
 
 
 def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional[torch.Tensor]]],
-              device: torch.device) -> FlatRows:
+              device: torch.device, fold_group: int = 0) -> FlatRows:
     """The rows of a pass from each session's part: (slot, cached columns, new rows, positions or None,
     mask or None). A part's rows go to columns cached .. cached + n - 1 and see the cached columns;
     among themselves causally, or by `mask` (bool [n, cached + n], a tree: its ancestors). Positions
-    default to the columns (a chain, a prompt chunk); a tree's are root + depth."""
+    default to the columns (a chain, a prompt chunk); a tree's are root + depth. fold_group: query heads
+    a key head, where attention folds (fold_rows); 0: it does not."""
     keys = whole_blocks(max(cached + n for _, cached, n, _, _ in parts))
     slots, writes, positions, runs, trees, at = [], [], [], [], [], 0
     for slot, cached, n, part_positions, mask in parts:
@@ -202,24 +332,30 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
         for first, cached, n, mask in trees:
             compact[first : first + n], visible[first : first + n] = lean_forward.tree_compaction(cached, mask, keys)
         compact = compact.to(device)
+    folds = None
+    if fold_group:
+        masks = {first: mask for first, _, _, mask in trees}
+        folds = fold_rows([(first, n, slot, writes[first], masks.get(first)) for first, n, slot in runs], fold_group, device)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0], compact)
+    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0], compact, folds)
 
 
 @torch.inference_mode()
 def forward_flat(lean: lean_forward.LeanLlama, store: KVStore, ids: torch.Tensor, rows: FlatRows, gather: bool,
-                 keep_hidden: bool = False, capture: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 keep_hidden: bool = False, capture: Sequence[int] = (),
+                 prompt: Optional[lean_forward.PromptRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One pass of the lean model over the rows' tokens ids [R]: writes their keys and values into the
     store and returns the final hidden state [R, C] (after the final norm) and, when keep_hidden and
     layers are captured, their outputs [R, L, C]. gather: one attention call a layer over all rows
-    (keys gathered by slot), else one a session (module docstring)."""
+    (keys gathered by slot), else one a session (module docstring); where rows.folds, a call a Fold.
+    `prompt`: the rows that are prompt positions, whose products may take a dense weight."""
     x = lean.embed(ids)  # [R, C]
     cos, sin = lean_forward.rotary_rows(lean.rotary, x, rows.positions)  # [R, 1, D] each
     mask = rows.visible[:, None, None, :]  # [R, 1, 1, K]
     captured = []
     for index, layer in enumerate(lean.layers):
         attend = lambda q, k, v, index=index, layer=layer: _attend(layer, store, index, q, k, v, rows, mask, gather)  # noqa: E731
-        x = lean._layer(layer, x, cos, sin, attend)
+        x = lean._layer(layer, x, cos, sin, attend, prompt)
         if index + 1 in capture and keep_hidden:
             captured.append(x)
     hidden = lean_forward.rms_norm(x, lean.norm, lean.eps)  # [R, C]
@@ -239,6 +375,8 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     else:
         keys[rows.slots, :, rows.writes] = k  # [R, Hkv, D] into (slot, column) pairs
         values[rows.slots, :, rows.writes] = v
+    if rows.folds is not None:
+        return folded_attention(layer, keys, values, q, rows.folds)
     width = mask.shape[-1]
     if rows.compact is not None:  # a tree's nodes: each row's keys in the order decoding its path would hold them
         index = (rows.slots[:, None], slice(None), rows.compact)
@@ -250,6 +388,87 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
                                       values[slot : slot + 1, :, :width].expand(n, -1, -1, -1), mask[first : first + n])
            for first, n, slot in rows.runs]
     return torch.cat(out) if len(out) > 1 else out[0]  # [R, Hq, D]
+
+
+# (visible keys, rows beside it) the folding probe tries first: short and long rows, a decode batch's and
+# a chain's rows, a prompt chunk past SDPA's query blocks of 32 and 64; then FOLD_PROBE_RANDOM drawn
+# ones (a kernel that rounds a row by its neighbours does it in many rows, so a dozen find it where a
+# served answer shows it only at a near-tie)
+FOLD_PROBE_CASES = ((1, 2), (63, 8), (64, 11), (300, 64), (700, 70), (1500, 17))
+FOLD_PROBE_RANDOM = 12
+
+
+def fold_probe_cases(generator: torch.Generator) -> list[tuple[int, int]]:
+    """FOLD_PROBE_CASES and FOLD_PROBE_RANDOM drawn ones: up to 2,048 visible keys, 1–40 rows."""
+    draw = lambda high: int(torch.randint(high, (1,), generator=generator))  # noqa: E731
+    return list(FOLD_PROBE_CASES) + [(1 + draw(2048), 1 + draw(40)) for _ in range(FOLD_PROBE_RANDOM)]
+
+
+def probe_folding(layer: lean_forward.LeanLayer, device: torch.device) -> bool:
+    """Whether this machine's SDPA gives a row the same bits folded (folded_attention) as alone: its
+    block of query rows (query_rows) over its own keys (whole FOLD_KEY_BLOCKs) alone, against the same
+    block among other rows' blocks (masks of their own) as one batch entry of three, at every thread
+    count up to the current one. The CPU kernel computes each query row on its own, so it should where
+    no block of query rows is cut otherwise; a kernel or BLAS that rounds a row by its neighbours
+    would make a row's logits depend on what shares its pass, so the start-up checks instead of
+    trusting (the ragged pass then serves a CPU)."""
+    threads, heads = torch.get_num_threads(), query_rows(layer.heads // layer.kv_heads)
+    generator = torch.Generator().manual_seed(0)
+    random = lambda *shape: torch.randn(shape, generator=generator).to(device)  # noqa: E731
+    try:
+        for count in range(1, threads + 1):
+            torch.set_num_threads(count)
+            for visible, rows in fold_probe_cases(generator):
+                keys = whole_blocks(visible, FOLD_KEY_BLOCK)
+                key_states, value_states = random(3, layer.kv_heads, keys, layer.head_dim), random(3, layer.kv_heads, keys, layer.head_dim)
+                query = random(1, layer.kv_heads, heads, layer.head_dim)
+                seen = lean_forward.additive_mask(torch.arange(keys, device=device) < visible)  # [K]
+                alone = F.scaled_dot_product_attention(query, key_states[1:2], value_states[1:2], attn_mask=seen[None, None, None],
+                                                       scale=layer.scaling)
+                for place in (0, rows - 1):
+                    blocks = random(3, layer.kv_heads, rows * heads, layer.head_dim)
+                    blocks[1, :, place * heads : (place + 1) * heads] = query[0]
+                    others = torch.randint(1, keys + 1, (3, rows, 1), generator=generator).to(device).repeat_interleave(heads, dim=1)
+                    masks = lean_forward.additive_mask(torch.arange(keys, device=device) < others)  # [3, rows · heads, K]
+                    masks[1, place * heads : (place + 1) * heads] = seen
+                    folded = F.scaled_dot_product_attention(blocks, key_states, value_states, attn_mask=masks[:, None], scale=layer.scaling)
+                    if not torch.equal(folded[1:2, :, place * heads : (place + 1) * heads], alone):
+                        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def folded_attention(layer: lean_forward.LeanLayer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
+                     folds: Sequence[Fold]) -> torch.Tensor:
+    """The rows' attention q [R, Hq, D] → [R, Hq, D], a call a Fold over the store's keys and values
+    [S, Hkv, capacity, D]: a row's query heads become its key heads' blocks of query rows, padded with
+    zero rows (query_rows), and a slot's rows sit side by side in each block."""
+    heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
+    group = heads // kv_heads
+    padded = query_rows(group)
+    rows_of = q.view(q.shape[0], kv_heads, group, dim)  # [R, Hkv, g, D]
+    if padded > group:
+        rows_of = F.pad(rows_of, (0, 0, 0, padded - group))  # [R, Hkv, p, D]
+    out = None if len(folds) == 1 and folds[0].view else q.new_empty(q.shape)
+    for fold in folds:
+        slots, size = fold.slots, fold.rows
+        queries = rows_of if fold.view else rows_of.new_zeros((slots * size, kv_heads, padded, dim)).index_copy_(
+            0, fold.at, rows_of.index_select(0, fold.pass_rows))  # [slots · rows, Hkv, p, D]
+        blocks = queries.view(slots, size, kv_heads, padded, dim).transpose(1, 2).reshape(slots, kv_heads, size * padded, dim)
+        if fold.columns is None:  # in place: a view of the slots' block
+            span = slice(fold.first, fold.first + slots)
+            read_keys, read_values = keys[span, :, : fold.keys], values[span, :, : fold.keys]  # [slots, Hkv, K, D]
+        else:  # a tree's rows: their compacted columns, gathered
+            index = (fold.gather_slots[:, None], slice(None), fold.columns)
+            read_keys, read_values = keys[index].transpose(1, 2), values[index].transpose(1, 2)  # [F, Hkv, K, D]
+        attended = F.scaled_dot_product_attention(blocks, read_keys, read_values, attn_mask=fold.mask, scale=layer.scaling)
+        attended = attended.view(slots, kv_heads, size, padded, dim).transpose(1, 2).reshape(slots * size, kv_heads, padded, dim)
+        attended = attended[:, :, :group].reshape(slots * size, heads, dim)  # [slots · rows, Hq, D]
+        if out is None:
+            return attended
+        out.index_copy_(0, fold.pass_rows, attended if fold.view else attended.index_select(0, fold.at))
+    return out
 
 
 GRAPH_ROWS = (8, 32, 128)  # a CUDA pass's rows are padded to the first of these that holds them; more run eagerly
@@ -339,8 +558,12 @@ class FlatPasses:
     attending its own slot, replayed as a CUDA graph where a captured shape holds it; the LM head only
     over the rows whose logits are wanted. CausalLM.use_flat_pass starts it after a probe."""
 
-    def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, device: torch.device, runtime: PassRuntime, gather: bool):
+    def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, device: torch.device, runtime: PassRuntime, gather: bool,
+                 fold: bool = False, int4: bool = False):
         self.lean, self.store, self.device, self.runtime, self.gather = lean, store, device, runtime, gather
+        # attention folded into a call a row count (fold_rows), where this machine's SDPA keeps a row's bits (probe_folding)
+        self.fold, self.int4 = fold, int4
+        self.prompt_kernel: Optional[str] = None  # prompt rows' dense products (quantized.choose_prompt_kernel); None: int4
         # fixed-shape passes replayed as CUDA graphs on a GPU, padding rows in a spare slot
         self.graphs = GraphedPasses(lean, store, store.claim()) if device.type == "cuda" else None
 
@@ -349,10 +572,12 @@ class FlatPasses:
         slots = [slot_of(feed.session.cache) for feed in feeds]
         if None in slots:
             raise ValueError("a flat pass needs every session in a store slot (made after use_flat_pass)")
+        layer = self.lean.layers[0]
         rows = flat_rows([(slot, start, len(feed.tokens), feed.positions, feed.mask)
-                          for feed, slot, start in zip(feeds, slots, starts)], self.device)
+                          for feed, slot, start in zip(feeds, slots, starts)], self.device,
+                         layer.heads // layer.kv_heads if self.fold else 0)
         for slot in slots:
-            self.store.prepare(slot, rows.visible.shape[1])
+            self.store.prepare(slot, rows.reads)
         ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=self.device)  # [R]
         keep, wanted = keeps_hidden(feeds), logit_rows(feeds)
         with self.runtime.pass_of(len(ids), trial=len(feeds) == 1):
@@ -363,12 +588,19 @@ class FlatPasses:
                 # several sessions decoding one row each: gathering their keys costs less than a call a session,
                 # on a CPU too; one session reads a view of its slot (no copy)
                 gather = self.gather or len(ids) == len(feeds) > 1
-                hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured)  # [R, H], [R, L, H] or None
+                hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured,
+                                              prompt_rows(feeds, self.prompt_kernel))  # [R, H], [R, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]
         for feed, start in zip(feeds, starts):
             for layer in feed.session.cache.layers:
                 layer.set_length(start + len(feed.tokens))
         return PassOutput(hidden, layers, logits)
+
+    @property
+    def positional_prompts(self) -> bool:
+        """A prompt row's bits depend on its position alone (CausalLM.prescores): int4's per-row products,
+        and attention folded where this machine keeps a row's bits so (its keys padded, its neighbours any)."""
+        return self.fold and self.int4
 
     def _replay(self, ids: torch.Tensor, rows: FlatRows) -> Optional[torch.Tensor]:
         """The pass replayed as a CUDA graph ([R, H]), or None where no captured shape holds it. A shape
@@ -388,29 +620,38 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
     than it calls). Sessions made before keep their own caches and must end first. A probe (a
     prompt, then a chain, twice: a CUDA graph's capture and its replay) must score as the ragged pass
     does (lean_forward.logits_disagree), or the ragged pass keeps serving and the log says why;
-    returns whether the flat pass serves. A flat pass scores prompt rows in int4, a row at a time."""
+    returns whether the flat pass serves. On a CPU only where this machine folds attention
+    (probe_folding): rows padded to the pass's widest would round by their neighbours' key counts."""
     if lm.lean is None:
         raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
+    fold = lm.run(probe_folding, lm.lean.layers[0], lm.loaded.device)
+    if not fold and lm.loaded.device.type == "cpu":
+        log.warning("model passes: ragged; this machine's attention rounds a row by the rows folded beside it "
+                    "(flat_pass.probe_folding), and a flat pass must fold to be exact on a CPU")
+        return False
     ragged, max_length, nodes = lm.passes, lm.max_length, tree.MAX_TREE_NODES + 1
     if ragged.prompt_kernel is not None:
         lm.use_prompt_kernel(None)
     tiles, ragged.tiles = ragged.tiles, False  # the reference: the ragged pass attending prompt rows one by one
-    reference = probe(lm)
+    reference = lm.run(probe, lm)  # (the model thread: torch work on the caller's thread starts a second OpenMP team)
     try:
         capacity = min(capacity or max_length + nodes, max_length + nodes)
         lm.store = lm.run(KVStore.for_model, lm.loaded.model.config, slots, capacity, lm.loaded.device, lm.lean.embed.weight.dtype)
         lm.max_length = min(max_length, lm.store.capacity - nodes)
-        lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning, lm.loaded.device.type == "cuda" if gather is None else gather)
+        lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning, lm.loaded.device.type == "cuda" if gather is None else gather,
+                               fold, lm.weights == "int4")
         dtype = torch.bfloat16 if lm.weights == "int4" else lm.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
-        why = lean_forward.logits_disagree(probe(lm), reference, dtype) or lean_forward.logits_disagree(probe(lm), reference, dtype)
+        why = lm.run(lambda: lean_forward.logits_disagree(probe(lm), reference, dtype) or lean_forward.logits_disagree(probe(lm), reference, dtype))
     except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
         why = repr(error)
     if why:
         lm.store, lm.passes, lm.max_length, ragged.tiles = None, ragged, max_length, tiles
         log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
         return False
+    calls = ("one attention call a layer and row count, in place" if lm.passes.fold else
+             "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
     log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, lm.store.capacity,
-             lm.store.bytes() / 2**20, "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
+             lm.store.bytes() / 2**20, calls)
     return True
 
 

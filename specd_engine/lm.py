@@ -158,7 +158,7 @@ class CausalLM:
 
     def use_prompt_kernel(self, kernel: Optional[str]) -> None:
         """Prompt rows' products through the dense weight `kernel` (quantized.PROMPT_KERNELS), or int4 (None)."""
-        self.ragged.prompt_kernel = self.run(quantized.use_prompt_kernel, self.lean.layers, kernel)
+        self.passes.prompt_kernel = self.run(quantized.use_prompt_kernel, self.lean.layers, kernel)
 
     def use_only(self, layouts: set[str]) -> None:
         """Drop the weights of layouts no forward will use (frees their memory)."""
@@ -178,7 +178,7 @@ class CausalLM:
 
     def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
         """Serve every pass as one flat pass over a KV store allocated now, if it passes its start-up
-        probe (flat_pass.serve_flat); returns whether it serves."""
+        probes (flat_pass.serve_flat); returns whether it serves."""
         return flat_pass.serve_flat(self, slots, capacity, gather)
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True,
@@ -228,11 +228,11 @@ class CausalLM:
         """Whether a prefill scores the prompt's last token with the other prompt rows, keeping that row's
         logits for the first round (KVSession.scored): the first token then waits for no pass of its own,
         and a first round with no drafts runs none. Only where a prompt row's bits depend on its
-        position alone (int4's ragged pass: per-row products, tiles cut by position, dense blocks of
-        fixed size), so the first token is the same however the prompt was chunked and whatever shared
-        its passes. Elsewhere (a float32 GEMM rounds a row by the chunk's row count) the first round
-        scores the last token as a generated one."""
-        return self.prompt_tiles
+        position alone (the engine's positional_prompts: int4's per-row products and dense blocks of
+        fixed size, with tiles cut by position or folded attention), so the first token is the same
+        however the prompt was chunked and whatever shared its passes. Elsewhere (a float32 GEMM rounds
+        a row by the chunk's row count) the first round scores the last token as a generated one."""
+        return getattr(self.passes, "positional_prompts", False)
 
     def prompt_end(self, session: KVSession) -> int:
         """Positions before this one are prompt rows (they may attend in tiles and take dense products):
@@ -254,7 +254,7 @@ class CausalLM:
         """The prompt positions a pass's prefill chunks are best counted in: a dense prompt product
         computes whole blocks of quantized.PROMPT_BLOCK rows (16 rows cost what 64 do: the rest of the
         block is zeros), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
-        if self.ragged is not None and self.ragged.prompt_kernel is not None:
+        if getattr(self.passes, "prompt_kernel", None) is not None:
             return quantized.PROMPT_BLOCK
         return lean_forward.PROMPT_TILE if self.prompt_tiles else 1
 

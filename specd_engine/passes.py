@@ -81,24 +81,31 @@ class RaggedPasses:
         with self.runtime.pass_of(at, trial=len(feeds) == 1):  # serving trials time lone passes
             hidden, layers = self.lean.forward_ragged(torch.tensor(ids, dtype=torch.long, device=self.device),
                                                       torch.tensor(positions, dtype=torch.long, device=self.device), segments,
-                                                      keeps_hidden(feeds), captured, self._prompt_rows(feeds))  # [T, H], [T, L, H] or None
+                                                      keeps_hidden(feeds), captured, prompt_rows(feeds, self.prompt_kernel))  # [T, H], [T, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]
         return PassOutput(hidden, layers, logits)
 
-    def _prompt_rows(self, feeds: Sequence[Feed]) -> Optional[lean_forward.PromptRows]:
-        """The rows of the pass that are prompt positions, where prompt rows take dense products; None
-        where none does. A row is one by its position alone (Feed.prompt_rows), so it is scored alike in
-        a chunk of any size and beside any rows."""
-        if self.prompt_kernel is None:
-            return None
-        prompt, at = [], 0
-        for feed in feeds:
-            prompt += range(at, at + feed.prompt_rows)
-            at += len(feed.tokens)
-        if not prompt:
-            return None
-        other = sorted(set(range(at)) - set(prompt))
-        return lean_forward.PromptRows(lean_forward.row_index(prompt), lean_forward.row_index(other) if other else None)
+    @property
+    def positional_prompts(self) -> bool:
+        """A prompt row's bits depend on its position alone, however the prompt was chunked and whatever
+        shared its passes (CausalLM.prescores): int4's per-row products and tiles cut by position."""
+        return self.tiles
+
+
+def prompt_rows(feeds: Sequence[Feed], kernel: Optional[str]) -> Optional[lean_forward.PromptRows]:
+    """The rows of a pass over the feeds' tokens that are prompt positions, where prompt rows take dense
+    products (`kernel`, quantized.PROMPT_KERNELS); None where none does. A row is one by its position
+    alone (Feed.prompt_rows), so it is scored alike in a chunk of any size and beside any rows."""
+    if kernel is None:
+        return None
+    prompt, at = [], 0
+    for feed in feeds:
+        prompt += range(at, at + feed.prompt_rows)
+        at += len(feed.tokens)
+    if not prompt:
+        return None
+    other = sorted(set(range(at)) - set(prompt))
+    return lean_forward.PromptRows(lean_forward.row_index(prompt), lean_forward.row_index(other) if other else None)
 
 
 class TransformersPasses:

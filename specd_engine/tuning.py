@@ -120,8 +120,8 @@ def tune(lm: Any, threads: int = 0, max_threads: int = 0, repeats: int = 5,
 
 
 def choose_prompt_kernel(lm: Any, threads: int, measure: autotune.Measure) -> None:
-    """int4 ragged passes: measure whether prompt rows' products are cheaper through a dense weight
-    (quantized.choose_prompt_kernel) and keep it where they are. A flat pass scores every row in int4."""
-    if lm.weights == "int4" and lm.ragged is not None:
-        lm.ragged.prompt_kernel = quantized.choose_prompt_kernel(lm.lean.layers, threads, measure)
-        log.info("prompt rows' products: %s", lm.ragged.prompt_kernel or "int4, as every row's")
+    """int4 lean passes (ragged or flat): measure whether prompt rows' products are cheaper through a
+    dense weight (quantized.choose_prompt_kernel) and keep it where they are."""
+    if lm.weights == "int4" and lm.lean is not None:
+        lm.passes.prompt_kernel = quantized.choose_prompt_kernel(lm.lean.layers, threads, measure)
+        log.info("prompt rows' products: %s", lm.passes.prompt_kernel or "int4, as every row's")

@@ -8,6 +8,7 @@ MKL's products round a row differently by how many rows a GEMM holds (`make pass
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -57,6 +58,21 @@ def test_a_position_scores_the_same_bits_whatever_shares_its_pass(flat):
         assert torch.equal(decoded(flat, budget=budget), alone), budget
 
 
+def test_a_position_past_one_key_block_scores_alike_beside_longer_and_shorter_sessions(flat):
+    """Rows wider than a FOLD_KEY_BLOCK, a chain crossing into the next block, beside sessions whose
+    rows read other widths: each row reads its own width, so its bits are those of decoding it alone
+    (padded to the pass's widest, a row over 278 keys rounded otherwise than over its own 320)."""
+    block = flat_pass.FOLD_KEY_BLOCK
+    prompt = [(11 * i) % 50 + 3 for i in range(block - 3)]
+    alone = decoded(flat, prompt)
+    others = [flat.new_session([(5 * i + j) % 50 + 3 for i in range(length)]) for j, length in enumerate((block + 200, 30))]
+    mine = flat.new_session(prompt)
+    for session in others + [mine]:
+        flat.forward(session)
+    beside = flat.forward_batch([(mine, DRAFTS)] + [(other, [5, 6]) for other in others])
+    assert torch.equal(beside[0], alone)
+
+
 def test_a_tree_node_scores_the_bits_of_decoding_its_path(flat):
     tokens, parents = [11, 2, 9, 30], [-1, 0, 0, 1]
     session = flat.new_session(PROMPT)
@@ -73,36 +89,93 @@ def test_one_attention_call_a_layer_or_one_a_session_give_the_same_bits(flat):
     for session in sessions:
         flat.forward(session)
     feeds = [flat.chain_feed(session, DRAFTS[: 1 + j]) for j, session in enumerate(sessions)]
-    flat.passes.gather = False
-    apart = flat.run_feeds_then_rewind(feeds)
-    flat.passes.gather = True
+    flat.passes.fold = False  # what a GPU's eager passes do (a CPU folds: short keys here, which any width reads alike)
     try:
+        flat.passes.gather = False
+        apart = flat.run_feeds_then_rewind(feeds)
+        flat.passes.gather = True
         gathered = flat.run_feeds_then_rewind(feeds)
     finally:
-        flat.passes.gather = False
+        flat.passes.gather, flat.passes.fold = False, True
     assert all(torch.equal(a, b) for a, b in zip(apart, gathered))
 
 
-def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat):
-    """With one attention call a layer, nothing inside a pass's layers loops over its sessions (the
-    torch profiler counts the operators of forward_flat, on the model thread where it runs; one row
-    alone takes a few views fewer than several, whatever their sessions)."""
+@pytest.mark.parametrize("attention", ["folded", "gathered"])
+def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat, attention):
+    """With one attention call a layer (folded in place, or over gathered keys), nothing inside a
+    pass's layers loops over its sessions (the torch profiler counts the operators of forward_flat,
+    on the model thread where it runs)."""
     from torch.profiler import ProfilerActivity, profile
 
+    assert flat.passes.fold  # this machine's SDPA keeps a row's bits folded (flat_pass.probe_folding)
     sessions = [flat.new_session(PROMPT[: 20 + 4 * j]) for j in range(8)]
     for session in sessions:
         flat.forward(session)
+    layer = flat.lean.layers[0]
+    group = layer.heads // layer.kv_heads if attention == "folded" else 0
 
     def operations(count: int) -> int:
-        parts = [(flat_pass.slot_of(s.cache), s.cache.get_seq_length(), 1, None, None) for s in sessions[:count]]
-        rows = flat_pass.flat_rows(parts, flat.loaded.device)
+        parts = [(flat_pass.slot_of(s.cache), s.cache.get_seq_length(), 1, None, None) for s in sessions[1 : count + 1]]
+        rows = flat_pass.flat_rows(parts, flat.loaded.device, group)
+        assert (rows.folds is not None and len(rows.folds) == 1) == bool(group)
         ids = torch.full((count,), 7, dtype=torch.long)
         with profile(activities=[ProfilerActivity.CPU]) as run:
             flat_pass.forward_flat(flat.lean, flat.store, ids, rows, gather=True)
         return sum(1 for event in run.events() if event.name.startswith("aten::"))
 
-    two, eight = flat.run(operations, 2), flat.run(operations, 8)
-    assert two == eight and two > 10 * len(flat.lean.layers), (two, eight)
+    two, seven = flat.run(operations, 2), flat.run(operations, 7)
+    assert two == seven and two > 10 * len(flat.lean.layers), (two, seven)
+
+
+def test_folded_attention_groups_rows_by_their_own_key_width_and_sessions_by_row_count():
+    """fold_rows: a row reads the keys it sees in whole FOLD_KEY_BLOCKs, its own width whatever shares
+    its pass; decode rows of one width fold into one call over the block of slots they hold, a chain
+    crossing a block boundary splits there, and a tree's rows gather their compacted keys."""
+    block = flat_pass.FOLD_KEY_BLOCK
+    runs = [(0, 1, 2, 9, None), (1, 3, 5, block - 2, None), (4, 1, 4, 70, None)]  # (first row, rows, slot, cached, tree mask)
+    folds = flat_pass.fold_rows(runs, group=2, device=torch.device("cpu"))
+    by_rows = {(fold.keys, fold.rows): fold for fold in folds}
+    assert sorted(by_rows) == [(block, 1), (block, 2), (2 * block, 1)]
+    decode = by_rows[(block, 1)]  # slots 2 and 4, slot 3 idle between
+    assert (decode.first, decode.slots) == (2, 3) and decode.pass_rows.tolist() == [0, 4] and decode.at.tolist() == [0, 2]
+    assert (decode.mask[1] == 0).sum(-1).tolist() == [[1, 1]]  # the idle slot's padded query rows see column 0 only
+    chain = by_rows[(block, 2)]
+    assert chain.pass_rows.tolist() == [1, 2] and ((chain.mask[0, 0] == 0).sum(-1)).tolist() == [block - 1] * 2 + [block] * 2
+    crossing = by_rows[(2 * block, 1)]  # the chain's third row sees block + 1 keys: the next width
+    assert crossing.pass_rows.tolist() == [3] and (crossing.mask[0, 0] == 0).sum(-1).tolist() == [block + 1] * 2
+
+    tree = torch.ones((3, 13), dtype=torch.bool).tril(10)  # 10 cached, then a root and two children of it
+    tree[2, 11] = False  # the second child does not see the first
+    gathered, = flat_pass.fold_rows([(0, 3, 1, 10, tree)], group=2, device=torch.device("cpu"))
+    assert gathered.columns is not None and gathered.gather_slots.tolist() == [1, 1, 1]
+    assert gathered.columns[2, :12].tolist() == list(range(11)) + [12]  # committed, the root, its own: compacted
+
+
+def test_a_cpu_whose_attention_rounds_a_row_by_its_neighbours_keeps_the_ragged_pass(tiny, monkeypatch):
+    """The start-up probe (flat_pass.probe_folding): where SDPA rounds a query row by the rows folded
+    beside it, a CPU keeps the ragged pass, and a position still scores alike whatever shares its pass."""
+    import torch.nn.functional as F
+
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    real = F.scaled_dot_product_attention
+
+    def skewed(query, *args, **kwargs):  # a block of more than one row's query heads rounds otherwise
+        out = real(query, *args, **kwargs)
+        return out + 1e-3 if query.shape[-2] > query.shape[1] and query.shape[0] == 3 else out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", skewed)
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    assert not flat_pass.probe_folding(lm.lean.layers[0], torch.device("cpu"))
+    assert not lm.use_flat_pass(slots=8) and lm.store is None  # the ragged pass serves, exactly
+    alone = decoded(lm)
+    others = [lm.new_session(PROMPT[: 20 + 7 * j]) for j in range(3)]
+    mine = lm.new_session(PROMPT)
+    for session in others + [mine]:
+        lm.forward(session)
+    beside = lm.forward_batch([(mine, DRAFTS)] + [(other, [5]) for other in others])
+    assert torch.equal(beside[0], alone)
 
 
 def test_sessions_hold_slots_until_they_end(tiny):
@@ -111,7 +184,7 @@ def test_sessions_hold_slots_until_they_end(tiny):
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     assert lm.use_flat_pass(slots=2, capacity=100)
-    assert lm.store.capacity == 128 and lm.max_length < lm.store.capacity  # 100 in whole key blocks
+    assert lm.store.capacity == 256 and lm.max_length < lm.store.capacity  # 100 in whole FOLD_KEY_BLOCKs
     first, second = lm.new_session(PROMPT), lm.new_session(PROMPT)
     with pytest.raises(ResourceExhausted, match="all 2 KV slots"):
         lm.new_session(PROMPT)
@@ -119,7 +192,7 @@ def test_sessions_hold_slots_until_they_end(tiny):
     del first
     gc.collect()
     third = lm.new_session(PROMPT)  # the first's slot came back
-    assert lm.store.free_slots == 0 and third.cached == len(PROMPT) - 1
+    assert lm.store.free_slots == 0 and third.cached == len(PROMPT)  # the prefill scored the last token (prescores)
 
 
 def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_any_prompt_chunks():
@@ -131,7 +204,7 @@ def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
-    assert lm.use_flat_pass(slots=3, capacity=1024)
+    assert lm.use_flat_pass(slots=8, capacity=2048)
     prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
                                                      add_generation_prompt=True, return_dict=True)["input_ids"]
     drafts = [504, 3632, 28, 2216, 216, 314]
@@ -149,6 +222,16 @@ def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_
     rows = lm.forward_tree(session, tokens, parents)  # [5, V]
     for node, path in ((1, [504, 3632]), (2, [504, 1046]), (3, [504, 3632, 28])):
         assert torch.equal(rows[1 + node], decoded(lm, prompt, path)[-1]), node
+
+    # past one key block, beside a session four times as long and a short one: rows padded to the pass's
+    # widest (the flat pass before 2026-11-29) scored logits up to 0.28 apart from decoding them alone
+    long_prompt = (prompt * 80)[:300]
+    alone = decoded(lm, long_prompt, drafts)
+    others = [lm.new_session((prompt * 80)[1:length]) for length in (1200, 30)]
+    mine = lm.new_session(long_prompt)
+    for session in others + [mine]:
+        lm.forward(session)
+    assert torch.equal(lm.forward_batch([(mine, drafts)] + [(other, [5, 6]) for other in others])[0], alone)
 
 
 def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tiny):
@@ -188,6 +271,23 @@ def test_a_flat_pass_that_fails_its_start_up_probe_leaves_the_ragged_pass_servin
     assert lm.store is None and "no kernel" in caplog.text
     session = lm.new_session(PROMPT)
     assert lm.forward(session, DRAFTS).shape[0] == len(DRAFTS) + 1  # served by the ragged pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages go back to the system through Linux's madvise")
+def test_a_released_slot_gives_its_pages_back_and_the_lowest_free_slot_is_claimed_first():
+    """A CPU store's slot spans the model's context: what a past session wrote must not stay resident
+    once it ends (its pages read as zeros after, finite), and a neighbour's columns stay as they were."""
+    store = flat_pass.KVStore(layers=1, kv_heads=2, head_dim=64, slots=3, capacity=4096, device=torch.device("cpu"),
+                              dtype=torch.float32)
+    first, second = store.claim(), store.claim()
+    assert (first, second) == (0, 1)
+    store.keys[0][first].fill_(1.0)
+    store.keys[0][second].fill_(2.0)
+    store.release(first)
+    forgotten = store.keys[0][first]  # [Hkv, capacity, D]: 2 MiB, its whole pages given back (not a partial one at an edge)
+    assert (forgotten == 0).float().mean() > 0.99 and torch.isfinite(forgotten).all()
+    assert (store.keys[0][second] == 2.0).all()
+    assert store.claim() == 0  # the lowest free slot: sessions sit in a block a folded call spans
 
 
 def test_a_slot_s_memory_is_made_finite_before_a_pass_reads_it(tiny, flat):

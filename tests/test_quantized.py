@@ -226,12 +226,13 @@ def test_int4_weights_need_the_lean_forward(tiny):
 @pytest.mark.parametrize("forward", ["auto", "flat"])
 def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny, forward):
     """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output,
-    its passes ragged (auto) or flat (specd_engine/flat_pass.py). Ragged, the first token costs no pass
-    of its own (CausalLM.prescores: the gateway's first round is plain and free)."""
+    its passes ragged (auto) or flat (specd_engine/flat_pass.py). The first token costs no pass of its own
+    (CausalLM.prescores: the gateway's first round is plain and free)."""
     running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4", forward=forward)
     lm = running.verify.servicer.scorer.lm
-    passes, ragged = [], lm.lean.forward_ragged
-    lm.lean.forward_ragged = lambda *args, **kwargs: passes.append(1) or ragged(*args, **kwargs)
+    assert (lm.store is not None) == (forward == "flat") and lm.prescores
+    passes, run = [], lm.passes.run
+    lm.passes.run = lambda *args, **kwargs: passes.append(1) or run(*args, **kwargs)
     try:
         stub = running.stub()
         for prompt in PROMPTS:
@@ -242,8 +243,8 @@ def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny, f
             target_only = generate(stub, text=prompt, max_new_tokens=40, disable_speculation=True)
             assert list(speculative.token_ids) == list(target_only.token_ids), prompt
             assert speculative.stats.draft_tokens > 0 and speculative.stats.target_passes < len(speculative.token_ids)
-            if forward == "auto":  # the prefill's pass scored the first token, and the first round ran none
-                assert len(passes) == len(target_only.token_ids) and speculative_passes == speculative.stats.target_passes, prompt
+            # the prefill's pass scored the first token, and the first round ran none
+            assert len(passes) == len(target_only.token_ids) and speculative_passes == speculative.stats.target_passes, prompt
     finally:
         running.stop()
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "head_agreement.py",
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
-                "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py",
+                "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py", "flat-fold-widths": "flat_fold_widths.py",
                 "sampled-coupling": "sampled_coupling.py", "setup-llama-cpp": "setup_llama_cpp.sh"}
 
 
@@ -178,6 +178,17 @@ def test_graphed_pass_agrees_with_transformers_and_times_each_shape(tmp_path):
     assert result["agrees_with_transformers"] is True and "error" not in result, result
     assert set(result["shapes"]) == {"1x1", "1x4", "8x1", "8x4", "32x1", "prefill"}
     assert all(entry["flat_ms"] > 0 and entry["ragged_ms"] > 0 and "graphed_ms" not in entry for entry in result["shapes"].values())
+
+
+def test_flat_fold_widths_times_the_ragged_pass_and_each_width(tmp_path):
+    """`make flat-fold-widths` on a tiny model: every shape has the ragged pass's time and the flat
+    pass's at each folded key width."""
+    target = build_model(tmp_path / "target", seed=1)
+    printed = make("flat-fold-widths", FOLD_ARGS=f"--target {target} --scale 0.25 --repeats 1")
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    assert len(result["ms"]) == 6 and result["machine"]["date"]
+    assert all(set(entry) == {"ragged", "flat_fold64", "flat_fold128", "flat_fold256"} and min(entry.values()) > 0
+               for entry in result["ms"].values())
 
 
 def test_tracing_overhead_times_the_three_stacks():

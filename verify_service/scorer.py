@@ -116,9 +116,13 @@ class Scorer:
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward != "transformers", weights=weights)
         kv_tokens = self.kv_token_budget(kv_token_budget)
-        if forward == "flat":  # a slot for every session the verify holds and every one its start-up timings hold at once
+        if forward == "flat":
+            # a slot for every session the verify holds and every one its start-up timings hold at once; on a CPU
+            # each spans the model's context (its pages are the system's until used, and go back when it is
+            # released: the KV budget bounds what sessions hold), on a GPU its share of the budget
             slots = max_sessions + batching.max_batch_size + 1
-            self.lm.use_flat_pass(slots, flat_pass.slot_capacity(kv_tokens, slots))
+            capacity = 0 if loaded.device.type == "cpu" else flat_pass.slot_capacity(kv_tokens, slots)
+            self.lm.use_flat_pass(slots, capacity)
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
         timings = runtime_cache.StartupTimings.open("verify", self.timing_key(threads, max_threads, batching), startup.cache_dir,

@@ -1,0 +1,81 @@
+"""The flat pass with folded attention beside the ragged pass, at key widths of 64, 128 and 256.
+
+A folded row reads the keys it sees padded to whole blocks of `flat_pass.FOLD_KEY_BLOCK`: larger
+blocks let more sessions share one attention call, smaller ones pad less. This times one pass of the
+int4 default target under the ragged engine and under the flat engine at each block, interleaved
+round by round, for sessions of spread lengths (as served: not all at one context) and one or four
+rows each. One JSON object (docs/design/engine-room.md).
+
+    python scripts/flat_fold_widths.py --repeats 7 --out docs/benchmarks/engine_room/flat_fold_widths.json
+    python scripts/flat_fold_widths.py --target TINY_MODEL_DIR --scale 0.25 --repeats 1   (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from graphed_pass import print_and_save  # (scripts/, beside this one)
+from specd_app.bench import machine_facts
+from specd_common.config import DEFAULT_TARGET
+from specd_engine import flat_pass
+from specd_engine.autotune import measure_interleaved
+from specd_engine.lm import CausalLM
+from specd_engine.models import load_causal_lm
+from specd_engine.sessions import Feed
+
+BLOCKS = (64, 128, 256)
+SHAPES = {  # name: (cached positions of each session, rows each)
+    "1x1 at 256": ([256], 1), "1x1 at 300": ([300], 1), "1x4 at 300": ([300], 4),
+    "8x1 spread 130-690": ([130 + 80 * i for i in range(8)], 1), "8x4 spread 130-690": ([130 + 80 * i for i in range(8)], 4),
+    "32x1 spread 100-782": ([100 + 22 * i for i in range(32)], 1),
+}
+
+
+def pass_run(lm: CausalLM, lengths: list[int], rows: int):
+    """A pass over sessions of `lengths` cached positions, `rows` new ones each, run again and again."""
+    held = [lm.new_session([(7 * s + j) % (lm.vocab_size - 10) + 10 for j in range(n)]) for s, n in enumerate(lengths)]
+    for session in held:
+        lm.forward(session)
+    feeds = [Feed(session, list(range(1, rows + 1)), logits=rows) for session in held]
+    return functools.partial(lm.run_feeds_then_rewind, feeds), held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--scale", type=float, default=1.0, help="cached positions times this (a short-context model)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    load = functools.partial(load_causal_lm, args.target, device="cpu")
+    ragged, flat = CausalLM(load(), weights="int4"), CausalLM(load(), weights="int4")
+    if not flat.use_flat_pass(slots=80, capacity=1024):
+        raise RuntimeError("the flat pass does not serve on this machine (the log says why)")
+    threads = torch.get_num_threads()
+    result = {"command": "python scripts/flat_fold_widths.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                                                          if v and v != parser.get_default(k)),
+              "machine": machine_facts(), "threads": threads, "ms": {}}
+    for name, (lengths, rows) in SHAPES.items():
+        lengths = [max(1, round(length * args.scale)) for length in lengths]
+        ragged_run, ragged_held = pass_run(ragged, lengths, rows)
+        flat_run, flat_held = pass_run(flat, lengths, rows)
+
+        def at_block(block: int):
+            def run() -> None:
+                flat_pass.FOLD_KEY_BLOCK = block
+                flat_run()
+            return run
+
+        runs = {(threads, "ragged"): ragged_run} | {(threads, f"flat_fold{block}"): at_block(block) for block in BLOCKS}
+        seconds = measure_interleaved(runs, args.repeats)
+        result["ms"][name] = {key[1]: round(value * 1e3, 1) for key, value in seconds.items()}
+        print(name, result["ms"][name], flush=True)
+        del ragged_held, flat_held
+    print_and_save(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -214,11 +214,6 @@ class FlatRows:
     compact: Optional[torch.Tensor] = None  # [R, K] the columns each row reads, in order, where a tree's node is among them
     folds: Optional[list["Fold"]] = None  # the attention calls of a folded pass (fold_rows); None: gathered or a call a session
 
-    @property
-    def reads(self) -> int:
-        """Key columns of a slot the pass may read (masked or not): they must be finite (KVStore.prepare)."""
-        return max([self.visible.shape[1]] + [fold.keys for fold in self.folds or ()])
-
 
 
 
@@ -256,25 +251,25 @@ class Fold:
     gather_slots: Optional[torch.Tensor] = None
 
 
-def fold_rows(runs: Sequence[tuple[int, int, int, int, Optional[torch.Tensor]]], group: int, device: torch.device) -> list[Fold]:
+def fold_rows(runs: Sequence[tuple[int, int, int, int, bool]], visible: torch.Tensor, compact: Optional[torch.Tensor],
+              group: int, device: torch.device) -> list[Fold]:
     """A pass's attention in as few calls as keep every row's arithmetic its own (probe_folding). runs:
-    each session's (first row, rows, slot, cached columns, tree mask or None). A row reads the columns it
-    sees padded to whole FOLD_KEY_BLOCKs; rows of one width and sessions of one row count (rounded up
-    to a power of two) share a call in place over their slots' block: a decode batch of similar
-    contexts, or chains of one draft length, is one call a layer. A tree's rows read their keys
-    compacted, gathered, a call a width. `group`: query heads a key head."""
+    each session's (first row, rows, slot, cached columns, a tree?); visible [R, K] and, where a tree is
+    among them, compact [R, K]: flat_rows's, K whole FOLD_KEY_BLOCKs. A row reads the columns it sees
+    padded to whole FOLD_KEY_BLOCKs; rows of one width and sessions of one row count (rounded up to a
+    power of two) share a call in place over their slots' block: a decode batch of similar contexts,
+    or chains of one draft length, is one call a layer. A tree's rows read their keys compacted,
+    gathered, a call a width. `group`: query heads a key head."""
     width = lambda seen: whole_blocks(seen, FOLD_KEY_BLOCK)  # noqa: E731
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     padded = query_rows(group)
     in_place: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (keys, rows) → (first row, rows, slot, first seen)
     gathered: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}  # keys → (row, slot, columns, visible)
-    for first, n, slot, cached, mask in runs:
-        if mask is not None:  # a tree's rows: each its compacted columns
-            seen = cached + mask[:, cached:].sum(dim=1)  # [n]
-            for row in range(n):
-                keys = width(int(seen[row]))
-                columns, visible = lean_forward.tree_compaction(cached, mask[row : row + 1].cpu(), keys)  # [1, K] each
-                gathered.setdefault(keys, []).append((first + row, slot, columns[0], visible[0]))
+    for first, n, slot, cached, is_tree in runs:
+        if is_tree:  # a tree's rows: each its compacted columns, those it sees first
+            for row in range(first, first + n):
+                keys = width(int(visible[row].sum()))
+                gathered.setdefault(keys, []).append((row, slot, compact[row, :keys], visible[row, :keys]))
             continue
         row = 0
         while row < n:  # a chain's or chunk's rows see cached + 1, cached + 2, ...: runs of one width
@@ -298,8 +293,8 @@ def fold_rows(runs: Sequence[tuple[int, int, int, int, Optional[torch.Tensor]]],
         view = slots * size == total and pass_rows == at == list(range(total))
         folds.append(Fold(low, slots, size, keys, as_long(pass_rows), as_long(at), mask.to(device), view))
     for keys, members in sorted(gathered.items()):
-        visible = torch.stack([visible for _, _, _, visible in members])  # [F, K]
-        mask = lean_forward.additive_mask(visible)[:, None, None, :].expand(-1, 1, padded, -1).contiguous()  # [F, 1, padded, K]
+        sees = torch.stack([row_sees for _, _, _, row_sees in members])  # [F, K]
+        mask = lean_forward.additive_mask(sees)[:, None, None, :].expand(-1, 1, padded, -1).contiguous()  # [F, 1, padded, K]
         folds.append(Fold(0, len(members), 1, keys, as_long([row for row, _, _, _ in members]), as_long(list(range(len(members)))),
                           mask.to(device), False, torch.stack([columns for _, _, columns, _ in members]).to(device),
                           as_long([slot for _, slot, _, _ in members])))
@@ -313,7 +308,8 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
     among themselves causally, or by `mask` (bool [n, cached + n], a tree: its ancestors). Positions
     default to the columns (a chain, a prompt chunk); a tree's are root + depth. fold_group: query heads
     a key head, where attention folds (fold_rows); 0: it does not."""
-    keys = whole_blocks(max(cached + n for _, cached, n, _, _ in parts))
+    # every row's keys, a multiple of KEY_BLOCK; folded, of FOLD_KEY_BLOCK, which then holds each row's own width
+    keys = whole_blocks(max(cached + n for _, cached, n, _, _ in parts), FOLD_KEY_BLOCK if fold_group else KEY_BLOCK)
     slots, writes, positions, runs, trees, at = [], [], [], [], [], 0
     for slot, cached, n, part_positions, mask in parts:
         columns = list(range(cached, cached + n))
@@ -331,13 +327,14 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
         compact = torch.arange(keys).repeat(len(writes), 1)  # [R, K]: column j of row r's keys
         for first, cached, n, mask in trees:
             compact[first : first + n], visible[first : first + n] = lean_forward.tree_compaction(cached, mask, keys)
-        compact = compact.to(device)
     folds = None
     if fold_group:
-        masks = {first: mask for first, _, _, mask in trees}
-        folds = fold_rows([(first, n, slot, writes[first], masks.get(first)) for first, n, slot in runs], fold_group, device)
+        tree_rows = {first for first, _, _, _ in trees}
+        folds = fold_rows([(first, n, slot, writes[first], first in tree_rows) for first, n, slot in runs], visible, compact,
+                          fold_group, device)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0], compact, folds)
+    return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0],
+                    None if compact is None else compact.to(device), folds)
 
 
 @torch.inference_mode()
@@ -577,7 +574,7 @@ class FlatPasses:
                           for feed, slot, start in zip(feeds, slots, starts)], self.device,
                          layer.heads // layer.kv_heads if self.fold else 0)
         for slot in slots:
-            self.store.prepare(slot, rows.reads)
+            self.store.prepare(slot, rows.visible.shape[1])
         ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=self.device)  # [R]
         keep, wanted = keeps_hidden(feeds), logit_rows(feeds)
         with self.runtime.pass_of(len(ids), trial=len(feeds) == 1):

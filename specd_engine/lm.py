@@ -232,7 +232,7 @@ class CausalLM:
         fixed size, with tiles cut by position or folded attention), so the first token is the same
         however the prompt was chunked and whatever shared its passes. Elsewhere (a float32 GEMM rounds
         a row by the chunk's row count) the first round scores the last token as a generated one."""
-        return getattr(self.passes, "positional_prompts", False)
+        return self.passes.positional_prompts
 
     def prompt_end(self, session: KVSession) -> int:
         """Positions before this one are prompt rows (they may attend in tiles and take dense products):
@@ -254,7 +254,7 @@ class CausalLM:
         """The prompt positions a pass's prefill chunks are best counted in: a dense prompt product
         computes whole blocks of quantized.PROMPT_BLOCK rows (16 rows cost what 64 do: the rest of the
         block is zeros), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
-        if getattr(self.passes, "prompt_kernel", None) is not None:
+        if self.passes.prompt_kernel is not None:
             return quantized.PROMPT_BLOCK
         return lean_forward.PROMPT_TILE if self.prompt_tiles else 1
 

@@ -1,8 +1,9 @@
 """The pass engines: what runs one pass over the feeds of distinct sessions.
 
 CausalLM (lm.py) makes the feeds and hands each session its rows back; an engine runs the model
-over every feed's tokens in order and returns one PassOutput. Three engines, one chosen when the
-model is loaded:
+over every feed's tokens in order (`run`) and returns one PassOutput, and says how it scores prompt
+rows (`prompt_kernel`: their dense product or None; `positional_prompts`: whether a prompt row's bits
+depend on its position alone). Three engines, one chosen when the model is loaded:
 
   RaggedPasses        the lean forward (lean_forward.py), every feed in one pass, attention in place
                       in each session's own cache: the CPU default for Llama-shaped models
@@ -111,6 +112,9 @@ def prompt_rows(feeds: Sequence[Feed], kernel: Optional[str]) -> Optional[lean_f
 class TransformersPasses:
     """transformers' forward, one pass a feed: what serves the architectures the lean forward does not.
     Forward hooks keep the final hidden state and the captured layers' outputs of a pass that asks."""
+
+    prompt_kernel: Optional[str] = None  # prompt rows take no dense product here
+    positional_prompts = False  # float GEMMs round a prompt row by the chunk's row count
 
     def __init__(self, model: torch.nn.Module, device: torch.device, runtime: PassRuntime):
         self.model, self.device, self.runtime = model, device, runtime

@@ -128,12 +128,12 @@ def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat, att
 
 
 def test_folded_attention_groups_rows_by_their_own_key_width_and_sessions_by_row_count():
-    """fold_rows: a row reads the keys it sees in whole FOLD_KEY_BLOCKs, its own width whatever shares
+    """flat_rows's folds (fold_rows): a row reads the keys it sees in whole FOLD_KEY_BLOCKs, its own width whatever shares
     its pass; decode rows of one width fold into one call over the block of slots they hold, a chain
     crossing a block boundary splits there, and a tree's rows gather their compacted keys."""
     block = flat_pass.FOLD_KEY_BLOCK
-    runs = [(0, 1, 2, 9, None), (1, 3, 5, block - 2, None), (4, 1, 4, 70, None)]  # (first row, rows, slot, cached, tree mask)
-    folds = flat_pass.fold_rows(runs, group=2, device=torch.device("cpu"))
+    parts = [(2, 9, 1, None, None), (5, block - 2, 3, None, None), (4, 70, 1, None, None)]  # (slot, cached, rows, positions, tree mask)
+    folds = flat_pass.flat_rows(parts, torch.device("cpu"), fold_group=2).folds
     by_rows = {(fold.keys, fold.rows): fold for fold in folds}
     assert sorted(by_rows) == [(block, 1), (block, 2), (2 * block, 1)]
     decode = by_rows[(block, 1)]  # slots 2 and 4, slot 3 idle between
@@ -146,7 +146,7 @@ def test_folded_attention_groups_rows_by_their_own_key_width_and_sessions_by_row
 
     tree = torch.ones((3, 13), dtype=torch.bool).tril(10)  # 10 cached, then a root and two children of it
     tree[2, 11] = False  # the second child does not see the first
-    gathered, = flat_pass.fold_rows([(0, 3, 1, 10, tree)], group=2, device=torch.device("cpu"))
+    gathered, = flat_pass.flat_rows([(1, 10, 3, [10, 11, 11], tree)], torch.device("cpu"), fold_group=2).folds
     assert gathered.columns is not None and gathered.gather_slots.tolist() == [1, 1, 1]
     assert gathered.columns[2, :12].tolist() == list(range(11)) + [12]  # committed, the root, its own: compacted
 

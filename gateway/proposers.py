@@ -253,14 +253,18 @@ class HeadProposer:
         """Seconds of a round of n free nodes whose Verify asks for proposals (`tree`: not a chain)."""
         return lambda n, tree: ctx.free_cost(n, heads=True, tree=tree)
 
+    def available(self) -> HeadProposals:
+        """The last Verify's proposals as a round may use them (a query): none when it did not ask."""
+        return HeadProposals() if self._declined else self.proposals
+
     def take(self) -> HeadProposals:
-        """The last Verify's proposals, once; none when it did not ask (declined: the estimate forgets)."""
-        proposals, self.proposals = self.proposals, HeadProposals()
+        """The last Verify's proposals, once (available); a Verify that did not ask declined a head round:
+        the count of declined rounds grows and the estimate forgets."""
+        proposals, self.proposals = self.available(), HeadProposals()
         if self._declined:
             self._declined = False
             self._declined_rounds += 1
             self.acceptance.update(0, 0)
-            return HeadProposals()
         return proposals
 
     def offer(self, ctx: RoundContext, rival_rate: float, draft_enabled: bool) -> HeadOffer:
@@ -268,7 +272,7 @@ class HeadProposer:
         paused or the rival (the draft service) promises more tokens per second (a query: settle
         takes the proposals and records the outcome). The fixed policy drafts every candidate of the
         first num_draft_tokens heads, only where no draft service drafts."""
-        proposals = HeadProposals() if self._declined else self.proposals
+        proposals = self.available()
         if not proposals or not ctx.allowed:
             return HeadOffer(None, NO_OFFER)
         if not self.adaptive:

@@ -43,21 +43,26 @@ def pass_run(lm: CausalLM, lengths: list[int], rows: int):
     return functools.partial(lm.run_feeds_then_rewind, feeds), held
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def pass_timing_args(doc: str, script: str, repeats: int = 7) -> tuple[argparse.Namespace, str]:
+    """The in-process pass timings' flags (--target, --scale, --repeats, --out) and the command line as run."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--scale", type=float, default=1.0, help="cached positions times this (a short-context model)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--scale", type=float, default=1.0, help="cached positions (and prompts) times this (a short-context model)")
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    shown = " ".join(f"--{key} {value}" for key, value in vars(args).items() if value and value != parser.get_default(key))
+    return args, f"python scripts/{script} {shown}".strip()
+
+
+def main() -> None:
+    args, command = pass_timing_args(__doc__, "flat_fold_widths.py")
     load = functools.partial(load_causal_lm, args.target, device="cpu")
     ragged, flat = CausalLM(load(), weights="int4"), CausalLM(load(), weights="int4")
     if not flat.use_flat_pass(slots=80, capacity=1024):
         raise RuntimeError("the flat pass does not serve on this machine (the log says why)")
     threads = torch.get_num_threads()
-    result = {"command": "python scripts/flat_fold_widths.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                          if v and v != parser.get_default(k)),
-              "machine": machine_facts(), "threads": threads, "ms": {}}
+    result = {"command": command, "machine": machine_facts(), "threads": threads, "ms": {}}
     for name, (lengths, rows) in SHAPES.items():
         lengths = [max(1, round(length * args.scale)) for length in lengths]
         ragged_run, ragged_held = pass_run(ragged, lengths, rows)

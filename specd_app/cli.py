@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
              "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
              "verify's own target-only) or auto (int4 on a CPU for a model whose file stores them in 4 bits, as the default "
              "target's GGUF does; else float); docs/design/cpu-vs-llama-cpp.md", choices=["auto", "float", "int4"])
+    add_flag(verify, "int4-kernel", "auto", "int4 products: auto (specd's AMX tile kernel where the CPU has AMX and a C compiler "
+             "is found, else PyTorch's), tiles (an error where they cannot run) or torch (PyTorch's kernel); "
+             "docs/design/engine-room.md", choices=["auto", "tiles", "torch"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "
@@ -270,6 +273,12 @@ def serve_verify(args: argparse.Namespace) -> None:
     from specd_common.server import wait_for_termination
     from verify_service.app import start_verify_server
 
+    from specd_engine import int4_tiles
+
+    try:
+        int4_tiles.use(args.int4_kernel)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     loaded = model_thread.shared().run(load_causal_lm, args.model, args.device, args.dtype)  # where the model runs
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,

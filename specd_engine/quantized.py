@@ -21,7 +21,11 @@ row on its own; every row attends as one query over the keys it sees padded to a
 probe checks that batching queries changes no bits, else a row a call); every pass runs on one thread count
 (autotune.one_thread_count: SDPA splits long key ranges by threads). docs/design/cpu-vs-llama-cpp.md.
 
-Prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized, in
+On a CPU with Intel AMX the products take specd's own kernel instead (int4_tiles.py): the same groups,
+unpacked once a tile for every row of a pass, so rows cost a fraction of PyTorch's per-row work and
+prompt rows need no dense copy. Each row's bits are its own there too.
+
+Elsewhere, prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized, in
 bfloat16 or float32, where the start-up measurement finds a GEMM over a block of rows cheaper than the
 int4 kernel, which computes every row on its own at ~1.8 ms a row for the default target here: on a
 CPU with AMX a bfloat16 block costs a fraction of that (choose_prompt_kernel). Every call takes
@@ -38,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from specd_engine import int4_tiles
 from specd_engine.kv_cache import whole_blocks
 
 log = logging.getLogger(__name__)
@@ -81,13 +86,23 @@ class Int4Linear(torch.nn.Module):
 
     dense: Optional[torch.Tensor] = None  # [out, in]: the weight for prompt rows, where a GEMM is faster (None: int4)
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, tiles: Optional[bool] = None):
+        """tiles: multiply by specd's own AMX kernel (int4_tiles) or PyTorch's; None: as int4_tiles.chosen()."""
         super().__init__()
         reason = unsupported(weight)
         if reason:
             raise ValueError(f"cannot pack {reason}")
         self.out_features, self.in_features = weight.shape
+        self.tiles = int4_tiles.chosen() if tiles is None else tiles
+        if self.tiles and int4_tiles.unavailable():
+            raise ValueError(f"cannot use the int4 tiles: {int4_tiles.unavailable()}")
         q, scale, zero = quantize_groups(weight.detach())
+        if self.tiles:
+            nibbles, tile_scale, tile_zero = int4_tiles.pack(q, scale, zero)
+            self.register_buffer("nibbles", nibbles)  # [N·K/2] uint8, by tiles
+            self.register_buffer("tile_scale", tile_scale)  # [N/16, K/32, 16] bfloat16
+            self.register_buffer("tile_zero", tile_zero)
+            return
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2] uint8
         scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [K/G, N, 2]: the kernel's layout
         self.register_buffer("scales_zeros", scales_zeros.contiguous().to(torch.bfloat16))
@@ -96,8 +111,11 @@ class Int4Linear(torch.nn.Module):
         return self.rows(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] → [M, out] in bfloat16, the kernel's own output (a caller that adds it to float32 rows
-        needs no cast: the promotion is exact)."""
+        """x [M, in] → [M, out] rounded to bfloat16: the tiles give it in x's dtype (float32 or bfloat16),
+        PyTorch's kernel in bfloat16 (a caller that adds it to float32 rows needs no cast: the promotion is
+        exact). Either kernel gives a row the same bits whatever rows share the call."""
+        if self.tiles:
+            return int4_tiles.product(x, self.nibbles, self.tile_scale, self.tile_zero, self.out_features)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
 
     def use_dense(self, dtype: Optional[torch.dtype], slots: Optional[torch.Tensor] = None) -> None:
@@ -114,13 +132,17 @@ class Int4Linear(torch.nn.Module):
         return dense_product(x, self.dense)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The weight [out, in] this layer multiplies by: (q - 8) · scale + zero per group, rounded to
-        bfloat16 as the kernel's weights are, in `dtype` (slots: as unpack_levels). A test checks it equals
-        the kernel's product by the identity, which took ~4 s for the default target's 210 products at
-        every start."""
+        """The weight [out, in] this layer holds: (q - 8) · scale + zero per group, rounded to bfloat16, in
+        `dtype` (slots: as unpack_levels). PyTorch's kernel multiplies by exactly these (a test checks its
+        product by the identity, which took ~4 s for the default target's 210 products at every start); the
+        tile kernel by the same groups unrounded (int4_tiles)."""
         n, k = self.out_features, self.in_features
-        q = unpack_levels(self.packed, n, k, slots).view(n, k // GROUP, GROUP)
-        scale_zero = self.scales_zeros.float().transpose(0, 1)  # [N, K/G, 2]
+        if self.tiles:
+            q = int4_tiles.unpack(self.nibbles, n, k).view(n, k // GROUP, GROUP)
+            scale_zero = torch.stack([self.tile_scale, self.tile_zero], dim=-1).float().permute(0, 2, 1, 3).reshape(n, k // GROUP, 2)
+        else:
+            q = unpack_levels(self.packed, n, k, slots).view(n, k // GROUP, GROUP)
+            scale_zero = self.scales_zeros.float().transpose(0, 1)  # [N, K/G, 2]
         weight = (q.float() - (LEVELS + 1) // 2) * scale_zero[..., :1] + scale_zero[..., 1:]  # [N, K/G, G]
         return weight.to(torch.bfloat16).to(dtype).view(n, k)
 
@@ -193,6 +215,15 @@ def int4_products(layers: Sequence[torch.nn.Module]) -> list[Int4Linear]:
     return [getattr(layer, name) for layer in layers for name in PRODUCTS if isinstance(getattr(layer, name, None), Int4Linear)]
 
 
+def products_kernel(layers: Sequence[torch.nn.Module]) -> str:
+    """Which kernel the layers' int4 products take, for keys of cached timings: the tiles' build, "torch",
+    or "" where none is int4."""
+    products = int4_products(layers)
+    if not products:
+        return ""
+    return int4_tiles.identity() if products[0].tiles else "torch"
+
+
 def prompt_rows_alike(linear: Int4Linear) -> bool:
     """Whether a prompt row's dense product is the same bits alone, first in a block and at another offset
     beside other rows (a start-up probe: the GEMM is called at one shape, but its rows are trusted only
@@ -212,6 +243,8 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
     fraction of int4's cost; on one without, int4 usually stays."""
     products = int4_products(layers)
     if not products:
+        return None
+    if products[0].tiles:  # the tile kernel takes a block of rows at a fraction of a row's cost each, at any count
         return None
 
     slots: dict = {}  # slots_by_shape, read once for the timing and the weights kept, if either needs them
@@ -261,20 +294,33 @@ class Int8Linear(torch.nn.Module):
     """y = x Wᵀ (no bias) with W in 8 bits and one scale per output row, bfloat16 inputs (the LM head:
     a Q8_0 embedding in the default GGUF, which 4 bits would coarsen): [..., in] → [..., out] in x's dtype."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, tiles: Optional[bool] = None):
+        """tiles: multiply by specd's AMX kernel (int4_tiles.product8; needs out % 16 == 0) or PyTorch's;
+        None: as int4_tiles.chosen() where the shape allows."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if weight.device.type != "cpu" or self.in_features % GROUP or not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             raise ValueError(f"cannot pack a [{self.out_features}, {self.in_features}] {weight.device.type} weight in 8 bits "
                              f"(needs the CPU and in % {GROUP} == 0)")
+        self.tiles = int4_tiles.chosen() and self.out_features % ROWS_MULTIPLE == 0 if tiles is None else tiles
+        if self.tiles and int4_tiles.unavailable():
+            raise ValueError(f"cannot use the int4 tiles: {int4_tiles.unavailable()}")
         rows = weight.detach().float()
         scale = rows.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
-        self.register_buffer("weight8", torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        levels = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
         self.register_buffer("scales", scale.to(torch.bfloat16))
+        if self.tiles:
+            self.register_buffer("weight8_tiles", int4_tiles.pack8(levels))  # [N·K] int8, by tiles
+            self.register_buffer("tile_scales", self.scales.float())  # [N]: the kernel reads float32
+        else:
+            self.register_buffer("weight8", levels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, in]
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight8, self.scales)  # [M, out]
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        if self.tiles:  # rounds float32 rows to bfloat16 itself
+            y = int4_tiles.product8(rows, self.weight8_tiles, self.tile_scales, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight8, self.scales)  # [M, out]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -298,4 +344,6 @@ def quantize_layers(layers: Sequence[torch.nn.Module]) -> int:
             packed += 1
         if not kept:  # o and down are transformers' own modules: released only when neither serves
             layer.release_originals()
+    log.info("int4 products: %d, multiplied by %s", packed,
+             "specd's AMX tiles (int4_tiles)" if int4_tiles.chosen() else f"PyTorch's kernel ({int4_tiles.unavailable() or 'asked for'})")
     return packed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd_engine import quantized
+from specd_engine import int4_tiles, quantized
 from tests.conftest import start_cluster
 from tests.test_services import FIXED, PROMPTS, generate
 
@@ -53,11 +53,69 @@ def test_a_packed_weight_unpacks_to_what_the_kernel_multiplies_by(shape):
     """Int4Linear.dequantized reads the packed nibbles back (their order read from the packing itself) and
     must give the very weights the int4 kernel multiplies by: its product by the identity, bit for bit."""
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
-    linear = quantized.Int4Linear(weight)
+    linear = quantized.Int4Linear(weight, tiles=False)
     eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
     by_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, linear.packed, quantized.GROUP, linear.scales_zeros)
     assert torch.equal(linear.dequantized(), by_kernel.float().t())
     assert torch.equal(quantized.unpack_levels(linear.packed, *shape).to(torch.int32), quantized.quantize_groups(weight)[0])
+
+
+needs_tiles = pytest.mark.skipif(bool(int4_tiles.unavailable()), reason=f"int4 tiles: {int4_tiles.unavailable()}")
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (192, 576), (576, 1536), (16, 32)])
+def test_the_tile_layout_unpacks_to_its_levels_and_scales(shape):
+    """int4_tiles.pack's layout reads back to the very levels, scales and zeros (no kernel needed)."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    q, scale, zero = quantized.quantize_groups(weight)
+    nibbles, tile_scale, tile_zero = int4_tiles.pack(q, scale, zero)
+    assert nibbles.numel() == shape[0] * shape[1] // 2
+    assert torch.equal(int4_tiles.unpack(nibbles, *shape).to(torch.int32), q)
+    assert torch.equal(tile_scale.permute(0, 2, 1).reshape(scale.shape), scale.to(torch.bfloat16))
+    assert torch.equal(tile_zero.permute(0, 2, 1).reshape(zero.shape), zero.to(torch.bfloat16))
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
+def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(shape):
+    """specd's AMX product: near the float product of the weights it holds, and each row's bits the same
+    alone, in a block of 16, past a block (a zero-padded last block) and on one thread."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 0.05
+    tiles, reference_kernel = quantized.Int4Linear(weight, tiles=True), quantized.Int4Linear(weight, tiles=False)
+    x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(6))
+    together = tiles.rows(x)  # [70, out] float32, rounded to bfloat16
+    as_bfloat16 = tiles.rows(x.to(torch.bfloat16))  # the kernel's own rounding of float32 rows is torch's cast's
+    assert together.dtype == torch.float32 and as_bfloat16.dtype == torch.bfloat16 and torch.equal(together, as_bfloat16.float())
+    reference = x.to(torch.bfloat16).float() @ tiles.dequantized().T
+    scale = reference.abs().max()
+    assert (together.float() - reference).abs().max() < 0.01 * scale
+    assert (reference_kernel.rows(x).float() - together.float()).abs().max() < 0.01 * scale
+    for rows in ([0], [5], [69], [16], [17]):
+        for count in (1, 5, 16, 37, 70):
+            start = max(0, rows[0] - count + 1)
+            if start + count <= 70:
+                assert torch.equal(tiles.rows(x[start : start + count])[rows[0] - start], together[rows[0]])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(tiles.rows(x[:9]), together[:9])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_tiles
+def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits():
+    """int4_tiles.product8 (the LM head): within bfloat16 rounding of PyTorch's int8 kernel over the same
+    levels, and each row's bits the same alone, in a block of 16 and past it."""
+    weight = torch.randn(96, 576, generator=torch.Generator().manual_seed(7))
+    tiles, reference_kernel = quantized.Int8Linear(weight, tiles=True), quantized.Int8Linear(weight, tiles=False)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(8))
+    together = tiles(x)  # [37, 96]
+    reference = reference_kernel(x)
+    assert (together - reference).abs().max() <= 0.01 * reference.abs().max()
+    for row, count in ((0, 1), (3, 5), (15, 16), (20, 37), (36, 37)):
+        start = row - count + 1 if row >= count - 1 else 0
+        assert torch.equal(tiles(x[start : start + count])[row - start], together[row])
 
 
 def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():
@@ -370,14 +428,20 @@ def test_prompt_rows_take_the_dense_weight_and_replayed_tokens_the_int4_one(tiny
     assert lm.lean.layers[0].qkv.dense is None
 
 
-def test_the_prompt_kernel_is_chosen_by_its_timings(tiny):
+def test_the_prompt_kernel_is_chosen_by_its_timings(tiny, monkeypatch):
     """choose_prompt_kernel keeps a dense weight only where a block of prompt rows is PROMPT_MARGIN
-    cheaper through it than through int4, the fastest one, and leaves none otherwise."""
+    cheaper through it than through PyTorch's int4 kernel, the fastest one, and leaves none otherwise; with
+    the tile kernel none at all (it takes a block of rows for little more than a row)."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
+    if not int4_tiles.unavailable():
+        tiled = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+        assert quantized.choose_prompt_kernel(tiled.lean.layers, 1, lambda name, runs, repeats: pytest.fail("timed")) is None
+    monkeypatch.setattr(int4_tiles, "_choice", "torch")
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     layers, products = lm.lean.layers, quantized.int4_products(lm.lean.layers)
+    assert not products[0].tiles
 
     def timings(int4: float, bf16: float, f32: float):
         return lambda name, runs, repeats: {(1, "int4"): int4, (1, "bfloat16"): bf16, (1, "float32"): f32}

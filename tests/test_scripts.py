@@ -25,6 +25,7 @@ MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
                 "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py", "flat-fold-widths": "flat_fold_widths.py",
+                "int4-kernels": "int4_kernels.py",
                 "sampled-coupling": "sampled_coupling.py", "setup-llama-cpp": "setup_llama_cpp.sh"}
 
 
@@ -189,6 +190,19 @@ def test_flat_fold_widths_times_the_ragged_pass_and_each_width(tmp_path):
     assert len(result["ms"]) == 6 and result["machine"]["date"]
     assert all(set(entry) == {"ragged", "flat_fold64", "flat_fold128", "flat_fold256"} and min(entry.values()) > 0
                for entry in result["ms"].values())
+
+
+def test_int4_kernels_times_each_kernel_and_checks_a_row_alone_and_beside_others(tmp_path):
+    """`make int4-kernels` on a tiny model: every shape timed with PyTorch's kernel and, where this machine
+    runs them, specd's tiles; a row's logits the same alone and beside other sessions with each."""
+    from specd_engine import int4_tiles
+
+    target = build_model(tmp_path / "target", seed=1)
+    printed = make("int4-kernels", INT4_ARGS=f"--target {target} --scale 0.1 --repeats 1")
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    kernels = {"torch"} if int4_tiles.unavailable() else {"torch", "tiles"}
+    assert result["tiles_unavailable"] == int4_tiles.unavailable() and result["same_alone_and_beside"] == dict.fromkeys(kernels, True)
+    assert len(result["ms"]) == 8 and all(set(entry) == kernels and min(entry.values()) > 0 for entry in result["ms"].values())
 
 
 def test_tracing_overhead_times_the_three_stacks():

@@ -10,7 +10,7 @@ import torch
 
 from specd.v1 import common_pb2, verify_pb2
 from specd_common import tree
-from specd_engine import autotune, flat_pass, kv_cache, runtime_cache
+from specd_engine import autotune, flat_pass, kv_cache, quantized, runtime_cache
 from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.config import ServerConfig, StartupMeasurement
@@ -156,7 +156,8 @@ class Scorer:
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
             "layouts": sorted(self.lm.tuning.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
-            "weights": self.lm.weights, "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
+            "weights": self.lm.weights, "int4_kernel": quantized.products_kernel(self.lm.lean.layers) if self.lm.lean is not None else "",
+            "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",

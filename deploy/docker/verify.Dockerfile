@@ -14,8 +14,9 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+# gcc: the int4 tile kernel (specd_engine/int4_tiles.py) is compiled here, so the runtime needs no compiler.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -38,7 +39,8 @@ COPY draft_service ./draft_service
 COPY verify_service ./verify_service
 COPY specd_app ./specd_app
 COPY draft_training ./draft_training
-RUN . /tmp/extra/pip-env.sh && pip install --no-deps .
+RUN . /tmp/extra/pip-env.sh && pip install --no-deps . \
+    && cd / && python -m specd_engine.int4_tiles
 
 FROM ${BASE_IMAGE}
 ARG DEVICE=cuda

@@ -1,0 +1,207 @@
+"""specd's own int4 product on CPUs with Intel AMX: every row of a pass through one weight tile at once.
+
+Why: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes each row on its own. Its cost
+grows with the rows of a pass: the default target's 120 products took ~5 ms for one row and ~14 for
+eight on a 2-vCPU Xeon, so eight sessions paid almost eight sessions' products. `native/int4_amx.c`
+unpacks each 16 × 32 weight tile once and multiplies it by up to 16 rows in the tile unit: one row
+~4.8 ms, eight ~6, 64 ~21 (docs/design/engine-room.md, "specd's own int4 product"). A row's
+arithmetic is the same whatever rows share the call, at any row count and thread count, so a
+position's logits stay its own in any pass and prompt rows need no dense copy of the weights.
+
+The C file is compiled once a machine with the system's C compiler into specd's cache folder
+(runtime_cache.cache_root()) and loaded with ctypes; OpenMP binds to the runtime torch already
+loaded, so its threads are torch's. Where the CPU lacks AMX or there is no compiler, Int4Linear keeps
+PyTorch's kernel: `unavailable()` says why. `use("torch")` (the verify's --int4-kernel) picks
+PyTorch's kernel anyway, for comparisons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "int4_amx.c"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
+CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16")  # what the compiled code executes, as /proc/cpuinfo names it
+KERNELS = ("auto", "tiles", "torch")  # --int4-kernel: auto = tiles where this machine runs them
+TILE_OUT, TILE_IN = 16, 32  # a weight tile: outputs × inputs (one 4-bit group)
+BYTES_PER_TILE = TILE_OUT * TILE_IN // 2
+
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_reason: Optional[str] = None  # why the tiles cannot serve here ("" once they can)
+_choice = os.environ.get("SPECD_INT4_KERNEL", "auto")
+
+
+def use(kernel: str) -> None:
+    """Which int4 kernel products packed from now on take: auto (tiles where available), tiles (an error
+    where unavailable) or torch."""
+    global _choice
+    if kernel not in KERNELS:
+        raise ValueError(f"--int4-kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
+    if kernel == "tiles" and unavailable():
+        raise ValueError(f"--int4-kernel tiles: {unavailable()}")
+    _choice = kernel
+
+
+def chosen() -> bool:
+    """Whether a product packed now takes the tiles."""
+    return _choice != "torch" and not unavailable()
+
+
+def identity() -> str:
+    """The tiles' build, for keys of cached timings (an edit of the source changes it)."""
+    return _library_name().removesuffix(".so")
+
+
+def unavailable() -> str:
+    """Why this process cannot run the tile kernel ("" when it can); decided once."""
+    _load()
+    return _reason or ""
+
+
+def _load() -> None:
+    global _library, _reason
+    with _lock:
+        if _reason is not None:
+            return
+        try:
+            _library, _reason = _loaded_library()
+        except (OSError, subprocess.SubprocessError) as error:
+            _library, _reason = None, f"the int4 tile kernel did not build or load: {error}"
+        if _reason:
+            log.info("int4 products: PyTorch's kernel (%s)", _reason)
+
+
+def _loaded_library() -> tuple[Optional[ctypes.CDLL], str]:
+    missing = missing_cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    path = _built_library()
+    if path is None:
+        return None, "no C compiler to build the int4 tile kernel, and no build of it beside its source"
+    library = ctypes.CDLL(str(path))
+    if not library.specd_amx_init():
+        return None, "the kernel refused this process the AMX tile state"
+    library.specd_int4_mm.restype = library.specd_int8_mm.restype = None
+    library.specd_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    library.specd_int8_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    return library, ""
+
+
+def missing_cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return [flag for flag in CPU_FLAGS if flag not in flags]
+
+
+def _library_name() -> str:
+    """The compiled file's name: a digest of the source and the flags, so an edit never loads a stale build."""
+    return f"int4_amx-{hashlib.sha256(SOURCE.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+
+
+def _built_library() -> Optional[Path]:
+    """The shared library: beside the source where an image built it (`python -m specd_engine.int4_tiles`),
+    else in specd's cache, compiled on first use (~0.4 s); None without a compiler."""
+    beside = SOURCE.parent / _library_name()
+    if beside.exists():
+        return beside
+    from specd_engine.runtime_cache import cache_root
+
+    cached = cache_root() / "native" / _library_name()
+    return cached if cached.exists() else build(cached.parent)
+
+
+def build(folder: Path) -> Optional[Path]:
+    """Compile the kernel into `folder` (None without a C compiler). Needs no AMX: an image builds it anywhere."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    target = folder / _library_name()
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{target.name}.{os.getpid()}"
+    subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, timeout=120)
+    partial.replace(target)  # atomic: a concurrent start sees the whole file or none
+    return target
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15 with scale, zero [N, K/32] (quantized.quantize_groups) → the kernel's layout
+    (native/int4_amx.c): nibbles [N·K/2] uint8 by tiles, scale and zero [N/16, K/32, 16] bfloat16."""
+    n, k = q.shape
+    blocks, groups = n // TILE_OUT, k // TILE_IN
+    # input 32g + 8c + 2j + p of output 16b + o → word 2o + p of chunk c, nibble j
+    levels = q.to(torch.int32).view(blocks, TILE_OUT, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).reshape(blocks, groups, 4, 32, 4)
+    words = levels[..., 0] | levels[..., 1] << 4 | levels[..., 2] << 8 | levels[..., 3] << 12  # [B, G, 4, 32]
+    nibbles = words.to(torch.int16).contiguous().view(torch.uint8).reshape(-1)  # little-endian words
+
+    def by_tile(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] → [N/16, K/32, 16]
+        return values.to(torch.bfloat16).view(blocks, TILE_OUT, groups).permute(0, 2, 1).contiguous()
+
+    return nibbles, by_tile(scale), by_tile(zero)
+
+
+def unpack(nibbles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack's inverse for the levels: nibbles → q [N, K] uint8."""
+    words = nibbles.view(torch.int16).to(torch.int32).view(n // TILE_OUT, k // TILE_IN, 4, 32) & 0xFFFF
+    levels = torch.stack([(words >> shift) & 15 for shift in (0, 4, 8, 12)], dim=-1)  # [B, G, 4, 32, 4]
+    return levels.view(n // TILE_OUT, k // TILE_IN, 4, TILE_OUT, 2, 4).permute(0, 3, 1, 2, 5, 4).reshape(n, k).to(torch.uint8)
+
+
+def pack8(q: torch.Tensor) -> torch.Tensor:
+    """8-bit weights q [N, K] int8 → the kernel's layout (specd_int8_mm): [N·K] int8, by tiles of 16 outputs
+    × 32 inputs in the tile unit's pair order."""
+    n, k = q.shape
+    return q.view(n // TILE_OUT, TILE_OUT, k // TILE_IN, TILE_IN // 2, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+
+
+def product8(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] → [M, N] through 8-bit weights (pack8) with a float32 scale [N] an output; float32 or
+    bfloat16 as x (rounded to bfloat16 either way)."""
+    rows, floats = _rows(x)
+    out = torch.empty((rows.shape[0], out_features), dtype=rows.dtype)
+    if rows.shape[0]:
+        _library.specd_int8_mm(rows.data_ptr(), weights.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                               rows.shape[0], rows.shape[1], out_features, torch.get_num_threads(), floats)
+    return out
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """x as the kernels read it: contiguous float32 (rounded to bfloat16 in the kernel, as torch's cast
+    rounds) or bfloat16; and whether it is float32."""
+    if x.dtype != torch.float32:
+        x = x.to(torch.bfloat16)
+    return x.contiguous(), x.dtype == torch.float32
+
+
+def product(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] → [M, N] through the packed weight (pack), on torch's thread count: float32 or bfloat16 as x,
+    rounded to bfloat16 either way (float32 rows are rounded to bfloat16 first, as the cast before PyTorch's
+    kernel rounds them: the casts around a product cost a pass's ~180 operators otherwise)."""
+    rows, floats = _rows(x)
+    out = torch.empty((rows.shape[0], out_features), dtype=rows.dtype)
+    if rows.shape[0]:
+        _library.specd_int4_mm(rows.data_ptr(), nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
+                               rows.shape[0], rows.shape[1], out_features, torch.get_num_threads(), floats)
+    return out
+
+
+if __name__ == "__main__":  # an image's build step: the kernel compiled beside its source, for a runtime without a compiler
+    built = build(SOURCE.parent)
+    if built is None:
+        raise SystemExit("no C compiler (cc): the int4 tile kernel was not built")
+    print(built)

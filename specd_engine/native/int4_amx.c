@@ -1,0 +1,263 @@
+/* y = x · Wᵀ for 4-bit weights in groups of 32 inputs, on Intel AMX (bfloat16 tiles).
+ *
+ * Why its own kernel: PyTorch's CPU int4 kernel computes each row of x on its own (~1.3 ms a row
+ * for the default target's products on a 2-vCPU Xeon), so a pass over 8 sessions pays 8 rows' work.
+ * Here a weight tile is unpacked once and multiplied by every row at once in the tile unit, and each
+ * row's arithmetic is the same whatever rows share the call: a row's bits are its own.
+ *
+ * The math, per output n and row m, with groups g of 32 inputs k:
+ *   y[m, n] = Σ_g scale[n, g] · C[m, n, g] + (zero[n, g] - 136 · scale[n, g]) · S[m, g]
+ *   C[m, n, g] = Σ_{k∈g} x[m, k] · (128 + q[n, k]),   S[m, g] = Σ_{k∈g} x[m, k]
+ * since the weight is (q - 8) · scale + zero. 128 + q (q in 0..15) is a bfloat16 whose bits are
+ * 0x4300 | q, so a weight unpacks with a shift and one logic operation, no conversion. C runs in the
+ * tile unit (products of a bfloat16 and an 8-bit integer are exact in float32), the rest in float32
+ * in group order; the result is rounded to bfloat16.
+ *
+ * Weight layout (specd_engine/native_int4.py, pack): for each block of 16 outputs and group of 32
+ * inputs, 256 bytes, four chunks of 32 little-endian 16-bit words; nibble j (bits 4j..4j+3) of word e
+ * in chunk c is element e of tile row 4c + j, and element e of tile row r is output e / 2 at input
+ * 2r + e % 2 (the tile unit's pairs). scale and zero: bfloat16 [N/16][K/32][16].
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_ROWS 16
+#define STACK_ROWS 64 /* rows whose sums and accumulators live on the stack */
+#define PREFETCH_TILES 16 /* weight tiles read ahead: 12% off a one-row pass of the default target's products (2-vCPU Xeon) */
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Ask the kernel for the tile state (once a process); 1 when granted. */
+int specd_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Tiles: A 0 and 3 (rows × 32 bfloat16), B 1 and 4 (16 pairs × 16 outputs), C 2 and 5 (rows × 16 float32):
+ * two groups in flight. */
+static void configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.rows[t] = t % 3 == 1 ? 16 : rows;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One group's weight tile [16 pairs][32] bfloat16 (128 + q) from its 256 packed bytes. */
+static inline void unpack_tile(const uint8_t *packed, uint16_t *tile) {
+    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    for (int c = 0; c < 4; c++) {
+        __m512i w = _mm512_loadu_si512(packed + 64 * c);
+        /* (w & 15) | 0x4300: ternary logic 0xEA is (a & b) | c */
+        _mm512_store_si512(tile + 128 * c, _mm512_ternarylogic_epi32(w, low, bias, 0xEA));
+        _mm512_store_si512(tile + 128 * c + 32, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, bias, 0xEA));
+        _mm512_store_si512(tile + 128 * c + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, bias, 0xEA));
+        _mm512_store_si512(tile + 128 * c + 96, _mm512_or_si512(_mm512_srli_epi16(w, 12), bias));
+    }
+}
+
+static inline void add_group(float *acc, const float *c_tile, const float *sums, int first, int count, int groups, int g,
+                             __m512 s, __m512 z) {
+    for (int r = 0; r < count; r++) {
+        const int m = first + r;
+        __m512 a = _mm512_load_ps(acc + 16 * m);
+        a = _mm512_fmadd_ps(s, _mm512_load_ps(c_tile + 16 * r), a);
+        a = _mm512_fmadd_ps(z, _mm512_set1_ps(sums[(size_t)m * groups + g]), a);
+        _mm512_store_ps(acc + 16 * m, a);
+    }
+}
+
+/* A partial last block of rows [first, first + rest) zero-padded to a whole tile (free it), or NULL. */
+static uint16_t *last_rows(const uint16_t *x, int first, int rest, int K) {
+    if (!rest) return NULL;
+    uint16_t *rows = aligned_alloc(64, (size_t)TILE_ROWS * K * 2);
+    memset(rows, 0, (size_t)TILE_ROWS * K * 2);
+    memcpy(rows, x + (size_t)first * K, (size_t)rest * K * 2);
+    return rows;
+}
+
+/* The rows as bfloat16: x itself, or float32 rows rounded to nearest even (as torch's cast) into a buffer
+ * this thread keeps for its next calls. */
+static const uint16_t *bfloat16_rows(const void *x, int floats, int M, int K) {
+    static __thread uint16_t *buffer = NULL;
+    static __thread size_t held = 0;
+    if (!floats) return x;
+    const size_t count = (size_t)M * K;
+    if (count > held) {
+        free(buffer);
+        held = (count + 4095) / 4096 * 4096;
+        buffer = aligned_alloc(64, held * 2);
+    }
+    const float *rows = x;
+    for (size_t i = 0; i < count; i += 16)  /* K % 32 == 0 */
+        _mm256_store_si256((__m256i *)(buffer + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(rows + i)));
+    return buffer;
+}
+
+/* 16 outputs rounded to bfloat16, stored as bfloat16 or as the float32 they are exactly. */
+static inline void store_rounded(void *out, size_t at, int floats, __m512 values) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(values);
+    if (floats)
+        _mm512_storeu_ps((float *)out + at, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), rounded);
+}
+
+/* x [M, K] (row stride K) and out [M, N], float32 where `floats`, else bfloat16; K % 32 == 0, N % 16 == 0.
+ * Float32 rows are rounded to bfloat16 first, and the outputs are rounded to bfloat16 either way: a
+ * caller's casts around the product are done here, in one pass over the rows. */
+void specd_int4_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
+                   void *out, int M, int K, int N, int threads, int floats) {
+    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
+    const int groups = K / 32, blocks = N / 16;
+    const int tile_rows = M < TILE_ROWS ? M : TILE_ROWS;
+    const int full = M / tile_rows, rest = M - full * tile_rows;  /* row blocks of tile_rows, and a last partial one */
+    float sums_here[STACK_ROWS * 48] __attribute__((aligned(64)));
+    const int sums_fit = (size_t)M * groups <= sizeof sums_here / sizeof(float);
+    float *sums = sums_fit ? sums_here : aligned_alloc(64, (sizeof(float) * (size_t)M * groups + 63) / 64 * 64);  /* [M, K/32] */
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < groups; g++) {
+            const uint16_t *p = x + (size_t)m * K + g * 32;
+            sums[(size_t)m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_ps(p), bf16x16_to_ps(p + 16)));
+        }
+
+#pragma omp parallel num_threads(threads)
+    {
+        configure(tile_rows);
+        uint16_t b_tiles[2][TILE_ROWS * 32] __attribute__((aligned(64)));
+        float c_tiles[2][TILE_ROWS * 16] __attribute__((aligned(64)));
+        float acc_here[STACK_ROWS * 16] __attribute__((aligned(64)));
+        float *acc = M <= STACK_ROWS ? acc_here : aligned_alloc(64, sizeof(float) * 16 * (size_t)M);
+        uint16_t *a_rest = last_rows(x, full * tile_rows, rest, K);
+#pragma omp for schedule(static)
+        for (int block = 0; block < blocks; block++) {
+            memset(acc, 0, sizeof(float) * 16 * (size_t)M);
+            for (int g = 0; g < groups; g += 2) {  /* two groups at once: the second's tiles run while the first's drain */
+                const int pair = g + 1 < groups;  /* an odd last group runs alone */
+                const size_t tile = (size_t)block * groups + g;
+                for (int line = 0; line < 8; line++)  /* two tiles' bytes, PREFETCH_TILES ahead (past the end is harmless) */
+                    _mm_prefetch((const char *)(nibbles + (tile + PREFETCH_TILES) * 256 + 64 * line), _MM_HINT_T0);
+                unpack_tile(nibbles + tile * 256, b_tiles[0]);
+                _tile_loadd(1, b_tiles[0], 64);
+                const __m512 bias = _mm512_set1_ps(-136.0f);
+                const __m512 s0 = bf16x16_to_ps(scale + tile * 16);
+                const __m512 z0 = _mm512_fmadd_ps(bias, s0, bf16x16_to_ps(zero + tile * 16));
+                __m512 s1 = s0, z1 = z0;
+                if (pair) {
+                    unpack_tile(nibbles + (tile + 1) * 256, b_tiles[1]);
+                    _tile_loadd(4, b_tiles[1], 64);
+                    s1 = bf16x16_to_ps(scale + (tile + 1) * 16);
+                    z1 = _mm512_fmadd_ps(bias, s1, bf16x16_to_ps(zero + (tile + 1) * 16));
+                }
+                for (int row_block = 0; row_block < full + (rest > 0); row_block++) {
+                    const int first = row_block * tile_rows;
+                    const int count = row_block < full ? tile_rows : rest;
+                    const uint16_t *a = row_block < full ? x + (size_t)first * K : a_rest;
+                    _tile_loadd(0, a + g * 32, K * 2);
+                    _tile_zero(2);
+                    _tile_dpbf16ps(2, 0, 1);
+                    if (pair) {
+                        _tile_loadd(3, a + g * 32 + 32, K * 2);
+                        _tile_zero(5);
+                        _tile_dpbf16ps(5, 3, 4);
+                    }
+                    _tile_stored(2, c_tiles[0], 64);
+                    add_group(acc, c_tiles[0], sums, first, count, groups, g, s0, z0);
+                    if (pair) {
+                        _tile_stored(5, c_tiles[1], 64);
+                        add_group(acc, c_tiles[1], sums, first, count, groups, g + 1, s1, z1);
+                    }
+                }
+            }
+            for (int m = 0; m < M; m++)
+                store_rounded(out, (size_t)m * N + block * 16, floats, _mm512_load_ps(acc + 16 * m));
+        }
+        if (acc != acc_here) free(acc);
+        free(a_rest);
+        _tile_release();
+    }
+    if (!sums_fit) free(sums);
+}
+
+
+/* One weight tile [16 pairs][32] bfloat16 from 8-bit weights already in the tile unit's pair order
+ * (512 bytes): exact, an 8-bit integer is a bfloat16. */
+static inline void unpack_tile8(const int8_t *packed, uint16_t *tile) {
+    for (int r = 0; r < 16; r++) {
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 32 * r))));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 32 * r + 16))));
+        _mm512_store_si512(tile + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+/* y = x · Wᵀ for 8-bit weights with one float32 scale an output (the LM head): y[m, n] = scale[n] ·
+ * Σ_k x[m, k] · q[n, k], the sum in the tile unit over all of K (even and odd input tiles in two
+ * accumulators, added at the end), rounded to bfloat16 (x and out as specd_int4_mm's). Weight layout: for each block of 16 outputs
+ * and tile of 32 inputs, 512 bytes: byte 32r + e is output e / 2 at input 2r + e % 2. A row's bits are
+ * its own at any row count, as specd_int4_mm's. */
+void specd_int8_mm(const void *x_in, const int8_t *weights, const float *scale, void *out, int M, int K, int N, int threads,
+                   int floats) {
+    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
+    const int tiles_in = K / 32, blocks = N / 16;
+    const int tile_rows = M < TILE_ROWS ? M : TILE_ROWS;
+    const int full = M / tile_rows, rest = M - full * tile_rows;
+#pragma omp parallel num_threads(threads)
+    {
+        configure(tile_rows);
+        uint16_t b_tiles[2][TILE_ROWS * 32] __attribute__((aligned(64)));
+        float c_tiles[2][TILE_ROWS * 16] __attribute__((aligned(64)));
+        uint16_t *a_rest = last_rows(x, full * tile_rows, rest, K);
+#pragma omp for schedule(static)
+        for (int block = 0; block < blocks; block++) {
+            const __m512 s = _mm512_loadu_ps(scale + 16 * block);
+            for (int row_block = 0; row_block < full + (rest > 0); row_block++) {
+                const int first = row_block * tile_rows;
+                const int count = row_block < full ? tile_rows : rest;
+                const uint16_t *a = row_block < full ? x + (size_t)first * K : a_rest;
+                _tile_zero(2);
+                _tile_zero(5);
+                for (int t = 0; t < tiles_in; t += 2) {
+                    const int8_t *packed = weights + ((size_t)block * tiles_in + t) * 512;
+                    for (int line = 0; line < 16; line++)  /* two tiles' bytes, PREFETCH_TILES / 2 pairs ahead */
+                        _mm_prefetch((const char *)(packed + PREFETCH_TILES * 512 + 64 * line), _MM_HINT_T0);
+                    unpack_tile8(packed, b_tiles[0]);
+                    _tile_loadd(1, b_tiles[0], 64);
+                    _tile_loadd(0, a + t * 32, K * 2);
+                    _tile_dpbf16ps(2, 0, 1);
+                    if (t + 1 < tiles_in) {
+                        unpack_tile8(packed + 512, b_tiles[1]);
+                        _tile_loadd(4, b_tiles[1], 64);
+                        _tile_loadd(3, a + t * 32 + 32, K * 2);
+                        _tile_dpbf16ps(5, 3, 4);
+                    }
+                }
+                _tile_stored(2, c_tiles[0], 64);
+                _tile_stored(5, c_tiles[1], 64);
+                for (int r = 0; r < count; r++) {
+                    const __m512 sum = _mm512_add_ps(_mm512_load_ps(c_tiles[0] + 16 * r), _mm512_load_ps(c_tiles[1] + 16 * r));
+                    store_rounded(out, (size_t)(first + r) * N + block * 16, floats, _mm512_mul_ps(s, sum));
+                }
+            }
+        }
+        free(a_rest);
+        _tile_release();
+    }
+}

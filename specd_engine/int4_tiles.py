@@ -1,16 +1,18 @@
 """specd's own int4 product on CPUs with Intel AMX: every row of a pass through one weight tile at once.
 
-Why: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes each row on its own. Its cost
-grows with the rows of a pass: the default target's 120 products took ~5 ms for one row and ~14 for
-eight on a 2-vCPU Xeon, so eight sessions paid almost eight sessions' products. `native/int4_amx.c`
-unpacks each 16 × 32 weight tile once and multiplies it by up to 16 rows in the tile unit: one row
-~4.8 ms, eight ~6, 64 ~21 (docs/design/engine-room.md, "specd's own int4 product"). A row's
-arithmetic is the same whatever rows share the call, at any row count and thread count, so a
-position's logits stay its own in any pass and prompt rows need no dense copy of the weights.
+Why: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes each row on its own, so its
+cost grows with the rows of a pass: over the default target's 30 layers of distinct weights on a
+2-vCPU Xeon, 7.1 ms for one row, 14.4 for eight, 87.5 for 64. `native/int4_amx.c` unpacks each
+16 × 32 weight tile once and multiplies it by up to 16 rows in the tile unit: 7.4, 7.9 and 20.6 ms.
+The 8-bit LM head takes the same path (`product8`; PyTorch's `_weight_int8pack_mm` 1.1 ms for one
+row and 13.9 for 32, the tiles 1.0 and 3.3). A row's arithmetic is the same whatever rows share the
+call, at any row count and thread count, so a position's logits stay its own in any pass and prompt
+rows need no dense copy of the weights (docs/design/engine-room.md, "specd's own int4 product").
 
 The C file is compiled once a machine with the system's C compiler into specd's cache folder
-(runtime_cache.cache_root()) and loaded with ctypes; OpenMP binds to the runtime torch already
-loaded, so its threads are torch's. Where the CPU lacks AMX or there is no compiler, Int4Linear keeps
+(runtime_cache.cache_root()), or beside its source when an image is built (`python -m
+specd_engine.int4_tiles`), and loaded with ctypes; OpenMP binds to the runtime torch already loaded,
+so its threads are torch's. Where the CPU lacks AMX or there is no compiler, Int4Linear keeps
 PyTorch's kernel: `unavailable()` says why. `use("torch")` (the verify's --int4-kernel) picks
 PyTorch's kernel anyway, for comparisons.
 """
@@ -36,7 +38,6 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-
 CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16")  # what the compiled code executes, as /proc/cpuinfo names it
 KERNELS = ("auto", "tiles", "torch")  # --int4-kernel: auto = tiles where this machine runs them
 TILE_OUT, TILE_IN = 16, 32  # a weight tile: outputs × inputs (one 4-bit group)
-BYTES_PER_TILE = TILE_OUT * TILE_IN // 2
 
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None

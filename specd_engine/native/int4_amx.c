@@ -13,7 +13,7 @@
  * tile unit (products of a bfloat16 and an 8-bit integer are exact in float32), the rest in float32
  * in group order; the result is rounded to bfloat16.
  *
- * Weight layout (specd_engine/native_int4.py, pack): for each block of 16 outputs and group of 32
+ * Weight layout (specd_engine/int4_tiles.py, pack): for each block of 16 outputs and group of 32
  * inputs, 256 bytes, four chunks of 32 little-endian 16-bit words; nibble j (bits 4j..4j+3) of word e
  * in chunk c is element e of tile row 4c + j, and element e of tile row r is output e / 2 at input
  * 2r + e % 2 (the tile unit's pairs). scale and zero: bfloat16 [N/16][K/32][16].

@@ -16,13 +16,11 @@ kernels give a row the same logits alone and beside other sessions. Where the ti
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 
 from flat_fold_widths import pass_run, pass_timing_args  # (scripts/, beside this one)
-from graphed_pass import print_and_save
+from graphed_pass import median_ms, print_and_save
 from specd_app.bench import machine_facts
 from specd_engine import int4_tiles
 from specd_engine.lm import CausalLM
@@ -34,19 +32,6 @@ SHAPES = {  # name: (cached positions of each session, rows each)
     "32x1 spread 100-782": ([100 + 22 * i for i in range(32)], 1),
 }
 PROMPTS = (45, 400)  # prompt lengths whose prefill is timed
-
-
-def interleaved_ms(runs: dict, repeats: int) -> dict:
-    """Median ms of each run, round by round after a warm-up round. Not autotune.measure_interleaved: its
-    torch.set_num_threads on this thread before every run made every pass here ~40% slower (2-vCPU Xeon)."""
-    samples: dict = {name: [] for name in runs}
-    for round_index in range(repeats + 1):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run()
-            if round_index:
-                samples[name].append(time.perf_counter() - started)
-    return {name: round(statistics.median(times) * 1e3, 1) for name, times in samples.items()}
 
 
 def prefill_run(lm: CausalLM, length: int):
@@ -83,12 +68,12 @@ def main() -> None:
               "same_alone_and_beside": {kernel: same_alone_and_beside(lm, scaled([300, 120, 700, 64])) for kernel, lm in models.items()}}
     for name, (lengths, rows) in SHAPES.items():
         runs = {kernel: pass_run(lm, scaled(lengths), rows) for kernel, lm in models.items()}  # kernel → (run, sessions held)
-        result["ms"][name] = interleaved_ms({kernel: run for kernel, (run, _) in runs.items()}, args.repeats)
+        result["ms"][name] = median_ms({kernel: run for kernel, (run, _) in runs.items()}, args.repeats)
         print(name, result["ms"][name], flush=True)
         del runs
     for length in scaled(PROMPTS):
         runs = {kernel: prefill_run(lm, length) for kernel, lm in models.items()}
-        result["ms"][f"prefill {length}"] = interleaved_ms(runs, args.repeats)
+        result["ms"][f"prefill {length}"] = median_ms(runs, args.repeats)
         print(f"prefill {length}", result["ms"][f"prefill {length}"], flush=True)
     print_and_save(result, args.out)
 

@@ -215,8 +215,6 @@ class FlatRows:
     folds: Optional[list["Fold"]] = None  # the attention calls of a folded pass (fold_rows); None: gathered or a call a session
 
 
-
-
 def query_rows(group: int) -> int:
     """Query rows a row takes in a folded call: its `group` query heads of one key head, padded with zero
     rows to a power of two of at least 2. CPU SDPA splits a call's query rows into blocks of 32 (64 or

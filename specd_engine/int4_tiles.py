@@ -173,31 +173,25 @@ def pack8(q: torch.Tensor) -> torch.Tensor:
 def product8(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] → [M, N] through 8-bit weights (pack8) with a float32 scale [N] an output; float32 or
     bfloat16 as x (rounded to bfloat16 either way)."""
-    rows, floats = _rows(x)
-    out = torch.empty((rows.shape[0], out_features), dtype=rows.dtype)
-    if rows.shape[0]:
-        _library.specd_int8_mm(rows.data_ptr(), weights.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                               rows.shape[0], rows.shape[1], out_features, torch.get_num_threads(), floats)
-    return out
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """x as the kernels read it: contiguous float32 (rounded to bfloat16 in the kernel, as torch's cast
-    rounds) or bfloat16; and whether it is float32."""
-    if x.dtype != torch.float32:
-        x = x.to(torch.bfloat16)
-    return x.contiguous(), x.dtype == torch.float32
+    return _multiply(_library.specd_int8_mm, x, (weights, scale), out_features)
 
 
 def product(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] → [M, N] through the packed weight (pack), on torch's thread count: float32 or bfloat16 as x,
     rounded to bfloat16 either way (float32 rows are rounded to bfloat16 first, as the cast before PyTorch's
     kernel rounds them: the casts around a product cost a pass's ~180 operators otherwise)."""
-    rows, floats = _rows(x)
+    return _multiply(_library.specd_int4_mm, x, (nibbles, scale, zero), out_features)
+
+
+def _multiply(kernel, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:
+    """kernel(x, *weight, out, M, K, N, threads, floats) for rows x [M, K]: contiguous float32 (rounded to
+    bfloat16 in the kernel, as torch's cast rounds) or else bfloat16; out [M, N] in that dtype."""
+    rows = x if x.dtype == torch.float32 else x.to(torch.bfloat16)
+    rows = rows.contiguous()
     out = torch.empty((rows.shape[0], out_features), dtype=rows.dtype)
     if rows.shape[0]:
-        _library.specd_int4_mm(rows.data_ptr(), nibbles.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
-                               rows.shape[0], rows.shape[1], out_features, torch.get_num_threads(), floats)
+        kernel(rows.data_ptr(), *(tensor.data_ptr() for tensor in weight), out.data_ptr(), rows.shape[0], rows.shape[1],
+               out_features, torch.get_num_threads(), rows.dtype == torch.float32)
     return out
 
 

@@ -303,8 +303,8 @@ class Int8Linear(torch.nn.Module):
             raise ValueError(f"cannot pack a [{self.out_features}, {self.in_features}] {weight.device.type} weight in 8 bits "
                              f"(needs the CPU and in % {GROUP} == 0)")
         self.tiles = int4_tiles.chosen() and self.out_features % ROWS_MULTIPLE == 0 if tiles is None else tiles
-        if self.tiles and int4_tiles.unavailable():
-            raise ValueError(f"cannot use the int4 tiles: {int4_tiles.unavailable()}")
+        if self.tiles and (int4_tiles.unavailable() or self.out_features % ROWS_MULTIPLE):
+            raise ValueError(f"cannot use the int4 tiles: {int4_tiles.unavailable() or f'{self.out_features} outputs (needs out % {ROWS_MULTIPLE} == 0)'}")
         rows = weight.detach().float()
         scale = rows.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
         levels = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]

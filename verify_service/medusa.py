@@ -52,6 +52,7 @@ from torch import nn
 
 from specd_engine import autotune
 from specd_engine.head_files import save_head_files
+from specd_engine.quantized import GROUP, Int8Linear
 
 WEIGHTS_FILE = "medusa_heads.safetensors"
 CONFIG_FILE = "medusa_heads.json"
@@ -87,9 +88,10 @@ class ResidualBlock(nn.Module):
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None, packed: Optional[Int8Linear] = None) -> torch.Tensor:
+        """packed: this block's weight in 8 bits (MedusaHeads.block_dtypes), multiplied in its place."""
         inputs = x if extra is None else torch.cat((x, extra), dim=-1)
-        return x + F.silu(self.linear(inputs))
+        return x + F.silu(self.linear(inputs) if packed is None else packed(inputs) + self.linear.bias)
 
 
 class MedusaHeads(nn.Module):
@@ -117,7 +119,9 @@ class MedusaHeads(nn.Module):
         columns = lm_head.detach().float()[vocab_ids.long()].T.contiguous()  # [H, V']
         self.register_buffer("head_columns", columns, persistent=False)
         self.product_dtypes: dict[int, str] = {}  # rows → a precision for the heads' product (tune_product); {}: float32
-        self.reduced: dict[str, tuple[torch.Tensor, ...]] = {}  # the columns in the reduced precisions some size uses
+        self.reduced: dict[str, tuple] = {}  # the columns in the reduced precisions some size uses, and their rescoring rows
+        self.block_dtypes: dict[int, str] = {}  # rows → float32 or int8 for the residual blocks (tune_product); {}: float32
+        self.packed_blocks: dict[tuple[int, int], Int8Linear] = {}  # (head, layer) → its block's weight in 8 bits, when some size uses them
         if config.next_token_input:
             if embedding is None:
                 raise ValueError("Medusa heads with next_token_input need the target's input embedding")
@@ -151,8 +155,9 @@ class MedusaHeads(nn.Module):
         if self.config.next_token_input:
             tokens = tokens if tokens.dim() == features.dim() else tokens[..., None]  # [..., m]
             extra = self.embedding[tokens[..., : self.token_inputs(index)]].flatten(-2)  # [..., n·H]
+        packed = autotune.by_size(self.block_dtypes, x.shape[0], FLOAT32) == INT8 if x.dim() == 2 else False
         for layer, block in enumerate(self.heads[index]):
-            x = block(x, extra if layer == 0 else None)
+            x = block(x, extra if layer == 0 else None, self.packed_blocks[index, layer] if packed else None)
         return x
 
     def forward(self, features: torch.Tensor, next_tokens: Optional[torch.Tensor] = None,
@@ -215,7 +220,7 @@ class MedusaHeads(nn.Module):
         else:
             scores = self._reduced_scores(outputs, precision)  # [N, V']
             rescored = scores.topk(max(RESCORED_CANDIDATES, count), dim=-1).indices  # [N, c]
-            exact = torch.einsum("nh,hnc->nc", outputs, self.head_columns[:, rescored])  # [N, c]
+            exact = (self.rescoring_rows()[rescored] @ outputs[:, :, None])[..., 0]  # [N, c, H] @ [N, H, 1] → [N, c]
             order = exact.topk(count, dim=-1)
             columns, top_scores = rescored.gather(1, order.indices), order.values
         if not with_probs:
@@ -226,55 +231,107 @@ class MedusaHeads(nn.Module):
         """outputs [N, H] → float32 scores [N, V'] from the columns in a reduced precision: bfloat16
         columns, or int8 ones with a bfloat16 scale per column (the CPU int8 kernel the int4
         target's LM head uses; it reads a quarter of float32's bytes)."""
-        columns = self.reduced.get(precision) or self._reduce(precision)
+        columns = (self.reduced.get(precision) or self._reduce(precision))[0]
         if precision == INT8:
-            rows, scales = columns  # [V', H] int8, [V'] bfloat16
-            return torch.ops.aten._weight_int8pack_mm(outputs.to(torch.bfloat16), rows, scales).float()
-        return (outputs.to(torch.bfloat16) @ columns[0]).float()
+            return columns(outputs).float()  # Int8Linear over the rows [V', H]
+        return (outputs.to(torch.bfloat16) @ columns).float()
 
-    def _reduce(self, precision: str) -> tuple[torch.Tensor, ...]:
-        """head_columns in `precision`, kept in self.reduced."""
+    def rescoring_rows(self) -> torch.Tensor:
+        """head_columns as contiguous rows [V', H], kept in self.reduced: a candidate's float32 row is one
+        read (from the columns, one cache line a value: 0.85 ms for four candidates after a served pass
+        on the 2-core Xeon, against 0.24)."""
+        if "rows" not in self.reduced:
+            self.reduced["rows"] = self.head_columns.T.contiguous()
+        return self.reduced["rows"]
+
+    def _reduce(self, precision: str) -> tuple:
+        """head_columns in `precision`, kept in self.reduced: int8 as the target's 8-bit LM head is kept
+        (Int8Linear: specd's AMX tiles where they serve, else PyTorch's int8 kernel)."""
+        self.rescoring_rows()
         if precision == INT8:
-            rows = self.head_columns.T  # [V', H]
-            scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127  # [V']
-            self.reduced[INT8] = (torch.round(rows / scale[:, None]).to(torch.int8).contiguous(), scale.to(torch.bfloat16))
+            self.reduced[INT8] = (Int8Linear(self.head_columns.T),)  # [V', H] rows
         else:
             self.reduced[BFLOAT16] = (self.head_columns.to(torch.bfloat16),)  # [H, V']
         return self.reduced[precision]
+
+    def _pack_blocks(self) -> None:
+        """Every residual block's weight in 8 bits (packed_blocks), as the target's LM head is kept."""
+        self.packed_blocks = {(index, layer): Int8Linear(block.linear.weight) for index, head in enumerate(self.heads)
+                              for layer, block in enumerate(head)}
+
+    def head_outputs(self, features: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Every head's residual stream for features [N, H] and tokens [N, K] (column c: the token c + 1
+        positions after the row): the blocks' whole cost in a proposal."""
+        return [self.head_output(index, features, tokens) for index in range(len(self.heads))]
 
     @torch.inference_mode()
     def tune_product(self, rows: Sequence[int] = autotune.MEASURED_POSITIONS, repeats: int = 7,
                      measure: autotune.Measure = autotune.measure_now) -> dict[int, str]:
         """Time the heads' product (one head's argmax over N rows) in float32 and in each reduced
-        precision (with the float32 rescoring) for each N in rows, interleaved, and use the fastest
-        reduced one for the row counts where it is REDUCED_MARGIN faster than float32; returns rows →
-        the choice and its timings, for the service's runtime record. Why measured: on a 2-core AMD
-        EPYC with AVX512-BF16, 4 rows took 0.81 ms in bfloat16 against 2.42 in float32, one row 0.69
-        against 0.50; a CPU without bfloat16 instructions converts and loses at every size (23 ms a
-        row on the AVX2-only EPYC), where the int8 kernel took 0.42 ms against float32's 1.10 (a
-        proposal costs three products, chained). Greedy sessions score one row
-        (verify_service/scorer.py), sampling ones every row of the pass. Float32, unmeasured, off the CPU."""
-        self.product_dtypes = {}
+        precision (with the float32 rescoring), and every head's residual blocks in float32 and int8,
+        for each N in rows, interleaved; use a reduced precision for the row counts where it is
+        REDUCED_MARGIN faster than float32. Returns rows → the choices and their timings, for the
+        service's runtime record. Why measured: on a 2-core AMD EPYC with AVX512-BF16, 4 rows took 0.81
+        ms in bfloat16 against 2.42 in float32, one row 0.69 against 0.50; a CPU without bfloat16
+        instructions converts and loses at every size (23 ms a row on the AVX2-only EPYC), where the
+        int8 kernel took 0.42 ms against float32's 1.10 (a proposal costs three products, chained). On
+        a 2-vCPU Xeon with AMX, where int8 runs on specd's tiles, a proposal after a served pass (its
+        weights cold) took 4.56 ms for one row with int8 blocks and products against 5.85 in float32,
+        6.38 against 9.12 for four rows (docs/design/medusa-heads.md). Greedy and coupled sampled
+        sessions score one row (verify_service/scorer.py), other sampling ones every row of the pass.
+        Float32, unmeasured, off the CPU."""
+        self.product_dtypes, self.block_dtypes = {}, {}
         if self.head_columns.device.type != "cpu":
             return {}
-        for precision in REDUCED:
+        h = self.config.hidden_size
+        precisions = (FLOAT32, *REDUCED) if h % GROUP == 0 else (FLOAT32, BFLOAT16)  # Int8Linear packs whole groups
+        blocks = (FLOAT32, INT8) if h % GROUP == 0 else (FLOAT32,)
+        for precision in precisions[1:]:
             self._reduce(precision)
+        if INT8 in blocks:
+            self._pack_blocks()
         threads = torch.get_num_threads()
-        outputs = {n: torch.randn(n, self.config.hidden_size) for n in rows}  # [n, H], made before the timing
+        outputs = {n: torch.randn(n, h) for n in rows}  # [n, H], made before the timing
+        tokens = {n: torch.randint(0, self.config.vocab_size, (n, len(self.heads))) for n in rows}  # [n, K]
+
+        def timed_blocks(n: int, precision: str):
+            def run():
+                self.block_dtypes = {n: precision}
+                self.head_outputs(outputs[n], tokens[n])
+            return run
 
         def runs() -> dict:
-            return {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
-                    for n in rows for precision in (FLOAT32, *REDUCED)}
+            products = {(threads, n, precision): lambda n=n, precision=precision: self.top_columns(outputs[n], 1, precision)
+                        for n in rows for precision in precisions}
+            return products | {(threads, n, f"blocks {precision}"): timed_blocks(n, precision) for n in rows for precision in blocks}
 
-        precisions = (FLOAT32, *REDUCED)  # in the timing's name: a start-up cache of other precisions is measured over
-        timed = measure(f"heads product ({', '.join(precisions)})", runs, repeats)
+        # in the timing's name: a start-up cache of other precisions is measured over
+        timed = measure(f"heads product ({', '.join(precisions)}; blocks {', '.join(blocks)})", runs, repeats)
         costs = {key[1:]: seconds * 1e3 for key, seconds in timed.items()}  # (rows, precision) → ms
+        self.block_dtypes = {}
         for n in rows if costs else ():
-            fastest = min(REDUCED, key=lambda precision: costs[n, precision])
-            self.product_dtypes[n] = fastest if costs[n, fastest] * REDUCED_MARGIN < costs[n, FLOAT32] else FLOAT32
-        self.reduced = {precision: columns for precision, columns in self.reduced.items() if precision in self.product_dtypes.values()}
-        return {n: f"{chosen} (" + ", ".join(f"{costs[n, precision]:.2f} ms {precision}" for precision in precisions) + ")"
-                for n, chosen in self.product_dtypes.items()}
+            self.product_dtypes[n] = faster_than_float32(costs, n, precisions[1:])
+            self.block_dtypes[n] = faster_than_float32(costs, n, [f"blocks {INT8}"] if INT8 in blocks else [],
+                                                       f"blocks {FLOAT32}").removeprefix("blocks ")
+        used = set(self.product_dtypes.values()) & set(REDUCED)
+        self.reduced = {name: kept for name, kept in self.reduced.items() if name in used or (used and name == "rows")}
+        if INT8 not in self.block_dtypes.values():
+            self.packed_blocks = {}
+
+        def described(n: int, chosen: str, names: Sequence[str], prefix: str = "") -> str:
+            return f"{chosen} (" + ", ".join(f"{costs[n, prefix + name]:.2f} ms {name}" for name in names) + ")"
+
+        return {n: described(n, self.product_dtypes[n], precisions) + "; blocks " + described(n, self.block_dtypes[n], blocks, "blocks ")
+                for n in self.product_dtypes}
+
+
+def faster_than_float32(costs: dict[tuple[int, str], float], rows: int, reduced: Sequence[str], float32: str = FLOAT32) -> str:
+    """The fastest of the reduced choices for `rows` rows where it measured REDUCED_MARGIN faster than
+    float32's (costs: (rows, name) → ms), else float32's name."""
+    if not reduced:
+        return float32
+    fastest = min(reduced, key=lambda name: costs[rows, name])
+    return fastest if costs[rows, fastest] * REDUCED_MARGIN < costs[rows, float32] else float32
 
 
 def save_heads(heads: MedusaHeads, folder: Path) -> int:

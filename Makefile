@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass flat-fold-widths int4-kernels sampled-coupling long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass flat-fold-widths int4-kernels heads-precision sampled-coupling long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -94,6 +94,9 @@ flat-fold-widths: setup  ## the flat pass's folded attention at key widths of 64
 
 int4-kernels: setup  ## the int4 target's passes with specd's AMX tile kernel beside PyTorch's int4 kernel (INT4_ARGS="--repeats 9"; docs/design/engine-room.md)
 	$(PY) scripts/int4_kernels.py $(INT4_ARGS)
+
+heads-precision: setup  ## the Medusa heads' proposals in float32 and 8 bits: cost after a served pass, agreement (HEADS_ARGS="--limit 12"; docs/design/medusa-heads.md)
+	$(PY) scripts/heads_precision.py $(HEADS_ARGS)
 
 graphed-pass: setup  ## the engine's flat pass beside its ragged one, and (CUDA) as graphs (GRAPHED_ARGS="--device cpu --weights int4 --context 400 --repeats 7"; docs/design/engine-room.md)
 	$(PY) scripts/graphed_pass.py $(GRAPHED_ARGS)

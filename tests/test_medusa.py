@@ -537,8 +537,8 @@ def test_int8_blocks_propose_as_their_float32_weights_do(tiny):
                 block.linear.weight.mul_(0.01)  # small updates: the argmax is the features' own
     features, next_tokens = torch.randn(16, h), torch.randint(0, 50, (16,))
     in_float32 = heads.propose(features, next_tokens)
-    heads._pack_blocks()
-    heads.block_dtypes = {1: "int8"}
+    heads.fix_precision("int8")
+    heads.product_dtypes = {}  # the products in float32: the blocks alone in 8 bits
     assert torch.equal(heads.propose(features, next_tokens), in_float32)
     block, x = heads.heads[1][0], torch.randn(4, 3 * h)
     exact, packed = block(x[:, :h], x[:, h:]), block(x[:, :h], x[:, h:], heads.packed_blocks[1, 0])

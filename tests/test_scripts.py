@@ -25,7 +25,7 @@ MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
                 "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py", "flat-fold-widths": "flat_fold_widths.py",
-                "int4-kernels": "int4_kernels.py",
+                "int4-kernels": "int4_kernels.py", "heads-precision": "heads_precision.py",
                 "sampled-coupling": "sampled_coupling.py", "setup-llama-cpp": "setup_llama_cpp.sh"}
 
 
@@ -203,6 +203,27 @@ def test_int4_kernels_times_each_kernel_and_checks_a_row_alone_and_beside_others
     kernels = {"torch"} if int4_tiles.unavailable() else {"torch", "tiles"}
     assert result["tiles_unavailable"] == int4_tiles.unavailable() and result["same_alone_and_beside"] == dict.fromkeys(kernels, True)
     assert len(result["ms"]) == 8 and all(set(entry) == kernels and min(entry.values()) > 0 for entry in result["ms"].values())
+
+
+def test_heads_precision_times_and_compares_float32_and_int8_heads(tiny, tmp_path):
+    """`make heads-precision` on the tiny target and random chained heads: a proposal timed after a pass in
+    each precision for one row and four, and the two precisions' proposals compared on a greedy answer."""
+    from tests.test_medusa import random_token_heads
+    from verify_service.medusa import save_heads
+
+    heads, _ = random_token_heads(tiny, chained=True)
+    save_heads(heads, tmp_path / "heads")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "category": "chat", "prompt": "hello world"}) + "\n")
+    printed = make("heads-precision", HEADS_ARGS=f"--target {tiny.target} --heads {tmp_path / 'heads'} --prompts {prompts} "
+                                                 f"--limit 1 --tokens 8 --repeats 1")
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    assert result["command"].startswith("python scripts/heads_precision.py") and result["machine"]["date"]
+    assert set(result["proposal_ms_after_a_pass"]) == {f"{rows} row(s), {precision}" for rows in (1, 4) for precision in ("float32", "int8")}
+    assert min(result["proposal_ms_after_a_pass"].values()) > 0
+    agreement = result["agreement"]
+    assert agreement["rows"] > 0 and len(agreement["int8_equals_float32_by_head"]) == len(heads.heads)
+    assert all(0 <= share <= 1 for shares in agreement["top1_by_head"].values() for share in shares)
 
 
 def test_tracing_overhead_times_the_three_stacks():

@@ -259,6 +259,14 @@ class MedusaHeads(nn.Module):
         self.packed_blocks = {(index, layer): Int8Linear(block.linear.weight) for index, head in enumerate(self.heads)
                               for layer, block in enumerate(head)}
 
+    def fix_precision(self, precision: str) -> None:
+        """Every row count's blocks and products in float32 or int8, unmeasured (a comparison's choice;
+        serving measures it: tune_product)."""
+        if precision == INT8:
+            self._reduce(INT8)
+            self._pack_blocks()
+        self.product_dtypes, self.block_dtypes = {1: precision}, {1: precision}
+
     def head_outputs(self, features: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Every head's residual stream for features [N, H] and tokens [N, K] (column c: the token c + 1
         positions after the row): the blocks' whole cost in a proposal."""
@@ -276,8 +284,8 @@ class MedusaHeads(nn.Module):
         instructions converts and loses at every size (23 ms a row on the AVX2-only EPYC), where the
         int8 kernel took 0.42 ms against float32's 1.10 (a proposal costs three products, chained). On
         a 2-vCPU Xeon with AMX, where int8 runs on specd's tiles, a proposal after a served pass (its
-        weights cold) took 4.56 ms for one row with int8 blocks and products against 5.85 in float32,
-        6.38 against 9.12 for four rows (docs/design/medusa-heads.md). Greedy and coupled sampled
+        weights cold) took 4.99 ms for one row with int8 blocks and products against 6.13 in float32,
+        6.85 against 9.35 for four rows (scripts/heads_precision.py). Greedy and coupled sampled
         sessions score one row (verify_service/scorer.py), other sampling ones every row of the pass.
         Float32, unmeasured, off the CPU."""
         self.product_dtypes, self.block_dtypes = {}, {}

@@ -287,7 +287,9 @@ class MedusaHeads(nn.Module):
         weights cold) took 4.99 ms for one row with int8 blocks and products against 6.13 in float32,
         6.85 against 9.35 for four rows (scripts/heads_precision.py). Greedy and coupled sampled
         sessions score one row (verify_service/scorer.py), other sampling ones every row of the pass.
-        Float32, unmeasured, off the CPU."""
+        A batch's rows take its row count's precision, so a row's confidences may differ from its
+        own alone by a reduced precision's rounding (its proposals are rescored in float32). Float32,
+        unmeasured, off the CPU."""
         self.product_dtypes, self.block_dtypes = {}, {}
         if self.head_columns.device.type != "cpu":
             return {}

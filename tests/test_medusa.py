@@ -487,7 +487,7 @@ def test_reduced_precision_products_propose_what_float32_does(tiny, precision):
     with torch.no_grad():
         heads.head_columns[:, 0] = 1.0  # for x = 1 a score of H, far above every other column's
         heads.head_columns[:, 1] = 1.0 + 1e-3  # 0.1% above column 0's: bfloat16 resolves 0.4%, int8 0.8%
-    heads.reduced = {}  # the columns changed: reduce them again
+    heads.reduced, heads.rescoring = {}, None  # the columns changed: reduce them again
     ones = torch.ones(3, h)
     assert (heads._reduced_scores(ones, precision).argmax(dim=-1) == 0).all()  # the rounding ties them
     assert heads.top_columns(ones, 1, precision).tolist() == heads.top_columns(ones, 1, "float32").tolist() == [[1]] * 3
@@ -516,16 +516,16 @@ def test_heads_product_precision_chosen_from_fake_timings(tiny, monkeypatch):
     assert heads.block_dtypes == {1: "int8", 4: "float32", 8: "int8"}
     assert record[4] == ("bfloat16 (2.42 ms float32, 0.81 ms bfloat16, 1.00 ms int8); "
                          "blocks float32 (1.90 ms float32, 1.80 ms int8)")
-    assert set(heads.reduced) == {"bfloat16", "rows"} and len(heads.packed_blocks) == sum(len(head) for head in heads.heads)
+    assert set(heads.reduced) == {"bfloat16"} and heads.rescoring is not None and len(heads.packed_blocks) == sum(len(head) for head in heads.heads)
     assert medusa.REDUCED_MARGIN > 3.0 / 2.9
     ms[(1, "int8")], ms[(4, "bfloat16")] = 0.42, 2.5  # the AVX2-only EPYC: int8 at one row
     ms[(1, "blocks int8")] = ms[(8, "blocks int8")] = 2.5
     heads.tune_product(rows=(1, 4, 8))
-    assert heads.product_dtypes == {1: "int8", 4: "int8", 8: "float32"} and set(heads.reduced) == {"int8", "rows"}
+    assert heads.product_dtypes == {1: "int8", 4: "int8", 8: "float32"} and set(heads.reduced) == {"int8"} and heads.rescoring is not None
     assert set(heads.block_dtypes.values()) == {"float32"} and heads.packed_blocks == {}
     ms[(1, "int8")] = ms[(4, "int8")] = 2.5
     heads.tune_product(rows=(1, 4, 8))
-    assert set(heads.product_dtypes.values()) == {"float32"} and heads.reduced == {}
+    assert set(heads.product_dtypes.values()) == {"float32"} and heads.reduced == {} and heads.rescoring is None
 
 
 def test_int8_blocks_propose_as_their_float32_weights_do(tiny):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +119,8 @@ class MedusaHeads(nn.Module):
         columns = lm_head.detach().float()[vocab_ids.long()].T.contiguous()  # [H, V']
         self.register_buffer("head_columns", columns, persistent=False)
         self.product_dtypes: dict[int, str] = {}  # rows → a precision for the heads' product (tune_product); {}: float32
-        self.reduced: dict[str, tuple] = {}  # the columns in the reduced precisions some size uses, and their rescoring rows
+        self.reduced: dict[str, Union[torch.Tensor, Int8Linear]] = {}  # the columns in the reduced precisions some size uses
+        self.rescoring: Optional[torch.Tensor] = None  # head_columns as rows [V', H], while a reduced precision is kept
         self.block_dtypes: dict[int, str] = {}  # rows → float32 or int8 for the residual blocks (tune_product); {}: float32
         self.packed_blocks: dict[tuple[int, int], Int8Linear] = {}  # (head, layer) → its block's weight in 8 bits, when some size uses them
         if config.next_token_input:
@@ -231,27 +232,27 @@ class MedusaHeads(nn.Module):
         """outputs [N, H] → float32 scores [N, V'] from the columns in a reduced precision: bfloat16
         columns, or int8 ones with a bfloat16 scale per column (the CPU int8 kernel the int4
         target's LM head uses; it reads a quarter of float32's bytes)."""
-        columns = (self.reduced.get(precision) or self._reduce(precision))[0]
+        columns = self.reduced[precision] if precision in self.reduced else self._reduce(precision)
         if precision == INT8:
             return columns(outputs).float()  # Int8Linear over the rows [V', H]
         return (outputs.to(torch.bfloat16) @ columns).float()
 
     def rescoring_rows(self) -> torch.Tensor:
-        """head_columns as contiguous rows [V', H], kept in self.reduced: a candidate's float32 row is one
+        """head_columns as contiguous rows [V', H], kept in self.rescoring: a candidate's float32 row is one
         read (from the columns, one cache line a value: 0.85 ms for four candidates after a served pass
         on the 2-core Xeon, against 0.24)."""
-        if "rows" not in self.reduced:
-            self.reduced["rows"] = self.head_columns.T.contiguous()
-        return self.reduced["rows"]
+        if self.rescoring is None:
+            self.rescoring = self.head_columns.T.contiguous()
+        return self.rescoring
 
-    def _reduce(self, precision: str) -> tuple:
+    def _reduce(self, precision: str) -> Union[torch.Tensor, Int8Linear]:
         """head_columns in `precision`, kept in self.reduced: int8 as the target's 8-bit LM head is kept
         (Int8Linear: specd's AMX tiles where they serve, else PyTorch's int8 kernel)."""
         self.rescoring_rows()
         if precision == INT8:
-            self.reduced[INT8] = (Int8Linear(self.head_columns.T),)  # [V', H] rows
+            self.reduced[INT8] = Int8Linear(self.head_columns.T)  # [V', H] rows
         else:
-            self.reduced[BFLOAT16] = (self.head_columns.to(torch.bfloat16),)  # [H, V']
+            self.reduced[BFLOAT16] = self.head_columns.to(torch.bfloat16)  # [H, V']
         return self.reduced[precision]
 
     def _pack_blocks(self) -> None:
@@ -324,7 +325,9 @@ class MedusaHeads(nn.Module):
             self.block_dtypes[n] = faster_than_float32(costs, n, [f"blocks {INT8}"] if INT8 in blocks else [],
                                                        f"blocks {FLOAT32}").removeprefix("blocks ")
         used = set(self.product_dtypes.values()) & set(REDUCED)
-        self.reduced = {name: kept for name, kept in self.reduced.items() if name in used or (used and name == "rows")}
+        self.reduced = {precision: columns for precision, columns in self.reduced.items() if precision in used}
+        if not used:
+            self.rescoring = None
         if INT8 not in self.block_dtypes.values():
             self.packed_blocks = {}
 

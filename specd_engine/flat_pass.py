@@ -217,10 +217,11 @@ class FlatRows:
 
 def query_rows(group: int) -> int:
     """Query rows a row takes in a folded call: its `group` query heads of one key head, padded with zero
-    rows to a power of two of at least 2. CPU SDPA splits a call's query rows into blocks of 32 (64 or
-    256 in long calls) and a block of one row takes another path (a row's heads 30–32 of a call of 33
-    rounded otherwise); a power of two never straddles a block nor leaves a row alone in one."""
-    return max(2, 1 << (group - 1).bit_length())
+    rows to a power of two of at least 4 (lean_forward.padded_query_block). CPU SDPA splits a call's
+    query rows into blocks of 32 (64 or 256 in long calls) and a block of one row takes another path (a
+    row's heads 30–32 of a call of 33 rounded otherwise); a power of two never straddles a block nor
+    leaves a row alone in one, and a 2-core AMD EPYC rounded blocks of 2 by their neighbours."""
+    return lean_forward.padded_query_block(group)
 
 
 @dataclass

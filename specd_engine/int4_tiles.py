@@ -1,20 +1,22 @@
-"""specd's own int4 product on CPUs with Intel AMX: every row of a pass through one weight tile at once.
+"""specd's own int4 product on CPUs: every row of a pass through one weight tile at once.
 
 Why: PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes each row on its own, so its
 cost grows with the rows of a pass: over the default target's 30 layers of distinct weights on a
-2-vCPU Xeon, 7.1 ms for one row, 14.4 for eight, 87.5 for 64. `native/int4_amx.c` unpacks each
-16 × 32 weight tile once and multiplies it by up to 16 rows in the tile unit: 7.4, 7.9 and 20.6 ms.
-The 8-bit LM head takes the same path (`product8`; PyTorch's `_weight_int8pack_mm` 1.1 ms for one
-row and 13.9 for 32, the tiles 1.0 and 3.3). A row's arithmetic is the same whatever rows share the
-call, at any row count and thread count, so a position's logits stay its own in any pass and prompt
-rows need no dense copy of the weights (docs/design/engine-room.md, "specd's own int4 product").
+2-vCPU Xeon, 7.1 ms for one row, 14.4 for eight, 87.5 for 64. `native/int4_tiles.c` unpacks each
+16 × 32 weight tile once and multiplies it by every row: in Intel AMX's tile unit (7.4, 7.9 and
+20.6 ms there), or, on a CPU with AVX-512 BF16 and no AMX (AMD Zen 4 and later), by VDPBF16PS with
+each row's input pair broadcast, eight rows a weight register. The 8-bit LM head takes the same path
+(`product8`; PyTorch's `_weight_int8pack_mm` 1.1 ms for one row and 13.9 for 32, the AMX tiles 1.0
+and 3.3). A row's arithmetic is the same whatever rows share the call, at any row count and thread
+count, so a position's logits stay its own in any pass and prompt rows need no dense copy of the
+weights (docs/design/engine-room.md, "specd's own int4 product").
 
 The C file is compiled once a machine with the system's C compiler into specd's cache folder
 (runtime_cache.cache_root()), or beside its source when an image is built (`python -m
 specd_engine.int4_tiles`), and loaded with ctypes; OpenMP binds to the runtime torch already loaded,
-so its threads are torch's. Where the CPU lacks AMX or there is no compiler, Int4Linear keeps
-PyTorch's kernel: `unavailable()` says why. `use("torch")` (the verify's --int4-kernel) picks
-PyTorch's kernel anyway, for comparisons.
+so its threads are torch's. The instruction set is the best the CPU runs (ISAS, in order); where it
+runs neither or there is no compiler, Int4Linear keeps PyTorch's kernel: `unavailable()` says why.
+`use("torch")` (the verify's --int4-kernel) picks PyTorch's kernel anyway, for comparisons.
 """
 
 from __future__ import annotations
@@ -33,15 +35,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "int4_amx.c"
+SOURCE = Path(__file__).parent / "native" / "int4_tiles.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
-CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16")  # what the compiled code executes, as /proc/cpuinfo names it
+# instruction set → what its code executes, as /proc/cpuinfo names it; the first this CPU runs serves
+ISAS = {"amx": ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16"), "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
+ENTRY_POINTS = {"amx": ("specd_int4_mm", "specd_int8_mm"), "avx512-bf16": ("specd_int4_mm_avx512", "specd_int8_mm_avx512")}
 KERNELS = ("auto", "tiles", "torch")  # --int4-kernel: auto = tiles where this machine runs them
 TILE_OUT, TILE_IN = 16, 32  # a weight tile: outputs × inputs (one 4-bit group)
 
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
 _reason: Optional[str] = None  # why the tiles cannot serve here ("" once they can)
+_runnable: list[str] = []  # the instruction sets this process runs, best first (ISAS' order)
+_isa: Optional[str] = None  # the one products take
 _choice = os.environ.get("SPECD_INT4_KERNEL", "auto")
 
 
@@ -62,8 +68,8 @@ def chosen() -> bool:
 
 
 def identity() -> str:
-    """The tiles' build, for keys of cached timings (an edit of the source changes it)."""
-    return _library_name().removesuffix(".so")
+    """The tiles' build and instruction set, for keys of cached timings (an edit of the source changes it)."""
+    return f"{_library_name().removesuffix('.so')}-{instruction_set()}"
 
 
 def unavailable() -> str:
@@ -72,8 +78,29 @@ def unavailable() -> str:
     return _reason or ""
 
 
+def instruction_set() -> str:
+    """The instruction set the tile products run on here (ISAS), or "" where they cannot run."""
+    _load()
+    return _isa or ""
+
+
+def runnable_instruction_sets() -> list[str]:
+    """Every instruction set of ISAS this process runs, best first (tests compare them)."""
+    _load()
+    return list(_runnable)
+
+
+def use_instruction_set(isa: str) -> str:
+    """Products from now on run on `isa` (one of runnable_instruction_sets()); returns the one before."""
+    global _isa
+    if isa not in runnable_instruction_sets():
+        raise ValueError(f"this process cannot run the int4 tiles on {isa!r} (runs: {', '.join(_runnable) or 'none'})")
+    before, _isa = _isa, isa
+    return before
+
+
 def _load() -> None:
-    global _library, _reason
+    global _library, _reason, _isa
     with _lock:
         if _reason is not None:
             return
@@ -81,38 +108,44 @@ def _load() -> None:
             _library, _reason = _loaded_library()
         except (OSError, subprocess.SubprocessError) as error:
             _library, _reason = None, f"the int4 tile kernel did not build or load: {error}"
+        _isa = _runnable[0] if _runnable else None
         if _reason:
             log.info("int4 products: PyTorch's kernel (%s)", _reason)
 
 
 def _loaded_library() -> tuple[Optional[ctypes.CDLL], str]:
-    missing = missing_cpu_flags()
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+    runs = {isa: not missing_cpu_flags(flags) for isa, flags in ISAS.items()}
+    if not any(runs.values()):
+        return None, f"this CPU lacks {', '.join(missing_cpu_flags(ISAS['avx512-bf16']))} (and AMX)"
     path = _built_library()
     if path is None:
         return None, "no C compiler to build the int4 tile kernel, and no build of it beside its source"
     library = ctypes.CDLL(str(path))
-    if not library.specd_amx_init():
-        return None, "the kernel refused this process the AMX tile state"
-    library.specd_int4_mm.restype = library.specd_int8_mm.restype = None
-    library.specd_int4_mm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    library.specd_int8_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    if runs["amx"] and not library.specd_amx_init():
+        runs["amx"] = False  # the OS withholds the tile state: AVX-512 BF16 still runs
+    for isa, (int4_mm, int8_mm) in ENTRY_POINTS.items():
+        getattr(library, int4_mm).restype = getattr(library, int8_mm).restype = None
+        getattr(library, int4_mm).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+        getattr(library, int8_mm).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    _runnable[:] = [isa for isa, ok in runs.items() if ok]
+    if not _runnable:
+        return None, "the kernel refused this process the AMX tile state, and the CPU lacks AVX-512 BF16"
     return library, ""
 
 
-def missing_cpu_flags() -> list[str]:
+def missing_cpu_flags(wanted: tuple[str, ...] = ISAS["amx"]) -> list[str]:
+    """Which of `wanted` /proc/cpuinfo does not list (all of them where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return list(CPU_FLAGS)
+        return list(wanted)
     flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return [flag for flag in CPU_FLAGS if flag not in flags]
+    return [flag for flag in wanted if flag not in flags]
 
 
 def _library_name() -> str:
     """The compiled file's name: a digest of the source and the flags, so an edit never loads a stale build."""
-    return f"int4_amx-{hashlib.sha256(SOURCE.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+    return f"int4_tiles-{hashlib.sha256(SOURCE.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
 
 
 def _built_library() -> Optional[Path]:
@@ -128,7 +161,8 @@ def _built_library() -> Optional[Path]:
 
 
 def build(folder: Path) -> Optional[Path]:
-    """Compile the kernel into `folder` (None without a C compiler). Needs no AMX: an image builds it anywhere."""
+    """Compile the kernel into `folder` (None without a C compiler). Needs neither instruction set: an image
+    builds it anywhere."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
@@ -142,7 +176,7 @@ def build(folder: Path) -> Optional[Path]:
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] in 0..15 with scale, zero [N, K/32] (quantized.quantize_groups) → the kernel's layout
-    (native/int4_amx.c): nibbles [N·K/2] uint8 by tiles, scale and zero [N/16, K/32, 16] bfloat16."""
+    (native/int4_tiles.c): nibbles [N·K/2] uint8 by tiles, scale and zero [N/16, K/32, 16] bfloat16."""
     n, k = q.shape
     blocks, groups = n // TILE_OUT, k // TILE_IN
     # input 32g + 8c + 2j + p of output 16b + o → word 2o + p of chunk c, nibble j
@@ -173,14 +207,14 @@ def pack8(q: torch.Tensor) -> torch.Tensor:
 def product8(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] → [M, N] through 8-bit weights (pack8) with a float32 scale [N] an output; float32 or
     bfloat16 as x (rounded to bfloat16 either way)."""
-    return _multiply(_library.specd_int8_mm, x, (weights, scale), out_features)
+    return _multiply(getattr(_library, ENTRY_POINTS[_isa][1]), x, (weights, scale), out_features)
 
 
 def product(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] → [M, N] through the packed weight (pack), on torch's thread count: float32 or bfloat16 as x,
     rounded to bfloat16 either way (float32 rows are rounded to bfloat16 first, as the cast before PyTorch's
     kernel rounds them: the casts around a product cost a pass's ~180 operators otherwise)."""
-    return _multiply(_library.specd_int4_mm, x, (nibbles, scale, zero), out_features)
+    return _multiply(getattr(_library, ENTRY_POINTS[_isa][0]), x, (nibbles, scale, zero), out_features)
 
 
 def _multiply(kernel, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_features: int) -> torch.Tensor:

@@ -76,6 +76,7 @@ class LeanLayer(torch.nn.Module):
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
         self.intermediate = mlp.gate_proj.out_features
+        self.query_block = self.heads // self.kv_heads  # a row's queries a key head in row_attention (padded where a probe says)
 
     def release_originals(self) -> None:
         """Drop transformers' references to this layer's linear weights (its forward cannot run after):
@@ -357,17 +358,44 @@ def queries_batch_alike(layer: LeanLayer, device: torch.device, widths: Sequence
     return True
 
 
+def padded_query_block(group: int) -> int:
+    """A row's `group` query heads of one key head padded with zero rows to a power of two of at least 4:
+    a block of 3 rows (the default target's) is split unevenly across 2 threads by a 2-core AMD EPYC's
+    SDPA and rounds by the rows batched beside it; blocks of 4 gave the same bits alone and in batches
+    of 2–16 at 1 and 2 threads there (2026-12-01). A block of 2 rounded by its batch at one thread."""
+    return max(4, 1 << (group - 1).bit_length())
+
+
+def choose_query_block(layer: LeanLayer, device: torch.device) -> bool:
+    """Set every probe-tested layer's query_block to the first of (its heads as they are, padded_query_block)
+    under which batching rows changes no bits (queries_batch_alike); False where neither does (the
+    caller then gives each row its own call)."""
+    group = layer.heads // layer.kv_heads
+    for block in dict.fromkeys((group, padded_query_block(group))):
+        layer.query_block = block
+        if queries_batch_alike(layer, device):
+            return True
+    layer.query_block = group
+    return False
+
+
 def row_attention(layer: LeanLayer, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows' attention, each row its own batch entry: queries [g, Hq, D] over keys and values [g (or
     1), Hkv, K, D] with an additive mask [g, 1, 1, K] → [g, Hq, D]. A row's query heads that share a
     key head are that head's block of queries ([g, Hkv, Hq/Hkv, D]: grouped-query attention packed),
     so SDPA reads each key head once for them and multiplies a block instead of one query at a time:
     55.6 against 35.2 µs for a row over 200 keys, 146 against 64 for a chain's 4 rows (the default
-    target's 9 query and 3 key heads, 2-vCPU Xeon, 2 threads). The packing is the row's own, the same
-    alone, in a chain, as a tree's node or beside other sessions, so a row's bits still are too."""
-    count, kv_heads = queries.shape[0], layer.kv_heads
-    blocks = queries.view(count, kv_heads, layer.heads // kv_heads, layer.head_dim)  # [g, Hkv, Hq/Hkv, D]
-    return F.scaled_dot_product_attention(blocks, keys, values, attn_mask=mask, scale=layer.scaling).reshape(count, layer.heads, layer.head_dim)
+    target's 9 query and 3 key heads, 2-vCPU Xeon, 2 threads). The block is padded with zero rows to
+    layer.query_block where the start-up probe needs it (choose_query_block). The packing is the row's
+    own, the same alone, in a chain, as a tree's node or beside other sessions, so a row's bits still are too."""
+    count, kv_heads, group = queries.shape[0], layer.kv_heads, layer.heads // layer.kv_heads
+    blocks = queries.view(count, kv_heads, group, layer.head_dim)  # [g, Hkv, Hq/Hkv, D]
+    if layer.query_block > group:
+        blocks = F.pad(blocks, (0, 0, 0, layer.query_block - group))  # [g, Hkv, block, D]: zero queries after
+    attended = F.scaled_dot_product_attention(blocks, keys, values, attn_mask=mask, scale=layer.scaling)
+    if layer.query_block > group:
+        attended = attended[:, :, :group]
+    return attended.reshape(count, layer.heads, layer.head_dim)
 
 
 def _sdpa_padded(layer: LeanLayer, q: torch.Tensor, cache_layer, groups: Sequence[KeyWidthGroup]) -> torch.Tensor:
@@ -408,10 +436,14 @@ def pack_int4(lean: LeanLlama, device: torch.device) -> None:
         log.warning("the LM head stays float32: %s", why)
     log.info("weights: %d of %d decoder products in 4-bit groups, the LM head in %s, bfloat16 inputs", packed,
              len(quantized.PRODUCTS) * len(lean.layers), head)
-    if not queries_batch_alike(lean.layers[0], device):
+    if not choose_query_block(lean.layers[0], device):
         lean.query_per_call = True
         log.warning("this machine's attention rounds a query by the queries batched beside it: each row of a "
                     "verify pass gets its own attention call (exact, slower)")
+    for layer in lean.layers:
+        layer.query_block = lean.layers[0].query_block
+    if lean.layers[0].query_block > lean.layers[0].heads // lean.layers[0].kv_heads:
+        log.info("a row's attention pads its query heads to %d a key head: batched rows keep their bits", lean.layers[0].query_block)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -345,5 +345,5 @@ def quantize_layers(layers: Sequence[torch.nn.Module]) -> int:
         if not kept:  # o and down are transformers' own modules: released only when neither serves
             layer.release_originals()
     log.info("int4 products: %d, multiplied by %s", packed,
-             "specd's AMX tiles (int4_tiles)" if int4_tiles.chosen() else f"PyTorch's kernel ({int4_tiles.unavailable() or 'asked for'})")
+             f"specd's tiles on {int4_tiles.instruction_set()} (int4_tiles)" if int4_tiles.chosen() else f"PyTorch's kernel ({int4_tiles.unavailable() or 'asked for'})")
     return packed

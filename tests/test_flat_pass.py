@@ -134,15 +134,16 @@ def test_folded_attention_groups_rows_by_their_own_key_width_and_sessions_by_row
     block = flat_pass.FOLD_KEY_BLOCK
     parts = [(2, 9, 1, None, None), (5, block - 2, 3, None, None), (4, 70, 1, None, None)]  # (slot, cached, rows, positions, tree mask)
     folds = flat_pass.flat_rows(parts, torch.device("cpu"), fold_group=2).folds
+    padded = flat_pass.query_rows(2)  # a row's query rows a key head in a call
     by_rows = {(fold.keys, fold.rows): fold for fold in folds}
     assert sorted(by_rows) == [(block, 1), (block, 2), (2 * block, 1)]
     decode = by_rows[(block, 1)]  # slots 2 and 4, slot 3 idle between
     assert (decode.first, decode.slots) == (2, 3) and decode.pass_rows.tolist() == [0, 4] and decode.at.tolist() == [0, 2]
-    assert (decode.mask[1] == 0).sum(-1).tolist() == [[1, 1]]  # the idle slot's padded query rows see column 0 only
+    assert (decode.mask[1] == 0).sum(-1).tolist() == [[1] * padded]  # the idle slot's padded query rows see column 0 only
     chain = by_rows[(block, 2)]
-    assert chain.pass_rows.tolist() == [1, 2] and ((chain.mask[0, 0] == 0).sum(-1)).tolist() == [block - 1] * 2 + [block] * 2
+    assert chain.pass_rows.tolist() == [1, 2] and ((chain.mask[0, 0] == 0).sum(-1)).tolist() == [block - 1] * padded + [block] * padded
     crossing = by_rows[(2 * block, 1)]  # the chain's third row sees block + 1 keys: the next width
-    assert crossing.pass_rows.tolist() == [3] and (crossing.mask[0, 0] == 0).sum(-1).tolist() == [block + 1] * 2
+    assert crossing.pass_rows.tolist() == [3] and (crossing.mask[0, 0] == 0).sum(-1).tolist() == [block + 1] * padded
 
     tree = torch.ones((3, 13), dtype=torch.bool).tril(10)  # 10 cached, then a root and two children of it
     tree[2, 11] = False  # the second child does not see the first

@@ -61,6 +61,17 @@ def test_a_packed_weight_unpacks_to_what_the_kernel_multiplies_by(shape):
 
 
 needs_tiles = pytest.mark.skipif(bool(int4_tiles.unavailable()), reason=f"int4 tiles: {int4_tiles.unavailable()}")
+ISAS_HERE = int4_tiles.runnable_instruction_sets() or ["none here"]  # every instruction set the tiles run on here
+
+
+@pytest.fixture(params=ISAS_HERE)
+def tile_isa(request):
+    """Each instruction set this machine runs the tile kernel on (AMX and AVX-512 BF16 on an AMX Xeon), in turn."""
+    if request.param == "none here":
+        pytest.skip(f"int4 tiles: {int4_tiles.unavailable()}")
+    before = int4_tiles.use_instruction_set(request.param)
+    yield request.param
+    int4_tiles.use_instruction_set(before)
 
 
 @pytest.mark.parametrize("shape", [(48, 96), (192, 576), (576, 1536), (16, 32)])
@@ -75,10 +86,9 @@ def test_the_tile_layout_unpacks_to_its_levels_and_scales(shape):
     assert torch.equal(tile_zero.permute(0, 2, 1).reshape(zero.shape), zero.to(torch.bfloat16))
 
 
-@needs_tiles
 @pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
-def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(shape):
-    """specd's AMX product: near the float product of the weights it holds, and each row's bits the same
+def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(shape, tile_isa):
+    """specd's tile product (AMX or AVX-512 BF16): near the float product of the weights it holds, and each row's bits the same
     alone, in a block of 16, past a block (a zero-padded last block) and on one thread."""
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 0.05
     tiles, reference_kernel = quantized.Int4Linear(weight, tiles=True), quantized.Int4Linear(weight, tiles=False)
@@ -103,8 +113,7 @@ def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(
         torch.set_num_threads(threads)
 
 
-@needs_tiles
-def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits():
+def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits(tile_isa):
     """int4_tiles.product8 (the LM head): within bfloat16 rounding of PyTorch's int8 kernel over the same
     levels, and each row's bits the same alone, in a block of 16 and past it."""
     weight = torch.randn(96, 576, generator=torch.Generator().manual_seed(7))
@@ -116,6 +125,22 @@ def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits():
     for row, count in ((0, 1), (3, 5), (15, 16), (20, 37), (36, 37)):
         start = row - count + 1 if row >= count - 1 else 0
         assert torch.equal(tiles(x[start : start + count])[row - start], together[row])
+
+
+@pytest.mark.skipif(len(int4_tiles.runnable_instruction_sets()) < 2, reason="one instruction set here: nothing to compare")
+def test_the_two_instruction_sets_agree_within_bfloat16_rounding():
+    """On a CPU with both (an AMX Xeon), the AVX-512 BF16 products are the AMX ones but for how each sums a
+    group's pairs: outputs within a bfloat16 step or two, int4 and 8-bit alike."""
+    weight = torch.randn(192, 576, generator=torch.Generator().manual_seed(9)) * 0.05
+    int4, int8 = quantized.Int4Linear(weight, tiles=True), quantized.Int8Linear(weight, tiles=True)
+    x = torch.randn(21, 576, generator=torch.Generator().manual_seed(10))
+    outputs = {}
+    for isa in int4_tiles.runnable_instruction_sets():
+        before = int4_tiles.use_instruction_set(isa)
+        outputs[isa] = (int4.rows(x), int8(x))
+        int4_tiles.use_instruction_set(before)
+    (amx4, amx8), (vector4, vector8) = outputs["amx"], outputs["avx512-bf16"]
+    assert (amx4 - vector4).abs().max() <= 2 ** -6 * amx4.abs().max() and (amx8 - vector8).abs().max() <= 2 ** -6 * amx8.abs().max()
 
 
 def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():

@@ -1,22 +1,26 @@
-/* y = x · Wᵀ for 4-bit weights in groups of 32 inputs, on Intel AMX (bfloat16 tiles).
+/* y = x · Wᵀ for 4-bit weights in groups of 32 inputs, a weight tile unpacked once for every row of x:
+ * on Intel AMX (bfloat16 tiles), or on AVX-512 BF16 where the CPU has no AMX (AMD Zen 4 and later).
  *
  * Why its own kernel: PyTorch's CPU int4 kernel computes each row of x on its own (~1.3 ms a row
  * for the default target's products on a 2-vCPU Xeon), so a pass over 8 sessions pays 8 rows' work.
- * Here a weight tile is unpacked once and multiplied by every row at once in the tile unit, and each
- * row's arithmetic is the same whatever rows share the call: a row's bits are its own.
+ * Here a weight tile is unpacked once and multiplied by every row at once (in the tile unit, or by
+ * VDPBF16PS with the row's input pair broadcast), and each row's arithmetic is the same whatever rows
+ * share the call: a row's bits are its own.
  *
  * The math, per output n and row m, with groups g of 32 inputs k:
  *   y[m, n] = Σ_g scale[n, g] · C[m, n, g] + (zero[n, g] - 136 · scale[n, g]) · S[m, g]
  *   C[m, n, g] = Σ_{k∈g} x[m, k] · (128 + q[n, k]),   S[m, g] = Σ_{k∈g} x[m, k]
  * since the weight is (q - 8) · scale + zero. 128 + q (q in 0..15) is a bfloat16 whose bits are
- * 0x4300 | q, so a weight unpacks with a shift and one logic operation, no conversion. C runs in the
- * tile unit (products of a bfloat16 and an 8-bit integer are exact in float32), the rest in float32
- * in group order; the result is rounded to bfloat16.
+ * 0x4300 | q, so a weight unpacks with a shift and one logic operation, no conversion. C runs in
+ * bfloat16 pairs (products of a bfloat16 and an 8-bit integer are exact in float32), the rest in
+ * float32 in group order; the result is rounded to bfloat16. The two instruction sets may round C's
+ * sums differently: a machine's bits are its own kernel's, the same at any row count.
  *
  * Weight layout (specd_engine/int4_tiles.py, pack): for each block of 16 outputs and group of 32
  * inputs, 256 bytes, four chunks of 32 little-endian 16-bit words; nibble j (bits 4j..4j+3) of word e
  * in chunk c is element e of tile row 4c + j, and element e of tile row r is output e / 2 at input
- * 2r + e % 2 (the tile unit's pairs). scale and zero: bfloat16 [N/16][K/32][16].
+ * 2r + e % 2 (the tile unit's pairs, and VDPBF16PS's: 32-bit lane o of row r is output o's pair).
+ * scale and zero: bfloat16 [N/16][K/32][16].
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -121,6 +125,18 @@ static inline void store_rounded(void *out, size_t at, int floats, __m512 values
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), rounded);
 }
 
+/* S[m, g] = Σ_{k∈g} x[m, k] in float32 [M, K/32]: in `here` where it fits (`room` floats), else allocated. */
+static float *group_sums(const uint16_t *x, int M, int K, float *here, size_t room) {
+    const int groups = K / 32;
+    float *sums = (size_t)M * groups <= room ? here : aligned_alloc(64, (sizeof(float) * (size_t)M * groups + 63) / 64 * 64);
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < groups; g++) {
+            const uint16_t *p = x + (size_t)m * K + g * 32;
+            sums[(size_t)m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_ps(p), bf16x16_to_ps(p + 16)));
+        }
+    return sums;
+}
+
 /* x [M, K] (row stride K) and out [M, N], float32 where `floats`, else bfloat16; K % 32 == 0, N % 16 == 0.
  * Float32 rows are rounded to bfloat16 first, and the outputs are rounded to bfloat16 either way: a
  * caller's casts around the product are done here, in one pass over the rows. */
@@ -131,13 +147,7 @@ void specd_int4_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *sca
     const int tile_rows = M < TILE_ROWS ? M : TILE_ROWS;
     const int full = M / tile_rows, rest = M - full * tile_rows;  /* row blocks of tile_rows, and a last partial one */
     float sums_here[STACK_ROWS * 48] __attribute__((aligned(64)));
-    const int sums_fit = (size_t)M * groups <= sizeof sums_here / sizeof(float);
-    float *sums = sums_fit ? sums_here : aligned_alloc(64, (sizeof(float) * (size_t)M * groups + 63) / 64 * 64);  /* [M, K/32] */
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < groups; g++) {
-            const uint16_t *p = x + (size_t)m * K + g * 32;
-            sums[(size_t)m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_to_ps(p), bf16x16_to_ps(p + 16)));
-        }
+    float *sums = group_sums(x, M, K, sums_here, sizeof sums_here / sizeof(float));
 
 #pragma omp parallel num_threads(threads)
     {
@@ -194,7 +204,7 @@ void specd_int4_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *sca
         free(a_rest);
         _tile_release();
     }
-    if (!sums_fit) free(sums);
+    if (sums != sums_here) free(sums);
 }
 
 
@@ -259,5 +269,118 @@ void specd_int8_mm(const void *x_in, const int8_t *weights, const float *scale, 
         }
         free(a_rest);
         _tile_release();
+    }
+}
+
+
+/* ---- AVX-512 BF16: the same products where the CPU has no tile unit ------------------------------------ */
+
+#define VECTOR_ROWS 8 /* rows a weight row is applied to while in a register: 8 sums + 8 accumulators + weights fit 32 registers */
+
+/* Input pair r of a group (x[2r], x[2r + 1] as one 32-bit word) in all 16 lanes. */
+static inline __m512bh pair_of(const uint16_t *group, int r) {
+    int32_t word;
+    memcpy(&word, group + 2 * r, sizeof word);
+    return (__m512bh)_mm512_set1_epi32(word);
+}
+
+/* Rows [0, R) of x (row stride K) through one block of 16 outputs: acc[m] += Σ_g scale·C + (zero − 136·scale)·S.
+ * Inlined for each constant R, so a row's instructions are the same whatever R it shares. */
+static inline __attribute__((always_inline)) void vector_rows(const uint16_t *x, int K, const uint8_t *tiles, const uint16_t *scale,
+                                                            const uint16_t *zero, const float *sums, int groups, int R, __m512 *acc) {
+    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *packed = tiles + (size_t)g * 256;
+        _mm_prefetch((const char *)(packed + PREFETCH_TILES * 256), _MM_HINT_T0);
+        _mm_prefetch((const char *)(packed + PREFETCH_TILES * 256 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(packed + PREFETCH_TILES * 256 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(packed + PREFETCH_TILES * 256 + 192), _MM_HINT_T0);
+        __m512 c[VECTOR_ROWS];
+        for (int m = 0; m < R; m++) c[m] = _mm512_setzero_ps();
+        for (int chunk = 0; chunk < 4; chunk++) {
+            const __m512i w = _mm512_loadu_si512(packed + 64 * chunk);
+            const __m512i rows[4] = {
+                _mm512_ternarylogic_epi32(w, low, bias, 0xEA),  /* (w & 15) | 0x4300 */
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, bias, 0xEA),
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, bias, 0xEA),
+                _mm512_or_si512(_mm512_srli_epi16(w, 12), bias),
+            };
+            for (int j = 0; j < 4; j++)
+                for (int m = 0; m < R; m++)
+                    c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)rows[j], pair_of(x + (size_t)m * K + g * 32, 4 * chunk + j));
+        }
+        const __m512 s = bf16x16_to_ps(scale + (size_t)g * 16);
+        const __m512 z = _mm512_fmadd_ps(_mm512_set1_ps(-136.0f), s, bf16x16_to_ps(zero + (size_t)g * 16));
+        for (int m = 0; m < R; m++) {
+            acc[m] = _mm512_fmadd_ps(s, c[m], acc[m]);
+            acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(sums[(size_t)m * groups + g]), acc[m]);
+        }
+    }
+}
+
+/* specd_int4_mm's product (same arguments, layout and rounding) on AVX-512 BF16: each block of 16 outputs
+ * takes the rows VECTOR_ROWS at a time, its weight tiles unpacked once for each (from L1 after the first). */
+void specd_int4_mm_avx512(const void *x_in, const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
+                          void *out, int M, int K, int N, int threads, int floats) {
+    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
+    const int groups = K / 32, blocks = N / 16;
+    float sums_here[STACK_ROWS * 48] __attribute__((aligned(64)));
+    float *sums = group_sums(x, M, K, sums_here, sizeof sums_here / sizeof(float));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int block = 0; block < blocks; block++) {
+        const size_t tile = (size_t)block * groups;
+        for (int first = 0; first < M; first += VECTOR_ROWS) {
+            const int R = M - first < VECTOR_ROWS ? M - first : VECTOR_ROWS;
+            const uint16_t *rows = x + (size_t)first * K;
+            const float *row_sums = sums + (size_t)first * groups;
+            __m512 acc[VECTOR_ROWS];
+            for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+            switch (R) {  /* one inlined body a row count: registers, no loop over a variable count */
+#define ROWS_CASE(n) case n: vector_rows(rows, K, nibbles + tile * 256, scale + tile * 16, zero + tile * 16, row_sums, groups, n, acc); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+            }
+            for (int m = 0; m < R; m++)
+                store_rounded(out, (size_t)(first + m) * N + block * 16, floats, acc[m]);
+        }
+    }
+    if (sums != sums_here) free(sums);
+}
+
+/* One 8-bit weight row (32 int8 in pair order) as 32 bfloat16: exact, an 8-bit integer is a bfloat16. */
+static inline __m512bh row8(const int8_t *packed) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)packed)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);
+}
+
+/* specd_int8_mm's product (same arguments, layout and rounding) on AVX-512 BF16: even and odd input tiles
+ * sum in two accumulators a row, added at the end, as the tile unit's two. */
+void specd_int8_mm_avx512(const void *x_in, const int8_t *weights, const float *scale, void *out, int M, int K, int N,
+                          int threads, int floats) {
+    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
+    const int tiles_in = K / 32, blocks = N / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int block = 0; block < blocks; block++) {
+        const __m512 s = _mm512_loadu_ps(scale + 16 * block);
+        const int8_t *tiles = weights + (size_t)block * tiles_in * 512;
+        for (int first = 0; first < M; first += VECTOR_ROWS) {
+            const int R = M - first < VECTOR_ROWS ? M - first : VECTOR_ROWS;
+            __m512 even[VECTOR_ROWS], odd[VECTOR_ROWS];
+            for (int m = 0; m < VECTOR_ROWS; m++) even[m] = odd[m] = _mm512_setzero_ps();
+            for (int t = 0; t < tiles_in; t++) {
+                const int8_t *packed = tiles + (size_t)t * 512;
+                for (int line = 0; line < 8; line++)
+                    _mm_prefetch((const char *)(packed + PREFETCH_TILES * 512 + 64 * line), _MM_HINT_T0);
+                __m512 *sum = t % 2 ? odd : even;
+                for (int r = 0; r < 16; r++) {
+                    const __m512bh w = row8(packed + 32 * r);
+                    for (int m = 0; m < R; m++)
+                        sum[m] = _mm512_dpbf16_ps(sum[m], w, pair_of(x + (size_t)(first + m) * K + t * 32, r));
+                }
+            }
+            for (int m = 0; m < R; m++)
+                store_rounded(out, (size_t)(first + m) * N + block * 16, floats, _mm512_mul_ps(s, _mm512_add_ps(even[m], odd[m])));
+        }
     }
 }

@@ -1,10 +1,11 @@
-"""The flat pass with folded attention beside the ragged pass, at key widths of 64, 128 and 256.
+"""The flat pass beside the ragged pass: its attention by specd's kernel (store_attention.py) where it
+runs, and folded SDPA calls at key widths of 64, 128 and 256.
 
 A folded row reads the keys it sees padded to whole blocks of `flat_pass.FOLD_KEY_BLOCK`: larger
-blocks let more sessions share one attention call, smaller ones pad less. This times one pass of the
-int4 default target under the ragged engine and under the flat engine at each block, interleaved
-round by round, for sessions of spread lengths (as served: not all at one context) and one or four
-rows each. One JSON object (docs/design/engine-room.md).
+blocks let more sessions share one attention call, smaller ones pad less; specd's kernel reads each
+row's own keys in one call a layer. This times one pass of the int4 default target under the ragged
+engine and under each flat one, interleaved round by round, for sessions of spread lengths (as
+served: not all at one context) and one or four rows each. One JSON object (docs/design/engine-room.md).
 
     python scripts/flat_fold_widths.py --repeats 7 --out docs/benchmarks/engine_room/flat_fold_widths.json
     python scripts/flat_fold_widths.py --target TINY_MODEL_DIR --scale 0.25 --repeats 1   (CI)
@@ -20,7 +21,7 @@ import torch
 from graphed_pass import print_and_save  # (scripts/, beside this one)
 from specd_app.bench import machine_facts
 from specd_common.config import DEFAULT_TARGET
-from specd_engine import flat_pass
+from specd_engine import flat_pass, store_attention
 from specd_engine.autotune import measure_interleaved
 from specd_engine.lm import CausalLM
 from specd_engine.models import load_causal_lm
@@ -59,14 +60,24 @@ def main() -> None:
     args, command = pass_timing_args(__doc__, "flat_fold_widths.py")
     load = functools.partial(load_causal_lm, args.target, device="cpu")
     ragged, flat = CausalLM(load(), weights="int4"), CausalLM(load(), weights="int4")
-    if not flat.use_flat_pass(slots=80, capacity=1024):
+    native = CausalLM(load(), weights="int4")
+    if not native.use_flat_pass(slots=80, capacity=1024):
         raise RuntimeError("the flat pass does not serve on this machine (the log says why)")
+    if not native.passes.native:
+        native = None  # no kernel here: the flat pass folded, as below
+    real, store_attention.unavailable = store_attention.unavailable, lambda *args: "asked for folded SDPA"
+    try:
+        if not flat.use_flat_pass(slots=80, capacity=1024):
+            raise RuntimeError("the flat pass does not fold attention on this machine (the log says why)")
+    finally:
+        store_attention.unavailable = real
     threads = torch.get_num_threads()
     result = {"command": command, "machine": machine_facts(), "threads": threads, "ms": {}}
     for name, (lengths, rows) in SHAPES.items():
         lengths = [max(1, round(length * args.scale)) for length in lengths]
         ragged_run, ragged_held = pass_run(ragged, lengths, rows)
         flat_run, flat_held = pass_run(flat, lengths, rows)
+        native_run, native_held = pass_run(native, lengths, rows) if native else (None, None)
 
         def at_block(block: int):
             def run() -> None:
@@ -75,10 +86,12 @@ def main() -> None:
             return run
 
         runs = {(threads, "ragged"): ragged_run} | {(threads, f"flat_fold{block}"): at_block(block) for block in BLOCKS}
+        if native_run:
+            runs[(threads, "flat_native")] = native_run
         seconds = measure_interleaved(runs, args.repeats)
         result["ms"][name] = {key[1]: round(value * 1e3, 1) for key, value in seconds.items()}
         print(name, result["ms"][name], flush=True)
-        del ragged_held, flat_held
+        del ragged_held, flat_held, native_held
     print_and_save(result, args.out)
 
 

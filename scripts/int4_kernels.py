@@ -1,11 +1,13 @@
 """The int4 target's passes with specd's tile kernel beside PyTorch's int4 kernel.
 
-specd_engine/int4_tiles.py multiplies every row of a pass by a weight tile at once (Intel AMX);
-PyTorch's kernel computes each row on its own, and its prompt rows take a dense bfloat16 copy of the
-weights where the machine's GEMM is cheaper (quantized.choose_prompt_kernel). This times, interleaved
-round by round in one process, one ragged pass of the int4 default target with each kernel for
-sessions of spread lengths and one or four rows each, and a prompt's prefill; and checks that the
-kernels give a row the same logits alone and beside other sessions. Where the tiles do not run
+specd_engine/int4_tiles.py multiplies every row of a pass by a weight tile at once (Intel AMX, or
+AVX-512 BF16 where the CPU has no AMX); PyTorch's kernel computes each row on its own, and its prompt
+rows take a dense bfloat16 copy of the weights where the machine's GEMM is cheaper
+(quantized.choose_prompt_kernel). This times, interleaved round by round in one process, the
+target's int4 products and 8-bit LM head alone at several row counts, one ragged pass of the int4
+default target with each kernel for sessions of spread lengths and one or four rows each, and a
+prompt's prefill; and checks that the kernels give a row the same logits alone and beside other
+sessions. Where the tiles do not run
 (no AMX, no compiler) it times PyTorch's kernel alone and says why. One JSON object
 (docs/design/engine-room.md).
 
@@ -23,6 +25,7 @@ from flat_fold_widths import pass_run, pass_timing_args  # (scripts/, beside thi
 from graphed_pass import median_ms, print_and_save
 from specd_app.bench import machine_facts
 from specd_engine import int4_tiles
+from specd_engine import quantized
 from specd_engine.lm import CausalLM
 from specd_engine.models import load_causal_lm
 
@@ -32,6 +35,16 @@ SHAPES = {  # name: (cached positions of each session, rows each)
     "32x1 spread 100-782": ([100 + 22 * i for i in range(32)], 1),
 }
 PROMPTS = (45, 400)  # prompt lengths whose prefill is timed
+PRODUCT_ROWS = (1, 4, 8, 32, 64)  # rows the products alone are timed at
+
+
+def products_run(lm: CausalLM, rows: int):
+    """Every int4 product of the target's layers, then its LM head, over `rows` random rows (on the model
+    thread, as a pass runs them)."""
+    products = quantized.int4_products(lm.lean.layers)
+    inputs = {width: torch.randn(rows, width) for width in {product.in_features for product in products}}
+    head_rows = torch.randn(rows, lm.lean.lm_head.in_features)
+    return lambda: lm.run(lambda: ([product.rows(inputs[product.in_features]) for product in products], lm.lean.lm_head(head_rows)))
 
 
 def prefill_run(lm: CausalLM, length: int):
@@ -64,8 +77,12 @@ def main() -> None:
         lm.tune(threads=threads)  # PyTorch's prompt rows take a dense weight where the GEMM is cheaper, as a verify chooses
     scaled = lambda values: [max(1, round(value * args.scale)) for value in values]  # noqa: E731
     result = {"command": command, "machine": machine_facts(), "threads": threads, "tiles_unavailable": int4_tiles.unavailable(),
-              "torch_prompt_kernel": models["torch"].passes.prompt_kernel, "ms": {},
+              "tiles_instruction_set": int4_tiles.instruction_set(), "torch_prompt_kernel": models["torch"].passes.prompt_kernel,
+              "products_ms": {}, "ms": {},
               "same_alone_and_beside": {kernel: same_alone_and_beside(lm, scaled([300, 120, 700, 64])) for kernel, lm in models.items()}}
+    for rows in PRODUCT_ROWS:
+        result["products_ms"][f"{rows} rows"] = median_ms({kernel: products_run(lm, rows) for kernel, lm in models.items()}, args.repeats)
+        print(f"products and LM head, {rows} rows", result["products_ms"][f"{rows} rows"], flush=True)
     for name, (lengths, rows) in SHAPES.items():
         runs = {kernel: pass_run(lm, scaled(lengths), rows) for kernel, lm in models.items()}  # kernel → (run, sessions held)
         result["ms"][name] = median_ms({kernel: run for kernel, (run, _) in runs.items()}, args.repeats)

@@ -39,9 +39,11 @@ PLAIN, PREPACKED, MKL, TALL, COLS, ROWS = "plain", "prepacked", "mkl", "tall", "
 LAYOUTS = (PLAIN, PREPACKED, MKL, TALL, COLS, ROWS)
 DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordinary weight
 # How a model service runs its passes: auto = specd_engine/lean_forward.py where it serves the model and
-# agrees with transformers on a start-up probe (11–17% cheaper passes on a 2-core Intel Xeon VM), transformers = its own forward,
-# flat = the lean model in one flat pass over a KV store allocated at start-up (specd_engine/flat_pass.py).
-FORWARDS = ("auto", "flat", "transformers")
+# agrees with transformers on a start-up probe (11–17% cheaper passes on a 2-core Intel Xeon VM), flat where
+# flat_pass.why_not_by_default allows, else ragged; ragged = the lean model, each session's cache its own;
+# flat = the lean model in one flat pass over a KV store allocated at start-up (specd_engine/flat_pass.py);
+# transformers = its own forward.
+FORWARDS = ("auto", "ragged", "flat", "transformers")
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)

@@ -54,7 +54,7 @@ from transformers import DynamicCache
 
 from specd_common import tree
 from specd_common.errors import InvalidArgument, ResourceExhausted
-from specd_engine import kv_cache, lean_forward
+from specd_engine import kv_cache, lean_forward, store_attention
 from specd_engine.passes import PassOutput, keeps_hidden, logit_rows, prompt_rows
 from specd_engine.sessions import Feed
 from specd_engine.tuning import PassRuntime
@@ -213,6 +213,7 @@ class FlatRows:
     first_write: int = 0  # the first row's column (a pass of one session writes its consecutive columns from here)
     compact: Optional[torch.Tensor] = None  # [R, K] the columns each row reads, in order, where a tree's node is among them
     folds: Optional[list["Fold"]] = None  # the attention calls of a folded pass (fold_rows); None: gathered or a call a session
+    seen: Optional[torch.Tensor] = None  # [R] int32: the columns each row reads, where specd's kernel attends (store_attention)
 
 
 def query_rows(group: int) -> int:
@@ -301,12 +302,13 @@ def fold_rows(runs: Sequence[tuple[int, int, int, int, bool]], visible: torch.Te
 
 
 def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional[torch.Tensor]]],
-              device: torch.device, fold_group: int = 0) -> FlatRows:
+              device: torch.device, fold_group: int = 0, native: bool = False) -> FlatRows:
     """The rows of a pass from each session's part: (slot, cached columns, new rows, positions or None,
     mask or None). A part's rows go to columns cached .. cached + n - 1 and see the cached columns;
     among themselves causally, or by `mask` (bool [n, cached + n], a tree: its ancestors). Positions
     default to the columns (a chain, a prompt chunk); a tree's are root + depth. fold_group: query heads
-    a key head, where attention folds (fold_rows); 0: it does not."""
+    a key head, where attention folds (fold_rows); 0: it does not. native: specd's kernel attends
+    (store_attention), which reads each row's count of columns (seen) instead of its mask."""
     # every row's keys, a multiple of KEY_BLOCK; folded, of FOLD_KEY_BLOCK, which then holds each row's own width
     keys = whole_blocks(max(cached + n for _, cached, n, _, _ in parts), FOLD_KEY_BLOCK if fold_group else KEY_BLOCK)
     slots, writes, positions, runs, trees, at = [], [], [], [], [], 0
@@ -332,8 +334,9 @@ def flat_rows(parts: Sequence[tuple[int, int, int, Optional[list[int]], Optional
         folds = fold_rows([(first, n, slot, writes[first], first in tree_rows) for first, n, slot in runs], visible, compact,
                           fold_group, device)
     as_long = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    seen = visible.sum(dim=1, dtype=torch.int32) if native else None  # [R]: compacted first where a tree's node reads
     return FlatRows(as_long(slots), as_long(writes), as_long(positions), visible.to(device), runs, writes[0],
-                    None if compact is None else compact.to(device), folds)
+                    None if compact is None else compact.to(device), folds, seen)
 
 
 @torch.inference_mode()
@@ -371,6 +374,8 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     else:
         keys[rows.slots, :, rows.writes] = k  # [R, Hkv, D] into (slot, column) pairs
         values[rows.slots, :, rows.writes] = v
+    if rows.seen is not None:
+        return store_attention.attend(layer, keys, values, q, rows.slots, rows.seen, rows.compact)
     if rows.folds is not None:
         return folded_attention(layer, keys, values, q, rows.folds)
     width = mask.shape[-1]
@@ -555,10 +560,11 @@ class FlatPasses:
     over the rows whose logits are wanted. CausalLM.use_flat_pass starts it after a probe."""
 
     def __init__(self, lean: lean_forward.LeanLlama, store: KVStore, device: torch.device, runtime: PassRuntime, gather: bool,
-                 fold: bool = False, int4: bool = False):
+                 fold: bool = False, int4: bool = False, native: bool = False):
         self.lean, self.store, self.device, self.runtime, self.gather = lean, store, device, runtime, gather
         # attention folded into a call a row count (fold_rows), where this machine's SDPA keeps a row's bits (probe_folding)
         self.fold, self.int4 = fold, int4
+        self.native = native  # attention by specd's kernel over the store in place, a call a layer (store_attention)
         self.prompt_kernel: Optional[str] = None  # prompt rows' dense products (quantized.choose_prompt_kernel); None: int4
         # fixed-shape passes replayed as CUDA graphs on a GPU, padding rows in a spare slot
         self.graphs = GraphedPasses(lean, store, store.claim()) if device.type == "cuda" else None
@@ -571,7 +577,7 @@ class FlatPasses:
         layer = self.lean.layers[0]
         rows = flat_rows([(slot, start, len(feed.tokens), feed.positions, feed.mask)
                           for feed, slot, start in zip(feeds, slots, starts)], self.device,
-                         layer.heads // layer.kv_heads if self.fold else 0)
+                         layer.heads // layer.kv_heads if self.fold else 0, self.native)
         for slot in slots:
             self.store.prepare(slot, rows.visible.shape[1])
         ids = torch.tensor([token for feed in feeds for token in feed.tokens], dtype=torch.long, device=self.device)  # [R]
@@ -595,8 +601,9 @@ class FlatPasses:
     @property
     def positional_prompts(self) -> bool:
         """A prompt row's bits depend on its position alone (CausalLM.prescores): int4's per-row products,
-        and attention folded where this machine keeps a row's bits so (its keys padded, its neighbours any)."""
-        return self.fold and self.int4
+        and attention by specd's kernel or folded where this machine keeps a row's bits so (its keys padded,
+        its neighbours any)."""
+        return (self.native or self.fold) and self.int4
 
     def _replay(self, ids: torch.Tensor, rows: FlatRows) -> Optional[torch.Tensor]:
         """The pass replayed as a CUDA graph ([R, H]), or None where no captured shape holds it. A shape
@@ -609,6 +616,17 @@ class FlatPasses:
             return None
 
 
+def why_not_by_default(lm) -> str:
+    """Why `--forward auto` keeps the ragged pass for `lm` ("" where the flat pass serves by default): on a
+    CPU with int4 products and specd's attention kernel, where every row's bits are its own by
+    construction and a pass costs less at every size measured (docs/design/engine-room.md, "Attention
+    over the store in place"). Elsewhere the ragged pass measured as fast or faster (a GPU's eager
+    passes, float32's GEMMs that round a row by its neighbours)."""
+    if lm.lean is None or lm.loaded.device.type != "cpu" or lm.weights != "int4":
+        return "the flat pass serves by default only an int4 lean model on a CPU"
+    return store_attention.unavailable(lm.lean.layers[0], lm.loaded.device, lm.lean.embed.weight.dtype)
+
+
 def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
     """Make `lm` (a CausalLM with the lean forward) serve every pass as one flat pass over a KV store
     allocated now: `slots` sessions at once, each up to `capacity` positions (0: the model's context
@@ -616,12 +634,15 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
     than it calls). Sessions made before keep their own caches and must end first. A probe (a
     prompt, then a chain, twice: a CUDA graph's capture and its replay) must score as the ragged pass
     does (lean_forward.logits_disagree), or the ragged pass keeps serving and the log says why;
-    returns whether the flat pass serves. On a CPU only where this machine folds attention
-    (probe_folding): rows padded to the pass's widest would round by their neighbours' key counts."""
+    returns whether the flat pass serves. On a CPU, attention by specd's kernel where it runs
+    (store_attention), else only where this machine folds attention (probe_folding): rows padded to the
+    pass's widest would round by their neighbours' key counts."""
     if lm.lean is None:
         raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
-    fold = lm.run(probe_folding, lm.lean.layers[0], lm.loaded.device)
-    if not fold and lm.loaded.device.type == "cpu":
+    why_not_native = store_attention.unavailable(lm.lean.layers[0], lm.loaded.device, lm.lean.embed.weight.dtype)
+    native = not why_not_native and lm.loaded.device.type == "cpu" and gather is not True
+    fold = not native and lm.run(probe_folding, lm.lean.layers[0], lm.loaded.device)
+    if not native and not fold and lm.loaded.device.type == "cpu":
         log.warning("model passes: ragged; this machine's attention rounds a row by the rows folded beside it "
                     "(flat_pass.probe_folding), and a flat pass must fold to be exact on a CPU")
         return False
@@ -635,7 +656,7 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
         lm.store = lm.run(KVStore.for_model, lm.loaded.model.config, slots, capacity, lm.loaded.device, lm.lean.embed.weight.dtype)
         lm.max_length = min(max_length, lm.store.capacity - nodes)
         lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning, lm.loaded.device.type == "cuda" if gather is None else gather,
-                               fold, lm.weights == "int4")
+                               fold, lm.weights == "int4", native)
         dtype = torch.bfloat16 if lm.weights == "int4" else lm.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
         why = lm.run(lambda: lean_forward.logits_disagree(probe(lm), reference, dtype) or lean_forward.logits_disagree(probe(lm), reference, dtype))
     except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
@@ -644,7 +665,8 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
         lm.store, lm.passes, lm.max_length, ragged.tiles = None, ragged, max_length, tiles
         log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
         return False
-    calls = ("one attention call a layer and row count, in place" if lm.passes.fold else
+    calls = ("one attention call a layer by specd's kernel, in place" if lm.passes.native else
+             "one attention call a layer and row count, in place" if lm.passes.fold else
              "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
     log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, lm.store.capacity,
              lm.store.bytes() / 2**20, calls)

@@ -11,10 +11,8 @@ and 3.3). A row's arithmetic is the same whatever rows share the call, at any ro
 count, so a position's logits stay its own in any pass and prompt rows need no dense copy of the
 weights (docs/design/engine-room.md, "specd's own int4 product").
 
-The C file is compiled once a machine with the system's C compiler into specd's cache folder
-(runtime_cache.cache_root()), or beside its source when an image is built (`python -m
-specd_engine.int4_tiles`), and loaded with ctypes; OpenMP binds to the runtime torch already loaded,
-so its threads are torch's. The instruction set is the best the CPU runs (ISAS, in order); where it
+The C file is compiled with specd's other native kernels (native.py); OpenMP binds to the runtime
+torch already loaded, so its threads are torch's. The instruction set is the best the CPU runs (ISAS, in order); where it
 runs neither or there is no compiler, Int4Linear keeps PyTorch's kernel: `unavailable()` says why.
 `use("torch")` (the verify's --int4-kernel) picks PyTorch's kernel anyway, for comparisons.
 """
@@ -22,21 +20,17 @@ runs neither or there is no compiler, Int4Linear keeps PyTorch's kernel: `unavai
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
+from specd_engine import native
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "int4_tiles.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
 # instruction set → what its code executes, as /proc/cpuinfo names it; the first this CPU runs serves
 ISAS = {"amx": ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16"), "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
 ENTRY_POINTS = {"amx": ("specd_int4_mm", "specd_int8_mm"), "avx512-bf16": ("specd_int4_mm_avx512", "specd_int8_mm_avx512")}
@@ -69,7 +63,7 @@ def chosen() -> bool:
 
 def identity() -> str:
     """The tiles' build and instruction set, for keys of cached timings (an edit of the source changes it)."""
-    return f"{_library_name().removesuffix('.so')}-{instruction_set()}"
+    return f"{native.identity()}-{instruction_set()}"
 
 
 def unavailable() -> str:
@@ -104,23 +98,19 @@ def _load() -> None:
     with _lock:
         if _reason is not None:
             return
-        try:
-            _library, _reason = _loaded_library()
-        except (OSError, subprocess.SubprocessError) as error:
-            _library, _reason = None, f"the int4 tile kernel did not build or load: {error}"
+        _library, _reason = _loaded_library()
         _isa = _runnable[0] if _runnable else None
         if _reason:
             log.info("int4 products: PyTorch's kernel (%s)", _reason)
 
 
 def _loaded_library() -> tuple[Optional[ctypes.CDLL], str]:
-    runs = {isa: not missing_cpu_flags(flags) for isa, flags in ISAS.items()}
+    runs = {isa: not native.missing_cpu_flags(flags) for isa, flags in ISAS.items()}
     if not any(runs.values()):
-        return None, f"this CPU lacks {', '.join(missing_cpu_flags(ISAS['avx512-bf16']))} (and AMX)"
-    path = _built_library()
-    if path is None:
-        return None, "no C compiler to build the int4 tile kernel, and no build of it beside its source"
-    library = ctypes.CDLL(str(path))
+        return None, f"this CPU lacks {', '.join(native.missing_cpu_flags(ISAS['avx512-bf16']))} (and AMX)"
+    library, why = native.load()
+    if library is None:
+        return None, why
     if runs["amx"] and not library.specd_amx_init():
         runs["amx"] = False  # the OS withholds the tile state: AVX-512 BF16 still runs
     for isa, (int4_mm, int8_mm) in ENTRY_POINTS.items():
@@ -131,47 +121,6 @@ def _loaded_library() -> tuple[Optional[ctypes.CDLL], str]:
     if not _runnable:
         return None, "the kernel refused this process the AMX tile state, and the CPU lacks AVX-512 BF16"
     return library, ""
-
-
-def missing_cpu_flags(wanted: tuple[str, ...] = ISAS["amx"]) -> list[str]:
-    """Which of `wanted` /proc/cpuinfo does not list (all of them where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return list(wanted)
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return [flag for flag in wanted if flag not in flags]
-
-
-def _library_name() -> str:
-    """The compiled file's name: a digest of the source and the flags, so an edit never loads a stale build."""
-    return f"int4_tiles-{hashlib.sha256(SOURCE.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
-
-
-def _built_library() -> Optional[Path]:
-    """The shared library: beside the source where an image built it (`python -m specd_engine.int4_tiles`),
-    else in specd's cache, compiled on first use (~0.4 s); None without a compiler."""
-    beside = SOURCE.parent / _library_name()
-    if beside.exists():
-        return beside
-    from specd_engine.runtime_cache import cache_root
-
-    cached = cache_root() / "native" / _library_name()
-    return cached if cached.exists() else build(cached.parent)
-
-
-def build(folder: Path) -> Optional[Path]:
-    """Compile the kernel into `folder` (None without a C compiler). Needs neither instruction set: an image
-    builds it anywhere."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    target = folder / _library_name()
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{target.name}.{os.getpid()}"
-    subprocess.run([compiler, *FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True, timeout=120)
-    partial.replace(target)  # atomic: a concurrent start sees the whole file or none
-    return target
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,10 +176,3 @@ def _multiply(kernel, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_fea
         kernel(rows.data_ptr(), *(tensor.data_ptr() for tensor in weight), out.data_ptr(), rows.shape[0], rows.shape[1],
                out_features, torch.get_num_threads(), rows.dtype == torch.float32)
     return out
-
-
-if __name__ == "__main__":  # an image's build step: the kernel compiled beside its source, for a runtime without a compiler
-    built = build(SOURCE.parent)
-    if built is None:
-        raise SystemExit("no C compiler (cc): the int4 tile kernel was not built")
-    print(built)

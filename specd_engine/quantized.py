@@ -21,9 +21,9 @@ row on its own; every row attends as one query over the keys it sees padded to a
 probe checks that batching queries changes no bits, else a row a call); every pass runs on one thread count
 (autotune.one_thread_count: SDPA splits long key ranges by threads). docs/design/cpu-vs-llama-cpp.md.
 
-On a CPU with Intel AMX the products take specd's own kernel instead (int4_tiles.py): the same groups,
-unpacked once a tile for every row of a pass, so rows cost a fraction of PyTorch's per-row work and
-prompt rows need no dense copy. Each row's bits are its own there too.
+On a CPU with Intel AMX or AVX-512 BF16 the products take specd's own kernel instead (int4_tiles.py):
+the same groups, unpacked once a tile for every row of a pass, so rows cost a fraction of PyTorch's
+per-row work and prompt rows need no dense copy. Each row's bits are its own there too.
 
 Elsewhere, prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized, in
 bfloat16 or float32, where the start-up measurement finds a GEMM over a block of rows cheaper than the
@@ -87,7 +87,7 @@ class Int4Linear(torch.nn.Module):
     dense: Optional[torch.Tensor] = None  # [out, in]: the weight for prompt rows, where a GEMM is faster (None: int4)
 
     def __init__(self, weight: torch.Tensor, tiles: Optional[bool] = None):
-        """tiles: multiply by specd's own AMX kernel (int4_tiles) or PyTorch's; None: as int4_tiles.chosen()."""
+        """tiles: multiply by specd's own tile kernel (int4_tiles) or PyTorch's; None: as int4_tiles.chosen()."""
         super().__init__()
         reason = unsupported(weight)
         if reason:
@@ -295,7 +295,7 @@ class Int8Linear(torch.nn.Module):
     a Q8_0 embedding in the default GGUF, which 4 bits would coarsen): [..., in] → [..., out] in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, tiles: Optional[bool] = None):
-        """tiles: multiply by specd's AMX kernel (int4_tiles.product8; needs out % 16 == 0) or PyTorch's;
+        """tiles: multiply by specd's tile kernel (int4_tiles.product8; needs out % 16 == 0) or PyTorch's;
         None: as int4_tiles.chosen() where the shape allows."""
         super().__init__()
         self.out_features, self.in_features = weight.shape

@@ -14,19 +14,34 @@ import pytest
 import torch
 
 from specd_common.errors import ResourceExhausted
-from specd_engine import flat_pass
+from specd_engine import flat_pass, store_attention
 
 PROMPT = [(7 * i) % 50 + 3 for i in range(60)]
 DRAFTS = [11, 2, 30, 8, 41, 17]
 
 
-@pytest.fixture(scope="module")
-def flat(tiny):
+def native_unavailable(lm) -> str:
+    """Why specd's attention kernel cannot serve this model here ("" where it can)."""
+    return store_attention.unavailable(lm.lean.layers[0], torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module", params=["native", "folded"])
+def flat(tiny, request):
+    """The tiny target's flat pass, its attention by specd's kernel (store_attention) or folded SDPA calls."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    assert lm.use_flat_pass(slots=48)
+    if request.param == "native" and native_unavailable(lm):
+        pytest.skip(f"store attention: {native_unavailable(lm)}")
+    real = store_attention.unavailable
+    if request.param == "folded":
+        store_attention.unavailable = lambda *args: "asked for folded SDPA"
+    try:
+        assert lm.use_flat_pass(slots=48)
+    finally:
+        store_attention.unavailable = real
+    assert lm.passes.native == (request.param == "native") and lm.passes.fold == (request.param == "folded")
     return lm
 
 
@@ -89,25 +104,30 @@ def test_one_attention_call_a_layer_or_one_a_session_give_the_same_bits(flat):
     for session in sessions:
         flat.forward(session)
     feeds = [flat.chain_feed(session, DRAFTS[: 1 + j]) for j, session in enumerate(sessions)]
-    flat.passes.fold = False  # what a GPU's eager passes do (a CPU folds: short keys here, which any width reads alike)
+    modes = flat.passes.fold, flat.passes.native
+    flat.passes.fold = flat.passes.native = False  # what a GPU's eager passes do (short keys here, which any width reads alike)
     try:
         flat.passes.gather = False
         apart = flat.run_feeds_then_rewind(feeds)
         flat.passes.gather = True
         gathered = flat.run_feeds_then_rewind(feeds)
     finally:
-        flat.passes.gather, flat.passes.fold = False, True
+        flat.passes.gather, (flat.passes.fold, flat.passes.native) = False, modes
     assert all(torch.equal(a, b) for a, b in zip(apart, gathered))
+    assert all(torch.equal(a, b) for a, b in zip(apart, flat.run_feeds_then_rewind(feeds)))  # the fixture's own attention
 
 
-@pytest.mark.parametrize("attention", ["folded", "gathered"])
+@pytest.mark.parametrize("attention", ["native", "folded", "gathered"])
 def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat, attention):
-    """With one attention call a layer (folded in place, or over gathered keys), nothing inside a
-    pass's layers loops over its sessions (the torch profiler counts the operators of forward_flat,
-    on the model thread where it runs)."""
+    """With one attention call a layer (specd's kernel or folded, in place, or over gathered keys), nothing
+    inside a pass's layers loops over its sessions (the torch profiler counts the operators of
+    forward_flat, on the model thread where it runs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    assert flat.passes.fold  # this machine's SDPA keeps a row's bits folded (flat_pass.probe_folding)
+    if attention == "native" and native_unavailable(flat):
+        pytest.skip(f"store attention: {native_unavailable(flat)}")
+    if attention == "folded" and not flat_pass.probe_folding(flat.lean.layers[0], torch.device("cpu")):
+        pytest.skip("this machine's SDPA rounds a row by the rows folded beside it")
     sessions = [flat.new_session(PROMPT[: 20 + 4 * j]) for j in range(8)]
     for session in sessions:
         flat.forward(session)
@@ -116,7 +136,7 @@ def test_a_pass_makes_as_many_operations_for_two_sessions_as_for_eight(flat, att
 
     def operations(count: int) -> int:
         parts = [(flat_pass.slot_of(s.cache), s.cache.get_seq_length(), 1, None, None) for s in sessions[1 : count + 1]]
-        rows = flat_pass.flat_rows(parts, flat.loaded.device, group)
+        rows = flat_pass.flat_rows(parts, flat.loaded.device, group, native=attention == "native")
         assert (rows.folds is not None and len(rows.folds) == 1) == bool(group)
         ids = torch.full((count,), 7, dtype=torch.long)
         with profile(activities=[ProfilerActivity.CPU]) as run:
@@ -167,6 +187,7 @@ def test_a_cpu_whose_attention_rounds_a_row_by_its_neighbours_keeps_the_ragged_p
         return out + 1e-3 if query.shape[-2] > query.shape[1] and query.shape[0] == 3 else out
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", skewed)
+    monkeypatch.setattr(store_attention, "unavailable", lambda *args: "a CPU without AVX-512")  # else specd's kernel attends
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     assert not flat_pass.probe_folding(lm.lean.layers[0], torch.device("cpu"))
     assert not lm.use_flat_pass(slots=8) and lm.store is None  # the ragged pass serves, exactly
@@ -324,5 +345,5 @@ def test_a_flat_verify_times_its_own_passes_at_start_up(tiny):
 
     keys = {forward: Scorer(load_causal_lm(str(tiny.target)), BatchPolicy(max_batch_size=1), threads=1, prepack="off",
                             forward=forward, weights="int4").timing_key(1, 0, BatchPolicy(max_batch_size=1))
-            for forward in ("auto", "flat")}
-    assert keys["auto"]["flat"] is False and keys["flat"]["flat"] is True
+            for forward in ("ragged", "flat")}
+    assert keys["ragged"]["flat"] is False and keys["flat"]["flat"] is True

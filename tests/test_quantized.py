@@ -306,14 +306,17 @@ def test_int4_weights_need_the_lean_forward(tiny):
         CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="int4")
 
 
-@pytest.mark.parametrize("forward", ["auto", "flat"])
+@pytest.mark.parametrize("forward", ["auto", "ragged", "flat"])
 def test_greedy_speculation_on_an_int4_verify_equals_its_own_target_only(tiny, forward):
     """Through the services (real gRPC): drafts judged by the int4 verify keep its own greedy output,
-    its passes ragged (auto) or flat (specd_engine/flat_pass.py). The first token costs no pass of its own
-    (CausalLM.prescores: the gateway's first round is plain and free)."""
+    its passes ragged or flat (specd_engine/flat_pass.py; auto: flat where specd's attention kernel runs).
+    The first token costs no pass of its own (CausalLM.prescores: the gateway's first round is plain and free)."""
+    from specd_engine import flat_pass
+
     running = start_cluster(tiny.target, "model", tiny.draft_noisy, weights="int4", forward=forward)
     lm = running.verify.servicer.scorer.lm
-    assert (lm.store is not None) == (forward == "flat") and lm.prescores
+    flat = forward == "flat" or forward == "auto" and not flat_pass.why_not_by_default(lm)
+    assert (lm.store is not None) == flat and lm.prescores
     passes, run = [], lm.passes.run
     lm.passes.run = lambda *args, **kwargs: passes.append(1) or run(*args, **kwargs)
     try:

@@ -182,13 +182,16 @@ def test_graphed_pass_agrees_with_transformers_and_times_each_shape(tmp_path):
 
 
 def test_flat_fold_widths_times_the_ragged_pass_and_each_width(tmp_path):
-    """`make flat-fold-widths` on a tiny model: every shape has the ragged pass's time and the flat
-    pass's at each folded key width."""
+    """`make flat-fold-widths` on a tiny model: every shape has the ragged pass's time, the flat pass's at
+    each folded key width and, where specd's attention kernel runs, the flat pass's with it."""
+    from specd_engine import native as native_kernels, store_attention
+
     target = build_model(tmp_path / "target", seed=1)
     printed = make("flat-fold-widths", FOLD_ARGS=f"--target {target} --scale 0.25 --repeats 1")
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
     assert len(result["ms"]) == 6 and result["machine"]["date"]
-    assert all(set(entry) == {"ragged", "flat_fold64", "flat_fold128", "flat_fold256"} and min(entry.values()) > 0
+    native = set() if native_kernels.missing_cpu_flags(store_attention.CPU_FLAGS) or native_kernels.load()[0] is None else {"flat_native"}
+    assert all(set(entry) == {"ragged", "flat_fold64", "flat_fold128", "flat_fold256"} | native and min(entry.values()) > 0
                for entry in result["ms"].values())
 
 
@@ -203,6 +206,8 @@ def test_int4_kernels_times_each_kernel_and_checks_a_row_alone_and_beside_others
     kernels = {"torch"} if int4_tiles.unavailable() else {"torch", "tiles"}
     assert result["tiles_unavailable"] == int4_tiles.unavailable() and result["same_alone_and_beside"] == dict.fromkeys(kernels, True)
     assert len(result["ms"]) == 8 and all(set(entry) == kernels and min(entry.values()) > 0 for entry in result["ms"].values())
+    assert len(result["products_ms"]) == 5 and all(set(entry) == kernels for entry in result["products_ms"].values())
+    assert result["tiles_instruction_set"] == int4_tiles.instruction_set()
 
 
 def test_heads_precision_times_and_compares_float32_and_int8_heads(tiny, tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from specd.v1 import common_pb2, verify_pb2
 from specd_common import tree
-from specd_engine import autotune, flat_pass, kv_cache, quantized, runtime_cache
+from specd_engine import autotune, flat_pass, kv_cache, native, quantized, runtime_cache
 from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.config import ServerConfig, StartupMeasurement
@@ -90,6 +90,16 @@ PREPACK_CHOICES = {"auto": set(autotune.LAYOUTS), "on": {PREPACKED}, "mkl": {MKL
                    "off": {PLAIN}}
 
 
+def attention_mode(lm: CausalLM) -> str:
+    """How the passes attend, for keys of cached timings: specd's kernel (its build), folded or SDPA calls over
+    the flat store, or the ragged pass's calls (a row's query block, or a call a row)."""
+    if lm.lean is None:
+        return "transformers"
+    if lm.store is not None:
+        return f"native-{native.identity()}" if lm.passes.native else "fold" if lm.passes.fold else "sdpa"
+    return "a call a row" if lm.lean.query_per_call else f"query block {lm.lean.layers[0].query_block}"
+
+
 class Scorer:
     """Wraps the target model for many sessions.
 
@@ -99,7 +109,9 @@ class Scorer:
     for tall weights, else plain; cols: W·xᵀ for every weight; rows: x·Wᵀ from a transposed copy;
     off: PyTorch's plain layout; specd_engine.layouts.SwitchableLinear), then its KV-token budget and, when it
     batches, what batched rounds cost (measure_batch_costs). `forward`: auto runs the passes with
-    specd_engine/lean_forward.py where it serves the model, transformers keeps transformers'. With `medusa`
+    specd_engine/lean_forward.py where it serves the model, as one flat pass over a KV store where
+    flat_pass.why_not_by_default allows (an int4 CPU verify with specd's attention kernel), transformers
+    keeps transformers'. With `medusa`
     heads (verify_service/medusa.py) a Verify may also return their proposals."""
 
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
@@ -116,7 +128,7 @@ class Scorer:
         self._info.medusa_heads = medusa.config.num_heads if medusa is not None else 0
         self.lm = CausalLM(loaded, layouts=PREPACK_CHOICES[prepack], lean=forward != "transformers", weights=weights)
         kv_tokens = self.kv_token_budget(kv_token_budget)
-        if forward == "flat":
+        if forward == "flat" or forward == "auto" and not flat_pass.why_not_by_default(self.lm):
             # a slot for every session the verify holds and every one its start-up timings hold at once; on a CPU
             # each spans the model's context (its pages are the system's until used, and go back when it is
             # released: the KV budget bounds what sessions hold), on a GPU its share of the budget
@@ -161,7 +173,7 @@ class Scorer:
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",
-            "prefill_tokens": PREFILL_TIMING_TOKENS,
+            "prefill_tokens": PREFILL_TIMING_TOKENS, "attention": attention_mode(self.lm),
         }
 
     def measure_batch_costs(self, rows: Sequence[int], positions: Sequence[int] = autotune.BATCH_POSITIONS,

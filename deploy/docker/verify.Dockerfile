@@ -14,7 +14,7 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
-# gcc: the int4 tile kernel (specd_engine/int4_tiles.py) is compiled here, so the runtime needs no compiler.
+# gcc: specd's native kernels (specd_engine/native.py) are compiled here, so the runtime needs no compiler.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -40,7 +40,7 @@ COPY verify_service ./verify_service
 COPY specd_app ./specd_app
 COPY draft_training ./draft_training
 RUN . /tmp/extra/pip-env.sh && pip install --no-deps . \
-    && cd / && python -m specd_engine.int4_tiles
+    && cd / && python -m specd_engine.native
 
 FROM ${BASE_IMAGE}
 ARG DEVICE=cuda

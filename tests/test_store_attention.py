@@ -1,0 +1,79 @@
+"""specd's attention over the KV store in place (specd_engine/store_attention.py, native/attention.c)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specd_engine import store_attention
+
+LAYER = SimpleNamespace(heads=9, kv_heads=3, head_dim=64, scaling=64 ** -0.5)  # the default target's shape
+why_not = store_attention.unavailable(LAYER, torch.device("cpu"), torch.float32)
+pytestmark = pytest.mark.skipif(bool(why_not), reason=f"store attention: {why_not}")
+
+
+def store(slots: int = 6, capacity: int = 1100, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (slots, LAYER.kv_heads, capacity, LAYER.head_dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: int, columns: list[int]) -> torch.Tensor:
+    """One row's attention in float64 over the given columns of its slot: [Hq, D]."""
+    group = LAYER.heads // LAYER.kv_heads
+    k, v = keys[slot][:, columns].double(), values[slot][:, columns].double()  # [Hkv, n, D]
+    query = q.double().view(LAYER.kv_heads, group, LAYER.head_dim)[None]
+    return F.scaled_dot_product_attention(query, k[None], v[None], scale=LAYER.scaling)[0].reshape(LAYER.heads, LAYER.head_dim).float()
+
+
+def test_rows_attend_their_own_slot_s_keys_within_float32_rounding():
+    keys, values = store()
+    generator = torch.Generator().manual_seed(1)
+    slots = torch.tensor([0, 3, 3, 5, 1], dtype=torch.long)
+    seen = torch.tensor([1, 17, 18, 700, 1100], dtype=torch.int32)
+    q = torch.randn((5, LAYER.heads, LAYER.head_dim), generator=generator)
+    out = store_attention.attend(LAYER, keys, values, q, slots, seen, None)
+    for r in range(5):
+        expected = reference(q[r], keys, values, int(slots[r]), list(range(int(seen[r]))))
+        assert (out[r] - expected).abs().max() < 2e-6, r
+
+
+def test_a_tree_node_reads_its_compacted_columns():
+    keys, values = store()
+    q = torch.randn((2, LAYER.heads, LAYER.head_dim), generator=torch.Generator().manual_seed(2))
+    path = list(range(40)) + [42, 45]  # committed columns, then the node's ancestors and itself
+    columns = torch.arange(64).repeat(2, 1)
+    columns[1, : len(path)] = torch.tensor(path)
+    out = store_attention.attend(LAYER, keys, values, q, torch.tensor([2, 2]), torch.tensor([41, len(path)], dtype=torch.int32), columns)
+    assert (out[1] - reference(q[1], keys, values, 2, path)).abs().max() < 2e-6
+    assert (out[0] - reference(q[0], keys, values, 2, list(range(41)))).abs().max() < 2e-6
+
+
+def test_a_row_s_bits_are_its_own_alone_beside_any_rows_and_on_any_thread_count():
+    keys, values = store(slots=32)
+    generator = torch.Generator().manual_seed(3)
+    rows = 33
+    q = torch.randn((rows, LAYER.heads, LAYER.head_dim), generator=generator)
+    slots = torch.randint(0, 32, (rows,), generator=generator)
+    seen = torch.randint(1, 1100, (rows,), generator=generator).to(torch.int32)
+    together = store_attention.attend(LAYER, keys, values, q, slots, seen, None)
+    for r in (0, 7, 32):
+        assert torch.equal(store_attention.attend(LAYER, keys, values, q[r : r + 1], slots[r : r + 1], seen[r : r + 1], None)[0], together[r])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(store_attention.attend(LAYER, keys, values, q, slots, seen, None), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_row_that_would_read_past_its_slot_is_refused():
+    keys, values = store(capacity=64)
+    q = torch.zeros((1, LAYER.heads, LAYER.head_dim))
+    with pytest.raises(ValueError, match="refused"):
+        store_attention.attend(LAYER, keys, values, q, torch.tensor([0]), torch.tensor([65], dtype=torch.int32), None)
+    assert "query heads" in store_attention.unavailable(SimpleNamespace(heads=9, kv_heads=3, head_dim=40, scaling=1.0),
+                                                        torch.device("cpu"), torch.float32)

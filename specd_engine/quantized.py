@@ -305,7 +305,7 @@ class Int8Linear(torch.nn.Module):
         self.tiles = int4_tiles.chosen() and self.out_features % ROWS_MULTIPLE == 0 if tiles is None else tiles
         if self.tiles and (int4_tiles.unavailable() or self.out_features % ROWS_MULTIPLE):
             raise ValueError(f"cannot use the int4 tiles: {int4_tiles.unavailable() or f'{self.out_features} outputs (needs out % {ROWS_MULTIPLE} == 0)'}")
-        rows = weight.detach().float()
+        rows = weight.detach().float().contiguous()  # a transposed view (the Medusa heads' columns) packs as rows
         scale = rows.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
         levels = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
         self.register_buffer("scales", scale.to(torch.bfloat16))

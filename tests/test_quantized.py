@@ -113,6 +113,17 @@ def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(
         torch.set_num_threads(threads)
 
 
+def test_an_8_bit_weight_packs_from_a_transposed_view_on_either_kernel():
+    """Int8Linear of a transposed view (the Medusa heads' vocabulary columns are one): PyTorch's int8 kernel
+    needs contiguous levels (a verify with heads failed to start on a CPU without the tiles), and both
+    kernels give the rows of the weight as if it had been contiguous."""
+    columns = torch.randn(576, 96, generator=torch.Generator().manual_seed(11))  # [H, V']: the weight is its transpose
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(12))
+    kernels = [False] + ([True] if not int4_tiles.unavailable() else [])
+    for tiles in kernels:
+        assert torch.equal(quantized.Int8Linear(columns.T, tiles=tiles)(x), quantized.Int8Linear(columns.T.contiguous(), tiles=tiles)(x))
+
+
 def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits(tile_isa):
     """int4_tiles.product8 (the LM head): within bfloat16 rounding of PyTorch's int8 kernel over the same
     levels, and each row's bits the same alone, in a block of 16 and past it."""

@@ -367,7 +367,7 @@ def padded_query_block(group: int) -> int:
 
 
 def choose_query_block(layer: LeanLayer, device: torch.device) -> bool:
-    """Set every probe-tested layer's query_block to the first of (its heads as they are, padded_query_block)
+    """Set the layer's query_block to the first of (its query heads a key head as they are, padded_query_block)
     under which batching rows changes no bits (queries_batch_alike); False where neither does (the
     caller then gives each row its own call)."""
     group = layer.heads // layer.kv_heads

@@ -35,7 +35,7 @@ _loaded: Optional[tuple[Optional[ctypes.CDLL], str]] = None  # (library, why not
 
 
 def load() -> tuple[Optional[ctypes.CDLL], str]:
-    """The library and "" , or None and why it cannot load (no compiler, a failed build)."""
+    """(the library, ""), or (None, why it cannot load: no compiler, a failed build); decided once."""
     global _loaded
     with _lock:
         if _loaded is None:

@@ -354,8 +354,31 @@ static inline __m512bh row8(const int8_t *packed) {
     return _mm512_cvtne2ps_pbh(high, low);
 }
 
-/* specd_int8_mm's product (same arguments, layout and rounding) on AVX-512 BF16: even and odd input tiles
- * sum in two accumulators a row, added at the end, as the tile unit's two. */
+/* Rows [0, R) of x through one block of 16 outputs of 8-bit weights: even and odd input tiles sum in two
+ * accumulators a row, added at the end, as the tile unit's two. Inlined for each constant R, as vector_rows. */
+static inline __attribute__((always_inline)) void vector_rows8(const uint16_t *x, int K, const int8_t *tiles, int tiles_in,
+                                                             __m512 s, int R, void *out, size_t at, int N, int floats) {
+    __m512 even[VECTOR_ROWS], odd[VECTOR_ROWS];
+    for (int m = 0; m < R; m++) even[m] = odd[m] = _mm512_setzero_ps();
+    for (int t = 0; t < tiles_in; t++) {
+        const int8_t *packed = tiles + (size_t)t * 512;
+        for (int line = 0; line < 8; line++)
+            _mm_prefetch((const char *)(packed + PREFETCH_TILES * 512 + 64 * line), _MM_HINT_T0);
+        for (int r = 0; r < 16; r++) {
+            const __m512bh w = row8(packed + 32 * r);
+            for (int m = 0; m < R; m++) {
+                if (t % 2)
+                    odd[m] = _mm512_dpbf16_ps(odd[m], w, pair_of(x + (size_t)m * K + t * 32, r));
+                else
+                    even[m] = _mm512_dpbf16_ps(even[m], w, pair_of(x + (size_t)m * K + t * 32, r));
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        store_rounded(out, at + (size_t)m * N, floats, _mm512_mul_ps(s, _mm512_add_ps(even[m], odd[m])));
+}
+
+/* specd_int8_mm's product (same arguments, layout and rounding) on AVX-512 BF16. */
 void specd_int8_mm_avx512(const void *x_in, const int8_t *weights, const float *scale, void *out, int M, int K, int N,
                           int threads, int floats) {
     const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
@@ -366,21 +389,13 @@ void specd_int8_mm_avx512(const void *x_in, const int8_t *weights, const float *
         const int8_t *tiles = weights + (size_t)block * tiles_in * 512;
         for (int first = 0; first < M; first += VECTOR_ROWS) {
             const int R = M - first < VECTOR_ROWS ? M - first : VECTOR_ROWS;
-            __m512 even[VECTOR_ROWS], odd[VECTOR_ROWS];
-            for (int m = 0; m < VECTOR_ROWS; m++) even[m] = odd[m] = _mm512_setzero_ps();
-            for (int t = 0; t < tiles_in; t++) {
-                const int8_t *packed = tiles + (size_t)t * 512;
-                for (int line = 0; line < 8; line++)
-                    _mm_prefetch((const char *)(packed + PREFETCH_TILES * 512 + 64 * line), _MM_HINT_T0);
-                __m512 *sum = t % 2 ? odd : even;
-                for (int r = 0; r < 16; r++) {
-                    const __m512bh w = row8(packed + 32 * r);
-                    for (int m = 0; m < R; m++)
-                        sum[m] = _mm512_dpbf16_ps(sum[m], w, pair_of(x + (size_t)(first + m) * K + t * 32, r));
-                }
+            const uint16_t *rows = x + (size_t)first * K;
+            const size_t at = (size_t)first * N + block * 16;
+            switch (R) {
+#define ROWS_CASE(n) case n: vector_rows8(rows, K, tiles, tiles_in, s, n, out, at, N, floats); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
             }
-            for (int m = 0; m < R; m++)
-                store_rounded(out, (size_t)(first + m) * N + block * 16, floats, _mm512_mul_ps(s, _mm512_add_ps(even[m], odd[m])));
         }
     }
 }

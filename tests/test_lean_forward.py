@@ -101,7 +101,7 @@ def test_the_verify_flag_keeps_transformers_forward(model_path):
 
     loaded = load_causal_lm(str(model_path), device="cpu", dtype="float32")
     assert Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="transformers").lm.lean is None
-    with pytest.raises(ValueError, match="forward must be one of auto, flat, transformers"):
+    with pytest.raises(ValueError, match="forward must be one of auto, ragged, flat, transformers"):
         Scorer(loaded, BatchPolicy(max_batch_size=1), threads=1, prepack="off", forward="fast")
 
 

@@ -42,7 +42,7 @@ def unavailable(layer, device: torch.device, dtype: torch.dtype) -> str:
     if _function is None:
         function = library.specd_attend_rows
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
         _function = function
     return ""
 
@@ -58,8 +58,9 @@ def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slo
         columns = columns.contiguous()
     failed = _function(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
-                       out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[2], layer.head_dim, layer.scaling,
-                       torch.get_num_threads())
+                       out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
+                       layer.scaling, torch.get_num_threads())
     if failed:
-        raise ValueError(f"store attention refused rows seeing {seen.tolist()} of {keys.shape[2]} columns")
+        raise ValueError(f"store attention refused rows of slots {slots.tolist()} seeing {seen.tolist()} of "
+                         f"{keys.shape[0]} slots × {keys.shape[2]} columns")
     return out

@@ -70,10 +70,14 @@ def test_a_row_s_bits_are_its_own_alone_beside_any_rows_and_on_any_thread_count(
         torch.set_num_threads(threads)
 
 
-def test_a_row_that_would_read_past_its_slot_is_refused():
-    keys, values = store(capacity=64)
+def test_a_row_that_would_read_outside_the_store_is_refused():
+    """Past its slot's columns, a slot the store lacks, a tree column past the end: an error, nothing read."""
+    keys, values = store(slots=2, capacity=64)
     q = torch.zeros((1, LAYER.heads, LAYER.head_dim))
-    with pytest.raises(ValueError, match="refused"):
-        store_attention.attend(LAYER, keys, values, q, torch.tensor([0]), torch.tensor([65], dtype=torch.int32), None)
+    seen = lambda n: torch.tensor([n], dtype=torch.int32)  # noqa: E731
+    for slot, count, columns in ((0, 65, None), (2, 8, None), (-1, 8, None), (1, 2, torch.tensor([[0, 64]]))):
+        with pytest.raises(ValueError, match="refused"):
+            store_attention.attend(LAYER, keys, values, q, torch.tensor([slot]), seen(count), columns)
+    assert store_attention.attend(LAYER, keys, values, q, torch.tensor([1]), seen(2), torch.tensor([[0, 63]])).isfinite().all()
     assert "query heads" in store_attention.unavailable(SimpleNamespace(heads=9, kv_heads=3, head_dim=40, scaling=1.0),
                                                         torch.device("cpu"), torch.float32)

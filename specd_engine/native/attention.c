@@ -96,15 +96,18 @@ static void attend_head(const float *q, const float *keys, const float *values, 
     }
 }
 
-/* Every row's attention (layout above); 0 on success, -1 where a shape is outside what it serves. */
+/* Every row's attention (layout above) over a store of `store_slots` slots; 0 on success, -1 where a shape
+ * is outside what it serves or a row would read outside the store (nothing is written then). */
 int specd_attend_rows(const float *q, const float *keys, const float *values, const int64_t *slots, const int32_t *seen,
-                      const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int capacity, int D,
-                      float scale, int threads) {
+                      const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
+                      int capacity, int D, float scale, int threads) {
     const int group = heads / kv_heads;
     if (D % 16 || group > MAX_GROUP || heads % kv_heads) return -1;
     int most = 1;
     for (int r = 0; r < R; r++) {
-        if (seen[r] < 1 || seen[r] > (columns ? columns_width : capacity)) return -1;
+        if (slots[r] < 0 || slots[r] >= store_slots || seen[r] < 1 || seen[r] > (columns ? columns_width : capacity)) return -1;
+        for (int j = 0; columns && j < seen[r]; j++)
+            if (columns[(size_t)r * columns_width + j] < 0 || columns[(size_t)r * columns_width + j] >= capacity) return -1;
         if (seen[r] > most) most = seen[r];
     }
     const size_t scratch = (size_t)group * ((most + 15) / 16 * 16);

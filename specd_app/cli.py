@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
              choices=["auto", "on", "mkl", "tall", "cols", "rows", "off"])
     add_flag(verify, "forward", "auto", "the target's passes: auto (specd_engine/lean_forward.py where it serves the model and "
              "agrees with transformers on a start-up probe; flat where an int4 CPU verify has specd's attention kernel, else "
-             "ragged), ragged (that model, each session's cache its own), flat (that model in one flat pass over a KV store allocated at start-up, one slot a "
-             "session, attention by specd's kernel in place or folded into a call a key width; on a CPU only where the machine "
-             "keeps a row's bits so) or transformers (transformers' own forward)", choices=list(autotune.FORWARDS))
+             "ragged), ragged (that model, each session's cache its own), flat (that model in one flat pass over a KV store "
+             "allocated at start-up, one slot a session, attention by specd's kernel in place or folded into a call a key width; "
+             "on a CPU only where the machine keeps a row's bits so) or transformers (transformers' own forward)",
+             choices=list(autotune.FORWARDS))
     add_flag(verify, "weights", "auto", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
              "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
              "verify's own target-only) or auto (int4 on a CPU for a model whose file stores them in 4 bits, as the default "

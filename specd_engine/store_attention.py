@@ -35,16 +35,18 @@ def unavailable(layer, device: torch.device, dtype: torch.dtype) -> str:
     missing = native.missing_cpu_flags(CPU_FLAGS)
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    library, why = native.load()
-    if library is None:
-        return why
+    return native.load()[1]
+
+
+def _kernel():
+    """specd_attend_rows from the native library, its argument types declared once."""
     global _function
     if _function is None:
-        function = library.specd_attend_rows
+        function = native.load()[0].specd_attend_rows
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
         _function = function
-    return ""
+    return _function
 
 
 def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
@@ -56,7 +58,7 @@ def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slo
     out = torch.empty_like(q)
     if columns is not None:
         columns = columns.contiguous()
-    failed = _function(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
+    failed = _kernel()(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
                        out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
                        layer.scaling, torch.get_num_threads())

@@ -65,16 +65,23 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* Tile rows 4c .. 4c + 3 of a group, bfloat16 (128 + q), from chunk c's 64 packed bytes: nibble j of each word. */
+static inline void unpack_chunk(const uint8_t *chunk, __m512i rows[4]) {
+    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    const __m512i w = _mm512_loadu_si512(chunk);
+    /* (w & 15) | 0x4300: ternary logic 0xEA is (a & b) | c */
+    rows[0] = _mm512_ternarylogic_epi32(w, low, bias, 0xEA);
+    rows[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, bias, 0xEA);
+    rows[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, bias, 0xEA);
+    rows[3] = _mm512_or_si512(_mm512_srli_epi16(w, 12), bias);
+}
+
 /* One group's weight tile [16 pairs][32] bfloat16 (128 + q) from its 256 packed bytes. */
 static inline void unpack_tile(const uint8_t *packed, uint16_t *tile) {
-    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
     for (int c = 0; c < 4; c++) {
-        __m512i w = _mm512_loadu_si512(packed + 64 * c);
-        /* (w & 15) | 0x4300: ternary logic 0xEA is (a & b) | c */
-        _mm512_store_si512(tile + 128 * c, _mm512_ternarylogic_epi32(w, low, bias, 0xEA));
-        _mm512_store_si512(tile + 128 * c + 32, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, bias, 0xEA));
-        _mm512_store_si512(tile + 128 * c + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, bias, 0xEA));
-        _mm512_store_si512(tile + 128 * c + 96, _mm512_or_si512(_mm512_srli_epi16(w, 12), bias));
+        __m512i rows[4];
+        unpack_chunk(packed + 64 * c, rows);
+        for (int j = 0; j < 4; j++) _mm512_store_si512(tile + 128 * c + 32 * j, rows[j]);
     }
 }
 
@@ -208,14 +215,17 @@ void specd_int4_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *sca
 }
 
 
+/* One 8-bit weight row (32 int8 in pair order) as 32 bfloat16: exact, an 8-bit integer is a bfloat16. */
+static inline __m512bh row8(const int8_t *packed) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)packed)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);
+}
+
 /* One weight tile [16 pairs][32] bfloat16 from 8-bit weights already in the tile unit's pair order
- * (512 bytes): exact, an 8-bit integer is a bfloat16. */
+ * (512 bytes). */
 static inline void unpack_tile8(const int8_t *packed, uint16_t *tile) {
-    for (int r = 0; r < 16; r++) {
-        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 32 * r))));
-        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 32 * r + 16))));
-        _mm512_store_si512(tile + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-    }
+    for (int r = 0; r < 16; r++) _mm512_store_si512(tile + 32 * r, (__m512i)row8(packed + 32 * r));
 }
 
 /* y = x · Wᵀ for 8-bit weights with one float32 scale an output (the LM head): y[m, n] = scale[n] ·
@@ -288,7 +298,6 @@ static inline __m512bh pair_of(const uint16_t *group, int r) {
  * Inlined for each constant R, so a row's instructions are the same whatever R it shares. */
 static inline __attribute__((always_inline)) void vector_rows(const uint16_t *x, int K, const uint8_t *tiles, const uint16_t *scale,
                                                             const uint16_t *zero, const float *sums, int groups, int R, __m512 *acc) {
-    const __m512i low = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
     for (int g = 0; g < groups; g++) {
         const uint8_t *packed = tiles + (size_t)g * 256;
         _mm_prefetch((const char *)(packed + PREFETCH_TILES * 256), _MM_HINT_T0);
@@ -298,13 +307,8 @@ static inline __attribute__((always_inline)) void vector_rows(const uint16_t *x,
         __m512 c[VECTOR_ROWS];
         for (int m = 0; m < R; m++) c[m] = _mm512_setzero_ps();
         for (int chunk = 0; chunk < 4; chunk++) {
-            const __m512i w = _mm512_loadu_si512(packed + 64 * chunk);
-            const __m512i rows[4] = {
-                _mm512_ternarylogic_epi32(w, low, bias, 0xEA),  /* (w & 15) | 0x4300 */
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, bias, 0xEA),
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, bias, 0xEA),
-                _mm512_or_si512(_mm512_srli_epi16(w, 12), bias),
-            };
+            __m512i rows[4];
+            unpack_chunk(packed + 64 * chunk, rows);
             for (int j = 0; j < 4; j++)
                 for (int m = 0; m < R; m++)
                     c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)rows[j], pair_of(x + (size_t)m * K + g * 32, 4 * chunk + j));
@@ -345,13 +349,6 @@ void specd_int4_mm_avx512(const void *x_in, const uint8_t *nibbles, const uint16
         }
     }
     if (sums != sums_here) free(sums);
-}
-
-/* One 8-bit weight row (32 int8 in pair order) as 32 bfloat16: exact, an 8-bit integer is a bfloat16. */
-static inline __m512bh row8(const int8_t *packed) {
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)packed)));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(packed + 16))));
-    return _mm512_cvtne2ps_pbh(high, low);
 }
 
 /* Rows [0, R) of x through one block of 16 outputs of 8-bit weights: even and odd input tiles sum in two

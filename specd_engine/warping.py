@@ -13,6 +13,8 @@ from specd.v1 import common_pb2
 from specd_common.distributions import encode_distribution
 from specd_common.params import Warp
 
+NUCLEUS_CANDIDATES = 256  # a row's best tokens its top-p nucleus is first looked for among (outside_nucleus)
+
 
 def biased(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     """logits [n, V] with the request's logit_bias added (the same tensor when it has none): what greedy
@@ -45,13 +47,23 @@ def warp_probs(logits: torch.Tensor, warp: Warp, allowed: Optional[torch.Tensor]
         kth_best = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]  # [n, 1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
     if warp.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [n, V]
-        sorted_probs = sorted_scores.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, V] mass of strictly better tokens
-        drop_sorted = mass_before >= warp.top_p  # keeps the best token always
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(outside_nucleus(scores, warp.top_p), float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """bool [n, V]: the tokens outside each row's nucleus, the fewest best tokens whose mass reaches
+    top_p (the best token always kept) under softmax(scores [n, V]). Looked for among the rows' best
+    NUCLEUS_CANDIDATES first, then four times as many, up to the whole vocabulary: a sort of 49,152
+    scores took ~3 ms a row on a 2-core CPU, as long as the rest of a sampled row's reply ten times."""
+    probs = scores.softmax(dim=-1)  # [n, V]
+    vocab, count = probs.shape[-1], min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    while True:
+        best, order = torch.topk(probs, count, dim=-1)  # [n, count], best first
+        drop_best = best.cumsum(dim=-1) - best >= top_p  # the mass of strictly better tokens reached top_p
+        if count == vocab or bool(drop_best[:, -1].all()):  # every row's nucleus lies within its best `count`
+            return torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, drop_best)
+        count = min(4 * count, vocab)
 
 
 def draw_rows(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:

@@ -186,6 +186,22 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
 
 
+@pytest.mark.parametrize("spread", [8.0, 0.05])  # peaked rows (nucleus among the best 256) and flat ones (thousands)
+def test_nucleus_found_among_the_best_is_the_full_sort_s(spread):
+    """warping.outside_nucleus looks among each row's best tokens first, widening as needed; it must drop
+    exactly what a sort of the whole vocabulary drops, whatever the nucleus's size."""
+    from specd_engine.warping import outside_nucleus
+
+    torch.manual_seed(0)
+    scores = torch.randn(5, 49152) * spread
+    probs = scores.softmax(dim=-1)
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    for top_p in (0.1, 0.5, 0.9, 0.999):
+        expected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, ordered.cumsum(-1) - ordered >= top_p)
+        assert torch.equal(outside_nucleus(scores, top_p), expected)
+        assert (~expected).sum(dim=-1).min() >= 1
+
+
 def test_temperature_sharpens():
     logits = torch.tensor([[0.0, 1.0]])
     assert warp_probs(logits, Warp(temperature=0.5))[0, 1] > warp_probs(logits, Warp(temperature=1.0))[0, 1]

@@ -55,7 +55,7 @@ def outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """bool [n, V]: the tokens outside each row's nucleus, the fewest best tokens whose mass reaches
     top_p (the best token always kept) under softmax(scores [n, V]). Looked for among the rows' best
     NUCLEUS_CANDIDATES first, then four times as many, up to the whole vocabulary: a sort of 49,152
-    scores took ~3 ms a row on a 2-core CPU, as long as the rest of a sampled row's reply ten times."""
+    scores took ~3 ms a row on a 2-core CPU, ten times the rest of a sampled row's warp."""
     probs = scores.softmax(dim=-1)  # [n, V]
     vocab, count = probs.shape[-1], min(NUCLEUS_CANDIDATES, probs.shape[-1])
     while True:

@@ -187,7 +187,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 @pytest.mark.parametrize("spread", [8.0, 0.05])  # peaked rows (nucleus among the best 256) and flat ones (thousands)
-def test_nucleus_found_among_the_best_is_the_full_sort_s(spread):
+def test_nucleus_among_the_best_drops_what_a_full_sort_drops(spread):
     """warping.outside_nucleus looks among each row's best tokens first, widening as needed; it must drop
     exactly what a sort of the whole vocabulary drops, whatever the nucleus's size."""
     from specd_engine.warping import outside_nucleus

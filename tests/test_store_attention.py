@@ -81,3 +81,39 @@ def test_a_row_that_would_read_outside_the_store_is_refused():
     assert store_attention.attend(LAYER, keys, values, q, torch.tensor([1]), seen(2), torch.tensor([[0, 63]])).isfinite().all()
     assert "query heads" in store_attention.unavailable(SimpleNamespace(heads=9, kv_heads=3, head_dim=40, scaling=1.0),
                                                         torch.device("cpu"), torch.float32)
+
+
+def test_rows_of_one_slot_read_its_keys_together_and_keep_the_bits_each_has_alone():
+    """A chain's rows, a prompt chunk's and lone decode rows in one call (the kernel reads a run of one
+    slot's rows together): every row's bits are the ones it has in a call of its own, on any thread count."""
+    keys, values = store(slots=6)
+    generator = torch.Generator().manual_seed(4)
+    slots = torch.tensor([4] * 4 + [1] + [2] * 16 + [5] * 3 + [4], dtype=torch.long)
+    seen = torch.tensor([300, 301, 302, 303, 9] + list(range(17, 33)) + [1, 2, 1099, 64], dtype=torch.int32)
+    q = torch.randn((len(slots), LAYER.heads, LAYER.head_dim), generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            together = store_attention.attend(LAYER, keys, values, q, slots, seen, None)
+            for r in range(len(slots)):
+                alone = store_attention.attend(LAYER, keys, values, q[r : r + 1], slots[r : r + 1], seen[r : r + 1], None)[0]
+                assert torch.equal(alone, together[r]), (count, r)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 3, 5, 20, 23):
+        assert (together[r] - reference(q[r], keys, values, int(slots[r]), list(range(int(seen[r]))))).abs().max() < 2e-6
+
+
+def test_a_shape_other_than_the_default_target_s_attends_within_float32_rounding():
+    """4 query heads a key head of D = 128: the kernel's general path, not the one shaped for the default target."""
+    layer = SimpleNamespace(heads=8, kv_heads=2, head_dim=128, scaling=128 ** -0.5)
+    generator = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn((3, 2, 600, 128), generator=generator) for _ in range(2))
+    slots, seen = torch.tensor([1, 1, 1, 0]), torch.tensor([500, 501, 502, 37], dtype=torch.int32)
+    q = torch.randn((4, 8, 128), generator=generator)
+    out = store_attention.attend(layer, keys, values, q, slots, seen, None)
+    for r in range(4):
+        k, v = keys[slots[r], :, : seen[r]].double(), values[slots[r], :, : seen[r]].double()
+        expected = F.scaled_dot_product_attention(q[r].double().view(2, 4, 128)[None], k[None], v[None], scale=layer.scaling)
+        assert (out[r] - expected[0].reshape(8, 128).float()).abs().max() < 2e-6, r

@@ -15,6 +15,9 @@
  * over j = 0 .. seen[r] - 1, the row's keys: columns 0 .. seen - 1 of its slot, or where `columns` is given
  * (a tree's node), columns[r][0 .. seen - 1]. exp is the vector polynomial below, not libm's.
  *
+ * Rows of one slot that read its leading columns are attended together a key head at a time (attend_run):
+ * their keys are read from memory once for all of them, and each row does exactly the arithmetic it does alone.
+ *
  * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32 (the store's);
  * slots [R] int64, seen [R] int32, columns [R, width] int64 or NULL; D % 16 == 0.
  */
@@ -24,6 +27,7 @@
 #include <stdlib.h>
 
 #define MAX_GROUP 16 /* query heads a key head */
+#define MAX_RUN 8    /* rows of one slot an item attends, its keys read once for all */
 
 /* exp(x) for x <= 0 (scores less their max), 16 at a time: 2^k · P(f) with x = k·ln2 + f, |f| <= ln2/2;
  * a degree-6 polynomial (Cephes' expf coefficients), within 2 ulp; below -87 it is 0. */
@@ -45,59 +49,114 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_mask_mov_ps(scaled, tiny, _mm512_setzero_ps());
 }
 
-/* One row's key head: its `group` queries q [group][D] over `seen` keys → out [group][D]. scores: scratch of
- * group × (seen rounded up to 16) floats. */
-static void attend_head(const float *q, const float *keys, const float *values, const int64_t *columns, int seen, int group,
-                        int D, float scale, float *scores, float *out) {
-    const int chunks = D / 16, padded = (seen + 15) / 16 * 16;
-    /* s_j for every query head: the key read once for all of them */
-    for (int j = 0; j < seen; j++) {
-        const float *k = keys + (size_t)(columns ? columns[j] : j) * D;
-        for (int i = 0; i < group; i++) {
-            const float *qi = q + (size_t)i * D;
-            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(k));
-            for (int c = 1; c < chunks; c++)
-                sum = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), _mm512_loadu_ps(k + 16 * c), sum);
-            scores[(size_t)i * padded + j] = _mm512_reduce_add_ps(sum) * scale;
-        }
+/* Lane j of the result is the lane sum of v[j], in _mm512_reduce_add_ps's order (lanes i + i+8, then
+ * i + i+4, then i + i+2, then i + i+1), so a key's score has the bits of a score reduced alone: 16 keys'
+ * sums in 15 shuffled adds instead of 16 reductions. Each add is lane-wise, so no key's lanes meet another's. */
+static inline __m512 lane_sums16(const __m512 v[16]) {
+    __m512 halves[8], quarters[4], pairs[2];
+    for (int m = 0; m < 8; m++)  /* keys 2m, 2m+1: each 128-bit chunk c holds lanes c and c+2 (of 4) added */
+        halves[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0x44), _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0xEE));
+    for (int n = 0; n < 4; n++)  /* chunk c: key 4n + c, its 4 lanes */
+        quarters[n] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * n], halves[2 * n + 1], 0x88), _mm512_shuffle_f32x4(halves[2 * n], halves[2 * n + 1], 0xDD));
+    for (int p = 0; p < 2; p++)  /* chunk c: keys 8p + c and 8p + 4 + c, 2 lanes each */
+        pairs[p] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], 0x44), _mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], 0xEE));
+    /* lane 4c + m: key c + 4m */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, sums);
+}
+
+/* 16 keys' scores for one query qi: s_j = scale · Σ_d q_d k_jd, each key's 16-lane partial sums over the
+ * D/16 chunks in order, then its lane sum (lane_sums16). chunks is a constant where inlined for D = 64. */
+static inline __attribute__((always_inline)) void block_scores(const float *qi, const float *const key[16], int chunks, float scale, float *out) {
+    __m512 sums[16];
+    for (int m = 0; m < 16; m++) {
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(key[m]));
+        for (int c = 1; c < chunks; c++)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), _mm512_loadu_ps(key[m] + 16 * c), sum);
+        sums[m] = sum;
     }
-    float inverse[MAX_GROUP];
-    for (int i = 0; i < group; i++) {
-        float *s = scores + (size_t)i * padded;
-        for (int j = seen; j < padded; j++) s[j] = -INFINITY;  /* the last block's tail: exp gives 0 */
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < padded; j += 16) {
-            const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-            _mm512_storeu_ps(s + j, p);
-            total = _mm512_add_ps(total, p);
-        }
-        inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
-    }
-    /* Σ_j p_j v_j, lane by lane of D: the value read once for every query head */
+    _mm512_storeu_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(scale)));
+}
+
+/* out[i] = (Σ_j p[i][j] v_j) / l_i for a row's `group` query heads over its `seen` keys, lane by lane of D,
+ * j in order: each value read once for every query head. Inlined with constant group and chunks for the
+ * shapes served most (the default target's 3 heads a key head of D = 64), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void value_sums(const float *p, int padded, const float *values, const int64_t *columns,
+                                                             int seen, int group, int chunks, const float *inverse, float *out) {
     __m512 acc[MAX_GROUP][8];  /* D <= 128 in registers' worth; larger D loops below */
     for (int base = 0; base < chunks; base += 8) {
         const int width = chunks - base < 8 ? chunks - base : 8;
         for (int i = 0; i < group; i++)
             for (int c = 0; c < width; c++) acc[i][c] = _mm512_setzero_ps();
         for (int j = 0; j < seen; j++) {
-            const float *v = values + (size_t)(columns ? columns[j] : j) * D + 16 * base;
+            const float *v = values + (size_t)(columns ? columns[j] : j) * 16 * chunks + 16 * base;
             for (int c = 0; c < width; c++) {
                 const __m512 vc = _mm512_loadu_ps(v + 16 * c);
                 for (int i = 0; i < group; i++)
-                    acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)i * padded + j]), vc, acc[i][c]);
+                    acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)i * padded + j]), vc, acc[i][c]);
             }
         }
         for (int i = 0; i < group; i++)
             for (int c = 0; c < width; c++)
-                _mm512_storeu_ps(out + (size_t)i * D + 16 * (base + c), _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inverse[i])));
+                _mm512_storeu_ps(out + (size_t)i * 16 * chunks + 16 * (base + c), _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inverse[i])));
+    }
+}
+
+/* One key head for `n` rows of one slot (a run): row t's `group` queries at q + t·stride, over its first
+ * seen[t] keys → out + t·stride. The run's keys are read once a block of 16 for all its rows, and a row's
+ * arithmetic is what it would be alone: its scores are per key, its softmax and its sum over values over
+ * its own keys in order. columns: a tree's node's compacted columns (n == 1 only). scores: scratch of
+ * n × group × (the run's most seen rounded up to 16) floats. */
+static void attend_run(const float *q, size_t stride, const float *keys, const float *values, const int64_t *columns,
+                       const int32_t *seen, int n, int group, int D, float scale, float *scores, float *out) {
+    const int chunks = D / 16;
+    int most = 0;
+    for (int t = 0; t < n; t++) most = seen[t] > most ? seen[t] : most;
+    const int padded = (most + 15) / 16 * 16;
+    for (int b = 0; b < padded; b += 16) {
+        const float *key[16];  /* past the run's keys: its first, read and then dropped (its rows' tails are -inf) */
+        for (int m = 0; m < 16; m++) {
+            const int j = b + m < most ? b + m : 0;
+            key[m] = keys + (size_t)(columns ? columns[j] : j) * D;
+        }
+        for (int t = 0; t < n; t++) {
+            if (seen[t] <= b) continue;
+            for (int i = 0; i < group; i++) {
+                const float *qi = q + t * stride + (size_t)i * D;
+                float *s = scores + ((size_t)t * group + i) * padded + b;
+                if (chunks == 4) block_scores(qi, key, 4, scale, s);
+                else block_scores(qi, key, chunks, scale, s);
+            }
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        const int rounded = (seen[t] + 15) / 16 * 16;
+        float inverse[MAX_GROUP];
+        for (int i = 0; i < group; i++) {
+            float *s = scores + ((size_t)t * group + i) * padded;
+            for (int j = seen[t]; j < rounded; j++) s[j] = -INFINITY;  /* the last block's tail: exp gives 0 */
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < rounded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+            __m512 total = _mm512_setzero_ps();
+            for (int j = 0; j < rounded; j += 16) {
+                const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+                _mm512_storeu_ps(s + j, p);
+                total = _mm512_add_ps(total, p);
+            }
+            inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
+        }
+        const float *p = scores + (size_t)t * group * padded;
+        if (group == 3 && chunks == 4) value_sums(p, padded, values, columns, seen[t], 3, 4, inverse, out + t * stride);
+        else value_sums(p, padded, values, columns, seen[t], group, chunks, inverse, out + t * stride);
     }
 }
 
 /* Every row's attention (layout above) over a store of `store_slots` slots; 0 on success, -1 where a shape
- * is outside what it serves or a row would read outside the store (nothing is written then). */
+ * is outside what it serves or a row would read outside the store (nothing is written then). Consecutive
+ * rows of one slot that read its leading columns (a chain's, a prompt chunk's) share an item, so their
+ * keys come from memory once; runs are cut so the threads still get about four items each. */
 int specd_attend_rows(const float *q, const float *keys, const float *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
                       int capacity, int D, float scale, int threads) {
@@ -110,19 +169,29 @@ int specd_attend_rows(const float *q, const float *keys, const float *values, co
             if (columns[(size_t)r * columns_width + j] < 0 || columns[(size_t)r * columns_width + j] >= capacity) return -1;
         if (seen[r] > most) most = seen[r];
     }
-    const size_t scratch = (size_t)group * ((most + 15) / 16 * 16);
+    int longest = (R * kv_heads + 4 * threads - 1) / (4 * threads);  /* rows a run: enough items to share out */
+    longest = columns ? 1 : longest < 1 ? 1 : longest > MAX_RUN ? MAX_RUN : longest;
+    int *starts = malloc(sizeof(int) * (R + 1)), runs = 0;
+    for (int r = 0; r < R; runs++) {
+        starts[runs] = r;
+        const int first = r++;
+        while (r < R && r - first < longest && slots[r] == slots[first]) r++;
+    }
+    starts[runs] = R;
+    const size_t scratch = (size_t)longest * group * ((most + 15) / 16 * 16);
 #pragma omp parallel num_threads(threads)
     {
         float *scores = aligned_alloc(64, (scratch * sizeof(float) + 63) / 64 * 64);
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < R * kv_heads; item++) {
-            const int r = item / kv_heads, h = item % kv_heads;
+        for (int item = 0; item < runs * kv_heads; item++) {
+            const int run = item / kv_heads, h = item % kv_heads, r = starts[run];
             const size_t head = ((size_t)slots[r] * kv_heads + h) * capacity * D;
-            attend_head(q + ((size_t)r * heads + (size_t)h * group) * D, keys + head, values + head,
-                        columns ? columns + (size_t)r * columns_width : NULL, seen[r], group, D, scale, scores,
-                        out + ((size_t)r * heads + (size_t)h * group) * D);
+            attend_run(q + ((size_t)r * heads + (size_t)h * group) * D, (size_t)heads * D, keys + head, values + head,
+                       columns ? columns + (size_t)r * columns_width : NULL, seen + r, starts[run + 1] - r, group, D, scale,
+                       scores, out + ((size_t)r * heads + (size_t)h * group) * D);
         }
         free(scores);
     }
+    free(starts);
     return 0;
 }

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
              "allocated at start-up, one slot a session, attention by specd's kernel in place or folded into a call a key width; "
              "on a CPU only where the machine keeps a row's bits so) or transformers (transformers' own forward)",
              choices=list(autotune.FORWARDS))
+    add_flag(verify, "kv-dtype", "auto", "what a flat pass's KV store keeps keys and values as: auto (bfloat16 where specd's "
+             "attention kernel serves an int4 verify, whose products already take bfloat16 inputs: decoding reads the whole "
+             "store each pass, and half the bytes cut its attention time; else the model's dtype), float32 or bfloat16",
+             choices=list(autotune.KV_DTYPES))
     add_flag(verify, "weights", "auto", "the target's decoder weights: float (as loaded: greedy output equals transformers' "
              "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
              "verify's own target-only) or auto (int4 on a CPU for a model whose file stores them in 4 bits, as the default "
@@ -285,7 +289,7 @@ def serve_verify(args: argparse.Namespace) -> None:
     running = start_verify_server(
         loaded, ServerConfig.from_args(args), batching=BatchPolicy.from_args(args), threads=args.threads, prepack=args.prepack,
         max_threads=args.max_threads, kv_token_budget=args.kv_token_budget,
-        medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward,
+        medusa_heads=resolve_medusa_heads(args.medusa_heads, args.model), forward=args.forward, kv_dtype=args.kv_dtype,
         auth_token=load_token(args.auth_token, args.auth_token_file), startup=StartupMeasurement.from_args(args),
         weights=weights_for(args.weights, args.model),
     )

@@ -44,6 +44,8 @@ DENSE_LAYOUTS = frozenset({PLAIN, MKL, TALL, COLS})  # those that read the ordin
 # flat = the lean model in one flat pass over a KV store allocated at start-up (specd_engine/flat_pass.py);
 # transformers = its own forward.
 FORWARDS = ("auto", "ragged", "flat", "transformers")
+# What a flat pass's KV store keeps keys and values as (flat_pass.store_dtype decides auto).
+KV_DTYPES = ("auto", "float32", "bfloat16")
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)

@@ -366,6 +366,7 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     """q [R, Hq, D], k and v [R, Hkv, D]: the rows' keys and values written into the store, then each
     row one query over its slot's first K columns. Returns [R, Hq, D]."""
     keys, values = store.keys[index], store.values[index]  # [S, Hkv, capacity, D]
+    k, v = k.to(keys.dtype), v.to(values.dtype)  # a bfloat16 store rounds them as it keeps them (store_dtype)
     if len(rows.runs) == 1 and not gather:  # one session's rows: consecutive columns of one slot, a plain copy
         _, n, slot = rows.runs[0]
         first = rows.first_write
@@ -463,6 +464,7 @@ def folded_attention(layer: lean_forward.LeanLayer, keys: torch.Tensor, values: 
         else:  # a tree's rows: their compacted columns, gathered
             index = (fold.gather_slots[:, None], slice(None), fold.columns)
             read_keys, read_values = keys[index].transpose(1, 2), values[index].transpose(1, 2)  # [F, Hkv, K, D]
+        read_keys, read_values = read_keys.to(q.dtype), read_values.to(q.dtype)  # a bfloat16 store's, widened
         attended = F.scaled_dot_product_attention(blocks, read_keys, read_values, attn_mask=fold.mask, scale=layer.scaling)
         attended = attended.view(slots, kv_heads, size, padded, dim).transpose(1, 2).reshape(slots * size, kv_heads, padded, dim)
         attended = attended[:, :, :group].reshape(slots * size, heads, dim)  # [slots · rows, Hq, D]
@@ -627,7 +629,7 @@ def why_not_by_default(lm) -> str:
     return store_attention.unavailable(lm.lean.layers[0], lm.loaded.device, lm.lean.embed.weight.dtype)
 
 
-def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
+def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None, kv_dtype: str = "auto") -> bool:
     """Make `lm` (a CausalLM with the lean forward) serve every pass as one flat pass over a KV store
     allocated now: `slots` sessions at once, each up to `capacity` positions (0: the model's context
     and a tree's nodes); gather: one attention call a layer (default: on a GPU; the CPU gathers slower
@@ -636,11 +638,14 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
     does (lean_forward.logits_disagree), or the ragged pass keeps serving and the log says why;
     returns whether the flat pass serves. On a CPU, attention by specd's kernel where it runs
     (store_attention), else only where this machine folds attention (probe_folding): rows padded to the
-    pass's widest would round by their neighbours' key counts."""
+    pass's widest would round by their neighbours' key counts. kv_dtype: what the store keeps (store_dtype);
+    the probe runs over a store of the model's dtype, as the ragged pass's caches hold it, and a bfloat16
+    store takes its place after it (its rounding is the kernel's tested contract, not the probe's)."""
     if lm.lean is None:
         raise ValueError("the flat pass needs the lean forward (a Llama-shaped target that agrees with transformers)")
     why_not_native = store_attention.unavailable(lm.lean.layers[0], lm.loaded.device, lm.lean.embed.weight.dtype)
     native = not why_not_native and lm.loaded.device.type == "cpu" and gather is not True
+    dtype = store_dtype(lm, native, kv_dtype)
     fold = not native and lm.run(probe_folding, lm.lean.layers[0], lm.loaded.device)
     if not native and not fold and lm.loaded.device.type == "cpu":
         log.warning("model passes: ragged; this machine's attention rounds a row by the rows folded beside it "
@@ -653,12 +658,17 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
     reference = lm.run(probe, lm)  # (the model thread: torch work on the caller's thread starts a second OpenMP team)
     try:
         capacity = min(capacity or max_length + nodes, max_length + nodes)
-        lm.store = lm.run(KVStore.for_model, lm.loaded.model.config, slots, capacity, lm.loaded.device, lm.lean.embed.weight.dtype)
-        lm.max_length = min(max_length, lm.store.capacity - nodes)
-        lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning, lm.loaded.device.type == "cuda" if gather is None else gather,
-                               fold, lm.weights == "int4", native)
-        dtype = torch.bfloat16 if lm.weights == "int4" else lm.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
-        why = lm.run(lambda: lean_forward.logits_disagree(probe(lm), reference, dtype) or lean_forward.logits_disagree(probe(lm), reference, dtype))
+        def serve_store(dtype: torch.dtype) -> None:
+            lm.store = lm.run(KVStore.for_model, lm.loaded.model.config, slots, capacity, lm.loaded.device, dtype)
+            lm.max_length = min(max_length, lm.store.capacity - nodes)
+            lm.passes = FlatPasses(lm.lean, lm.store, lm.loaded.device, lm.tuning,
+                                   lm.loaded.device.type == "cuda" if gather is None else gather, fold, lm.weights == "int4", native)
+
+        serve_store(lm.lean.embed.weight.dtype)
+        rounding = torch.bfloat16 if lm.weights == "int4" else lm.lean.embed.weight.dtype  # int4 rounds inputs to bfloat16
+        why = lm.run(lambda: lean_forward.logits_disagree(probe(lm), reference, rounding) or lean_forward.logits_disagree(probe(lm), reference, rounding))
+        if not why and dtype != lm.store.keys[0].dtype:
+            serve_store(dtype)  # the probe's sessions have ended: their slots went back with them
     except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
         why = repr(error)
     if why:
@@ -668,9 +678,24 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None)
     calls = ("one attention call a layer by specd's kernel, in place" if lm.passes.native else
              "one attention call a layer and row count, in place" if lm.passes.fold else
              "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
-    log.info("model passes: flat over a KV store of %d slots × %d positions (%.0f MiB), %s", slots, lm.store.capacity,
-             lm.store.bytes() / 2**20, calls)
+    log.info("model passes: flat over a %s KV store of %d slots × %d positions (%.0f MiB), %s",
+             str(lm.store.keys[0].dtype).removeprefix("torch."), slots, lm.store.capacity, lm.store.bytes() / 2**20, calls)
     return True
+
+
+def store_dtype(lm, native: bool, kv_dtype: str = "auto") -> torch.dtype:
+    """What the KV store keeps keys and values as: float32 or bfloat16 where `kv_dtype` names it (bfloat16
+    only where specd's kernel attends, `native`), and for auto bfloat16 where that kernel attends an int4
+    model's store, else the model's own dtype. Decoding reads every cached key and value each pass, and at long
+    contexts that traffic sets attention's time (8 sessions at 1,000 positions read 369 MB of a float32
+    store a pass); int4's products already round their inputs to bfloat16, and a key or value kept in
+    bfloat16 is rounded once, where it is written, so a row's bits still depend on nothing beside it."""
+    if kv_dtype == "bfloat16" and not native:
+        raise ValueError("a bfloat16 KV store needs specd's attention kernel (an AVX-512 CPU, not --gather); "
+                         "start the verify with --kv-dtype auto or float32")
+    if kv_dtype != "auto":
+        return getattr(torch, kv_dtype)
+    return torch.bfloat16 if native and lm.weights == "int4" else lm.lean.embed.weight.dtype
 
 
 def probe(lm) -> torch.Tensor:

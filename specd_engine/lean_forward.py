@@ -392,6 +392,7 @@ def row_attention(layer: LeanLayer, queries: torch.Tensor, keys: torch.Tensor, v
     blocks = queries.view(count, kv_heads, group, layer.head_dim)  # [g, Hkv, Hq/Hkv, D]
     if layer.query_block > group:
         blocks = F.pad(blocks, (0, 0, 0, layer.query_block - group))  # [g, Hkv, block, D]: zero queries after
+    keys, values = keys.to(queries.dtype), values.to(queries.dtype)  # a bfloat16 store's, widened (flat_pass.store_dtype)
     attended = F.scaled_dot_product_attention(blocks, keys, values, attn_mask=mask, scale=layer.scaling)
     if layer.query_block > group:
         attended = attended[:, :, :group]

@@ -176,10 +176,10 @@ class CausalLM:
         """The module whose linears run the passes: the lean forward's, or transformers' model."""
         return self.lean if self.lean is not None else self.loaded.model
 
-    def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None) -> bool:
+    def use_flat_pass(self, slots: int, capacity: int = 0, gather: Optional[bool] = None, kv_dtype: str = "auto") -> bool:
         """Serve every pass as one flat pass over a KV store allocated now, if it passes its start-up
         probes (flat_pass.serve_flat); returns whether it serves."""
-        return flat_pass.serve_flat(self, slots, capacity, gather)
+        return flat_pass.serve_flat(self, slots, capacity, gather, kv_dtype)
 
     def new_session(self, prompt: Sequence[int], keep_features: bool = False, prefill: bool = True,
                     prompt_length: Optional[int] = None) -> KVSession:

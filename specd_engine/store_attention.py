@@ -7,7 +7,8 @@ folded, rows padded to shared key widths, where its rounding depends on the quer
 call (flat_pass.probe_folding). The kernel reads a row's keys where its slot holds them (a tree's node:
 its compacted columns), in a fixed order, so a row's bits are its own alone, in a chain, as a tree's
 node, beside any sessions and on any thread count, with no padding and no probe. It serves where the
-CPU runs AVX-512 (the 16-lane code) and the store is float32; elsewhere the flat pass keeps SDPA.
+CPU runs AVX-512 (the 16-lane code) and the store is float32 or bfloat16 (STORE_DTYPES); elsewhere the
+flat pass keeps SDPA.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from specd_engine import native
 
 CPU_FLAGS = ("avx512f",)  # what the compiled code executes, as /proc/cpuinfo names it
 MAX_GROUP = 16  # query heads a key head the kernel takes (native/attention.c)
+STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values as (queries are float32)
 
 _function = None  # specd_attend_rows, once loaded
 
 
 def unavailable(layer, device: torch.device, dtype: torch.dtype) -> str:
     """Why the kernel cannot attend a store of `dtype` on `device` for this layer's shape ("" when it can)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"a {dtype} store on {device.type} (the kernel reads float32 on a CPU)"
+    if device.type != "cpu" or dtype not in STORE_DTYPES:
+        return f"a {dtype} store on {device.type} (the kernel reads float32 or bfloat16 on a CPU)"
     group = layer.heads // layer.kv_heads
     if layer.head_dim % 16 or group > MAX_GROUP or layer.heads % layer.kv_heads:
         return f"{layer.heads} query heads over {layer.kv_heads} key heads of {layer.head_dim} (needs D % 16 == 0, ≤ {MAX_GROUP} a key head)"
@@ -44,16 +46,18 @@ def _kernel():
     if _function is None:
         function = native.load()[0].specd_attend_rows
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
         _function = function
     return _function
 
 
 def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
            columns: Optional[torch.Tensor]) -> torch.Tensor:
-    """q [R, Hq, D] float32 over the store's keys and values [S, Hkv, capacity, D]: row r over the first
+    """q [R, Hq, D] float32 over the store's keys and values [S, Hkv, capacity, D] (STORE_DTYPES): row r over the first
     seen[r] (int32) columns of slot slots[r] (int64), or over columns[r, :seen[r]] (int64 [R, K]) where a
     tree's node reads compacted keys → [R, Hq, D]. Call unavailable() first."""
+    if keys.dtype != values.dtype or keys.dtype not in STORE_DTYPES:
+        raise ValueError(f"store attention reads keys and values of one of {STORE_DTYPES}, not {keys.dtype} and {values.dtype}")
     q = q.contiguous()
     out = torch.empty_like(q)
     if columns is not None:
@@ -61,7 +65,7 @@ def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slo
     failed = _kernel()(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
                        out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
-                       layer.scaling, torch.get_num_threads())
+                       layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads())
     if failed:
         raise ValueError(f"store attention refused rows of slots {slots.tolist()} seeing {seen.tolist()} of "
                          f"{keys.shape[0]} slots × {keys.shape[2]} columns")

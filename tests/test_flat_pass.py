@@ -319,11 +319,26 @@ def test_a_slot_s_memory_is_made_finite_before_a_pass_reads_it(tiny, flat):
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    assert lm.use_flat_pass(slots=4)
+    assert lm.use_flat_pass(slots=4, kv_dtype=str(flat.store.keys[0].dtype).removeprefix("torch."))  # the fixture's store
     for tensor in lm.store.keys + lm.store.values:
         tensor.fill_(float("nan"))
     lm.store._finite = [0] * lm.store.slots
     assert torch.equal(decoded(lm), decoded(flat))
+
+
+def test_an_int4_verify_with_specd_s_kernel_keeps_its_keys_in_bfloat16_unless_told(tiny, flat):
+    """auto: bfloat16 where specd's kernel attends an int4 model (half the bytes each pass reads), float32
+    where asked; a bfloat16 store where SDPA would attend is refused with what to do instead."""
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    expected = torch.bfloat16 if flat.passes.native else torch.float32
+    assert flat.store.keys[0].dtype == flat.store.values[0].dtype == expected
+    lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
+    assert flat_pass.store_dtype(lm, native=True, kv_dtype="float32") == torch.float32
+    assert flat_pass.store_dtype(lm, native=False) == torch.float32
+    with pytest.raises(ValueError, match="--kv-dtype auto or float32"):
+        flat_pass.store_dtype(lm, native=False, kv_dtype="bfloat16")
 
 
 def test_a_copied_session_scores_as_its_original(flat):

@@ -117,3 +117,19 @@ def test_a_shape_other_than_the_default_target_s_attends_within_float32_rounding
         k, v = keys[slots[r], :, : seen[r]].double(), values[slots[r], :, : seen[r]].double()
         expected = F.scaled_dot_product_attention(q[r].double().view(2, 4, 128)[None], k[None], v[None], scale=layer.scaling)
         assert (out[r] - expected[0].reshape(8, 128).float()).abs().max() < 2e-6, r
+
+
+def test_a_bfloat16_store_reads_as_the_float32_store_of_its_values():
+    """Keys and values kept in bfloat16 are widened exactly as they are read: a row's bits are those of the
+    float32 kernel over the same rounded values, alone and beside other rows."""
+    keys, values = store()
+    generator = torch.Generator().manual_seed(6)
+    slots = torch.tensor([0, 3, 3, 3, 5], dtype=torch.long)
+    seen = torch.tensor([1, 700, 701, 702, 1100], dtype=torch.int32)
+    q = torch.randn((5, LAYER.heads, LAYER.head_dim), generator=generator)
+    kept_keys, kept_values = keys.bfloat16(), values.bfloat16()
+    out = store_attention.attend(LAYER, kept_keys, kept_values, q, slots, seen, None)
+    assert torch.equal(out, store_attention.attend(LAYER, kept_keys.float(), kept_values.float(), q, slots, seen, None))
+    assert torch.equal(out[4:], store_attention.attend(LAYER, kept_keys, kept_values, q[4:], slots[4:], seen[4:], None))
+    with pytest.raises(ValueError, match="keys and values of one of"):
+        store_attention.attend(LAYER, kept_keys, values, q, slots, seen, None)

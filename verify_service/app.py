@@ -20,6 +20,7 @@ def start_verify_server(
     loaded: LoadedModel, config: ServerConfig, interceptors: Sequence = (), batching: BatchPolicy = BatchPolicy(),
     threads: int = 0, prepack: str = "auto", max_threads: int = 0, kv_token_budget: int = 0, medusa_heads: str = "",
     forward: str = "auto", auth_token: str = "", startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
+    kv_dtype: str = "auto",
 ) -> RunningServer:
     """threads / prepack / kv_token_budget / forward / weights: see Scorer (0 / auto: measured or derived at start-up on this machine);
     medusa_heads: a folder of Medusa heads for this target (verify_service/medusa.py), '' for none;
@@ -27,7 +28,7 @@ def start_verify_server(
     startup: where the start-up timings are cached and how long they may take (specd_engine/runtime_cache.py).
     The heads and the scorer are built on the model thread, where the model runs (model_thread.py)."""
     scorer = model_thread.shared().run(make_scorer, loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa_heads,
-                                       forward, startup, weights, config.max_sessions)
+                                       forward, startup, weights, config.max_sessions, kv_dtype)
     sessions: SessionStore = SessionStore(
         config.max_sessions, config.session_idle_timeout_s, max_tokens=scorer.lm.runtime.kv_token_budget, on_drop=scorer.close
     )
@@ -40,7 +41,7 @@ def start_verify_server(
 def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepack: str, max_threads: int,
                 kv_token_budget: int, medusa_heads: str, forward: str = "auto",
                 startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
-                max_sessions: int = ServerConfig.max_sessions) -> Scorer:
+                max_sessions: int = ServerConfig.max_sessions, kv_dtype: str = "auto") -> Scorer:
     """The target's Scorer, with the Medusa heads in `medusa_heads` ('' for none)."""
     medusa = None
     if medusa_heads:
@@ -48,4 +49,5 @@ def make_scorer(loaded: LoadedModel, batching: BatchPolicy, threads: int, prepac
         from verify_service.medusa import load_heads
 
         medusa = load_heads(Path(medusa_heads), loaded.model, vocab_digest(loaded.tokenizer))
-    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup, weights, max_sessions)
+    return Scorer(loaded, batching, threads, prepack, max_threads, kv_token_budget, medusa, forward, startup, weights, max_sessions,
+                  kv_dtype)

@@ -117,9 +117,11 @@ class Scorer:
     def __init__(self, loaded: LoadedModel, batching: BatchPolicy = BatchPolicy(), threads: int = 0, prepack: str = "auto",
                  max_threads: int = 0, kv_token_budget: int = 0, medusa: Optional[MedusaHeads] = None, forward: str = "auto",
                  startup: StartupMeasurement = StartupMeasurement(), weights: str = "float",
-                 max_sessions: int = ServerConfig.max_sessions):
+                 max_sessions: int = ServerConfig.max_sessions, kv_dtype: str = "auto"):
         if prepack not in PREPACK_CHOICES:
             raise ValueError(f"prepack must be one of {sorted(PREPACK_CHOICES)}, not {prepack!r}")
+        if kv_dtype not in autotune.KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(autotune.KV_DTYPES)}, not {kv_dtype!r}")
         if forward not in autotune.FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(autotune.FORWARDS)}, not {forward!r}")
         self._info = describe_model(loaded)  # before tuning, which may drop the plain weights it reads
@@ -134,7 +136,7 @@ class Scorer:
             # released: the KV budget bounds what sessions hold), on a GPU its share of the budget
             slots = max_sessions + batching.max_batch_size + 1
             capacity = 0 if loaded.device.type == "cpu" else flat_pass.slot_capacity(kv_tokens, slots)
-            self.lm.use_flat_pass(slots, capacity)
+            self.lm.use_flat_pass(slots, capacity, kv_dtype=kv_dtype)
         if self.medusa is not None and self.medusa.config.fusion_layers:
             self.lm.capture_layers(self.medusa.config.fusion_layers)
         timings = runtime_cache.StartupTimings.open("verify", self.timing_key(threads, max_threads, batching), startup.cache_dir,
@@ -168,6 +170,7 @@ class Scorer:
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
             "layouts": sorted(self.lm.tuning.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
+            "kv_dtype": str(self.lm.store.keys[0].dtype) if self.lm.store is not None else "",
             "weights": self.lm.weights, "int4_kernel": quantized.products_kernel(self.lm.lean.layers) if self.lm.lean is not None else "",
             "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),

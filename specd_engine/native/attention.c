@@ -18,7 +18,9 @@
  * Rows of one slot that read its leading columns are attended together a key head at a time (attend_run):
  * their keys are read from memory once for all of them, and each row does exactly the arithmetic it does alone.
  *
- * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32 (the store's);
+ * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32, or bfloat16 where bf16
+ * (widened to float32 as they are read: decoding reads every cached key and value a pass, and at long
+ * contexts that memory traffic, not the arithmetic, sets a pass's attention time);
  * slots [R] int64, seen [R] int32, columns [R, width] int64 or NULL; D % 16 == 0.
  */
 #include <immintrin.h>
@@ -49,6 +51,14 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_mask_mov_ps(scaled, tiny, _mm512_setzero_ps());
 }
 
+/* 16 lanes of a store at element `index`: float32 as they are, bfloat16 widened exactly (its bits are a
+ * float32's upper half). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t index, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index))), 16));
+    return _mm512_loadu_ps((const float *)base + index);
+}
+
 /* Lane j of the result is the lane sum of v[j], in _mm512_reduce_add_ps's order (lanes i + i+8, then
  * i + i+4, then i + i+2, then i + i+1), so a key's score has the bits of a score reduced alone: 16 keys'
  * sums in 15 shuffled adds instead of 16 reductions. Each add is lane-wise, so no key's lanes meet another's. */
@@ -68,12 +78,13 @@ static inline __m512 lane_sums16(const __m512 v[16]) {
 
 /* 16 keys' scores for one query qi: s_j = scale · Σ_d q_d k_jd, each key's 16-lane partial sums over the
  * D/16 chunks in order, then its lane sum (lane_sums16). chunks is a constant where inlined for D = 64. */
-static inline __attribute__((always_inline)) void block_scores(const float *qi, const float *const key[16], int chunks, float scale, float *out) {
+static inline __attribute__((always_inline)) void block_scores(const float *qi, const void *keys, const size_t key[16], int chunks,
+                                                               int bf16, float scale, float *out) {
     __m512 sums[16];
     for (int m = 0; m < 16; m++) {
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qi), _mm512_loadu_ps(key[m]));
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qi), load16(keys, key[m], bf16));
         for (int c = 1; c < chunks; c++)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), _mm512_loadu_ps(key[m] + 16 * c), sum);
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), load16(keys, key[m] + 16 * c, bf16), sum);
         sums[m] = sum;
     }
     _mm512_storeu_ps(out, _mm512_mul_ps(lane_sums16(sums), _mm512_set1_ps(scale)));
@@ -82,17 +93,17 @@ static inline __attribute__((always_inline)) void block_scores(const float *qi, 
 /* out[i] = (Σ_j p[i][j] v_j) / l_i for a row's `group` query heads over its `seen` keys, lane by lane of D,
  * j in order: each value read once for every query head. Inlined with constant group and chunks for the
  * shapes served most (the default target's 3 heads a key head of D = 64), so the sums stay in registers. */
-static inline __attribute__((always_inline)) void value_sums(const float *p, int padded, const float *values, const int64_t *columns,
-                                                             int seen, int group, int chunks, const float *inverse, float *out) {
+static inline __attribute__((always_inline)) void value_sums(const float *p, int padded, const void *values, const int64_t *columns,
+                                                             int seen, int group, int chunks, int bf16, const float *inverse, float *out) {
     __m512 acc[MAX_GROUP][8];  /* D <= 128 in registers' worth; larger D loops below */
     for (int base = 0; base < chunks; base += 8) {
         const int width = chunks - base < 8 ? chunks - base : 8;
         for (int i = 0; i < group; i++)
             for (int c = 0; c < width; c++) acc[i][c] = _mm512_setzero_ps();
         for (int j = 0; j < seen; j++) {
-            const float *v = values + (size_t)(columns ? columns[j] : j) * 16 * chunks + 16 * base;
+            const size_t v = (size_t)(columns ? columns[j] : j) * 16 * chunks + 16 * base;
             for (int c = 0; c < width; c++) {
-                const __m512 vc = _mm512_loadu_ps(v + 16 * c);
+                const __m512 vc = load16(values, v + 16 * c, bf16);
                 for (int i = 0; i < group; i++)
                     acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)i * padded + j]), vc, acc[i][c]);
             }
@@ -108,25 +119,26 @@ static inline __attribute__((always_inline)) void value_sums(const float *p, int
  * arithmetic is what it would be alone: its scores are per key, its softmax and its sum over values over
  * its own keys in order. columns: a tree's node's compacted columns (n == 1 only). scores: scratch of
  * n × group × (the run's most seen rounded up to 16) floats. */
-static void attend_run(const float *q, size_t stride, const float *keys, const float *values, const int64_t *columns,
-                       const int32_t *seen, int n, int group, int D, float scale, float *scores, float *out) {
+static inline __attribute__((always_inline)) void attend_run(const float *q, size_t stride, const void *keys, const void *values,
+                                                             const int64_t *columns, const int32_t *seen, int n, int group, int D,
+                                                             int bf16, float scale, float *scores, float *out) {
     const int chunks = D / 16;
     int most = 0;
     for (int t = 0; t < n; t++) most = seen[t] > most ? seen[t] : most;
     const int padded = (most + 15) / 16 * 16;
     for (int b = 0; b < padded; b += 16) {
-        const float *key[16];  /* past the run's keys: its first, read and then dropped (its rows' tails are -inf) */
+        size_t key[16];  /* where each key starts; past the run's keys its first, read and then dropped (-inf) */
         for (int m = 0; m < 16; m++) {
             const int j = b + m < most ? b + m : 0;
-            key[m] = keys + (size_t)(columns ? columns[j] : j) * D;
+            key[m] = (size_t)(columns ? columns[j] : j) * D;
         }
         for (int t = 0; t < n; t++) {
             if (seen[t] <= b) continue;
             for (int i = 0; i < group; i++) {
                 const float *qi = q + t * stride + (size_t)i * D;
                 float *s = scores + ((size_t)t * group + i) * padded + b;
-                if (chunks == 4) block_scores(qi, key, 4, scale, s);
-                else block_scores(qi, key, chunks, scale, s);
+                if (chunks == 4) block_scores(qi, keys, key, 4, bf16, scale, s);
+                else block_scores(qi, keys, key, chunks, bf16, scale, s);
             }
         }
     }
@@ -148,8 +160,8 @@ static void attend_run(const float *q, size_t stride, const float *keys, const f
             inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
         }
         const float *p = scores + (size_t)t * group * padded;
-        if (group == 3 && chunks == 4) value_sums(p, padded, values, columns, seen[t], 3, 4, inverse, out + t * stride);
-        else value_sums(p, padded, values, columns, seen[t], group, chunks, inverse, out + t * stride);
+        if (group == 3 && chunks == 4) value_sums(p, padded, values, columns, seen[t], 3, 4, bf16, inverse, out + t * stride);
+        else value_sums(p, padded, values, columns, seen[t], group, chunks, bf16, inverse, out + t * stride);
     }
 }
 
@@ -157,9 +169,9 @@ static void attend_run(const float *q, size_t stride, const float *keys, const f
  * is outside what it serves or a row would read outside the store (nothing is written then). Consecutive
  * rows of one slot that read its leading columns (a chain's, a prompt chunk's) share an item, so their
  * keys come from memory once; runs are cut so the threads still get about four items each. */
-int specd_attend_rows(const float *q, const float *keys, const float *values, const int64_t *slots, const int32_t *seen,
+int specd_attend_rows(const float *q, const void *keys, const void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
-                      int capacity, int D, float scale, int threads) {
+                      int capacity, int D, float scale, int bf16, int threads) {
     const int group = heads / kv_heads;
     if (D % 16 || group > MAX_GROUP || heads % kv_heads) return -1;
     int most = 1;
@@ -186,9 +198,12 @@ int specd_attend_rows(const float *q, const float *keys, const float *values, co
         for (int item = 0; item < runs * kv_heads; item++) {
             const int run = item / kv_heads, h = item % kv_heads, r = starts[run];
             const size_t head = ((size_t)slots[r] * kv_heads + h) * capacity * D;
-            attend_run(q + ((size_t)r * heads + (size_t)h * group) * D, (size_t)heads * D, keys + head, values + head,
-                       columns ? columns + (size_t)r * columns_width : NULL, seen + r, starts[run + 1] - r, group, D, scale,
-                       scores, out + ((size_t)r * heads + (size_t)h * group) * D);
+            const char *k = (const char *)keys + head * (bf16 ? 2 : 4), *v = (const char *)values + head * (bf16 ? 2 : 4);
+            const float *qr = q + ((size_t)r * heads + (size_t)h * group) * D;
+            const int64_t *cr = columns ? columns + (size_t)r * columns_width : NULL;
+            float *o = out + ((size_t)r * heads + (size_t)h * group) * D;
+            if (bf16) attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 1, scale, scores, o);
+            else attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 0, scale, scores, o);
         }
         free(scores);
     }

@@ -1,5 +1,6 @@
 """The flat pass beside the ragged pass: its attention by specd's kernel (store_attention.py) where it
-runs, and folded SDPA calls at key widths of 64, 128 and 256.
+runs, over its default store (flat_pass.store_dtype) and over a float32 one, and folded SDPA calls at
+key widths of 64, 128 and 256.
 
 A folded row reads the keys it sees padded to whole blocks of `flat_pass.FOLD_KEY_BLOCK`: larger
 blocks let more sessions share one attention call, smaller ones pad less; specd's kernel reads each
@@ -32,7 +33,9 @@ SHAPES = {  # name: (cached positions of each session, rows each)
     "1x1 at 256": ([256], 1), "1x1 at 300": ([300], 1), "1x4 at 300": ([300], 4),
     "8x1 spread 130-690": ([130 + 80 * i for i in range(8)], 1), "8x4 spread 130-690": ([130 + 80 * i for i in range(8)], 4),
     "32x1 spread 100-782": ([100 + 22 * i for i in range(32)], 1),
+    "8x1 at 1000": ([1000] * 8, 1), "8x4 at 1000": ([1000] * 8, 4),  # long prompts: what reading the store costs
 }
+CAPACITY = 1024 + 8  # a slot's positions: the longest shape's, and its rows
 
 
 def pass_run(lm: CausalLM, lengths: list[int], rows: int):
@@ -60,24 +63,28 @@ def main() -> None:
     args, command = pass_timing_args(__doc__, "flat_fold_widths.py")
     load = functools.partial(load_causal_lm, args.target, device="cpu")
     ragged, flat = CausalLM(load(), weights="int4"), CausalLM(load(), weights="int4")
-    native = CausalLM(load(), weights="int4")
-    if not native.use_flat_pass(slots=80, capacity=1024):
+    native, native_f32 = CausalLM(load(), weights="int4"), CausalLM(load(), weights="int4")
+    if not native.use_flat_pass(slots=80, capacity=CAPACITY):
         raise RuntimeError("the flat pass does not serve on this machine (the log says why)")
-    if not native.passes.native:
-        native = None  # no kernel here: the flat pass folded, as below
+    if native.passes.native:
+        assert native_f32.use_flat_pass(slots=80, capacity=CAPACITY, kv_dtype="float32")
+    else:
+        native = native_f32 = None  # no kernel here: the flat pass folded, as below
     real, store_attention.unavailable = store_attention.unavailable, lambda *args: "asked for folded SDPA"
     try:
-        if not flat.use_flat_pass(slots=80, capacity=1024):
+        if not flat.use_flat_pass(slots=80, capacity=CAPACITY):
             raise RuntimeError("the flat pass does not fold attention on this machine (the log says why)")
     finally:
         store_attention.unavailable = real
     threads = torch.get_num_threads()
-    result = {"command": command, "machine": machine_facts(), "threads": threads, "ms": {}}
+    result = {"command": command, "machine": machine_facts(), "threads": threads, "ms": {},
+              "flat_native_store": str(native.store.keys[0].dtype).removeprefix("torch.") if native else ""}
     for name, (lengths, rows) in SHAPES.items():
         lengths = [max(1, round(length * args.scale)) for length in lengths]
         ragged_run, ragged_held = pass_run(ragged, lengths, rows)
         flat_run, flat_held = pass_run(flat, lengths, rows)
         native_run, native_held = pass_run(native, lengths, rows) if native else (None, None)
+        f32_run, f32_held = pass_run(native_f32, lengths, rows) if native else (None, None)
 
         def at_block(block: int):
             def run() -> None:
@@ -88,10 +95,11 @@ def main() -> None:
         runs = {(threads, "ragged"): ragged_run} | {(threads, f"flat_fold{block}"): at_block(block) for block in BLOCKS}
         if native_run:
             runs[(threads, "flat_native")] = native_run
+            runs[(threads, "flat_native_f32")] = f32_run
         seconds = measure_interleaved(runs, args.repeats)
         result["ms"][name] = {key[1]: round(value * 1e3, 1) for key, value in seconds.items()}
         print(name, result["ms"][name], flush=True)
-        del ragged_held, flat_held, native_held
+        del ragged_held, flat_held, native_held, f32_held
     print_and_save(result, args.out)
 
 

@@ -183,14 +183,17 @@ def test_graphed_pass_agrees_with_transformers_and_times_each_shape(tmp_path):
 
 def test_flat_fold_widths_times_the_ragged_pass_and_each_width(tmp_path):
     """`make flat-fold-widths` on a tiny model: every shape has the ragged pass's time, the flat pass's at
-    each folded key width and, where specd's attention kernel runs, the flat pass's with it."""
+    each folded key width and, where specd's attention kernel runs, the flat pass's with it over its
+    default store and over a float32 one."""
     from specd_engine import native as native_kernels, store_attention
 
     target = build_model(tmp_path / "target", seed=1)
     printed = make("flat-fold-widths", FOLD_ARGS=f"--target {target} --scale 0.25 --repeats 1")
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
-    assert len(result["ms"]) == 6 and result["machine"]["date"]
-    native = set() if native_kernels.missing_cpu_flags(store_attention.CPU_FLAGS) or native_kernels.load()[0] is None else {"flat_native"}
+    assert len(result["ms"]) == 8 and result["machine"]["date"]
+    native = set() if native_kernels.missing_cpu_flags(store_attention.CPU_FLAGS) or native_kernels.load()[0] is None else \
+        {"flat_native", "flat_native_f32"}
+    assert result["flat_native_store"] == ("bfloat16" if native else "")
     assert all(set(entry) == {"ragged", "flat_fold64", "flat_fold128", "flat_fold256"} | native and min(entry.values()) > 0
                for entry in result["ms"].values())
 

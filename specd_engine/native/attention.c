@@ -184,6 +184,7 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
     int longest = (R * kv_heads + 4 * threads - 1) / (4 * threads);  /* rows a run: enough items to share out */
     longest = columns ? 1 : longest < 1 ? 1 : longest > MAX_RUN ? MAX_RUN : longest;
     int *starts = malloc(sizeof(int) * (R + 1)), runs = 0;
+    if (!starts) return -1;
     for (int r = 0; r < R; runs++) {
         starts[runs] = r;
         const int first = r++;

@@ -362,3 +362,25 @@ def test_a_flat_verify_times_its_own_passes_at_start_up(tiny):
                             forward=forward, weights="int4").timing_key(1, 0, BatchPolicy(max_batch_size=1))
             for forward in ("ragged", "flat")}
     assert keys["ragged"]["flat"] is False and keys["flat"]["flat"] is True
+
+
+def test_a_verify_keeps_the_kv_dtype_it_is_told_and_times_it_apart(tiny):
+    """--kv-dtype reaches the store through the Scorer, and start-up timings of one store's passes are
+    not another's; a name outside the choices is refused before any model work."""
+    from specd_engine.batching import BatchPolicy
+    from specd_engine.models import load_causal_lm
+    from verify_service.scorer import Scorer
+
+    def scorer(kv_dtype: str) -> Scorer:
+        return Scorer(load_causal_lm(str(tiny.target)), BatchPolicy(max_batch_size=1), threads=1, prepack="off",
+                      forward="flat", weights="int4", kv_dtype=kv_dtype)
+
+    told = scorer("float32")
+    assert told.lm.store.keys[0].dtype == torch.float32
+    auto = scorer("auto")
+    if auto.lm.passes.native:
+        assert auto.lm.store.keys[0].dtype == torch.bfloat16
+        key = lambda s: s.timing_key(1, 0, BatchPolicy(max_batch_size=1))  # noqa: E731
+        assert key(told)["kv_dtype"] != key(auto)["kv_dtype"]
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        scorer("float16")

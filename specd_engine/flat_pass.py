@@ -120,6 +120,11 @@ class KVStore:
     def free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def kv_dtype(self) -> str:
+        """What the store keeps keys and values as, by its --kv-dtype name ("float32", "bfloat16")."""
+        return str(self.keys[0].dtype).removeprefix("torch.")
+
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
@@ -679,7 +684,7 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None,
              "one attention call a layer and row count, in place" if lm.passes.fold else
              "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
     log.info("model passes: flat over a %s KV store of %d slots × %d positions (%.0f MiB), %s",
-             str(lm.store.keys[0].dtype).removeprefix("torch."), slots, lm.store.capacity, lm.store.bytes() / 2**20, calls)
+             lm.store.kv_dtype, slots, lm.store.capacity, lm.store.bytes() / 2**20, calls)
     return True
 
 

@@ -319,7 +319,7 @@ def test_a_slot_s_memory_is_made_finite_before_a_pass_reads_it(tiny, flat):
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-    assert lm.use_flat_pass(slots=4, kv_dtype=str(flat.store.keys[0].dtype).removeprefix("torch."))  # the fixture's store
+    assert lm.use_flat_pass(slots=4, kv_dtype=flat.store.kv_dtype)  # the fixture's store
     for tensor in lm.store.keys + lm.store.values:
         tensor.fill_(float("nan"))
     lm.store._finite = [0] * lm.store.slots

@@ -170,7 +170,7 @@ class Scorer:
         return {
             **runtime_cache.machine_key(str(loaded.device)), **runtime_cache.model_key(loaded.name, loaded.model),
             "layouts": sorted(self.lm.tuning.layouts), "lean": self.lm.lean is not None, "flat": self.lm.store is not None,
-            "kv_dtype": str(self.lm.store.keys[0].dtype) if self.lm.store is not None else "",
+            "kv_dtype": self.lm.store.kv_dtype if self.lm.store is not None else "",
             "weights": self.lm.weights, "int4_kernel": quantized.products_kernel(self.lm.lean.layers) if self.lm.lean is not None else "",
             "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
             "positions": list(autotune.MEASURED_POSITIONS), "batch_rows": autotune.batch_sizes(batching.max_batch_size),

@@ -106,6 +106,7 @@ class SpeculationStats:
     head_rounds: int = 0  # rounds whose drafts were the verify's Medusa heads' proposals
     tree_rounds: int = 0  # rounds that verified a tree (a chain with alternatives beside it)
     predicted_tokens: float = 0.0  # the planner's expected tokens kept, summed over rounds (RoundPlan.expected)
+    predicted_tokens_squared_error: float = 0.0  # Σ (kept − expected)² over rounds: the noise around that sum
     forced_rounds: int = 0  # rounds whose drafts were the tokens the grammar forces (no drafter asked)
     forced_tokens: int = 0  # ... and those tokens
     rested_rounds: int = 0  # rounds run plain because the request's speculation lost to plain rounds (gateway/guard.py)
@@ -259,6 +260,7 @@ class Generation:
         self._commit(plan, scores, outcome)
         self.stats.count_round(verdict.chain, outcome.accepted)
         self.stats.predicted_tokens += plan.expected
+        self.stats.predicted_tokens_squared_error += (outcome.accepted + 1 - plan.expected) ** 2
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)

@@ -225,6 +225,7 @@ def _stats(generation: Generation) -> generate_pb2.SpeculationStats:
         head_rounds=stats.head_rounds,
         tree_rounds=stats.tree_rounds,
         predicted_tokens=stats.predicted_tokens,
+        predicted_tokens_squared_error=stats.predicted_tokens_squared_error,
         forced_rounds=stats.forced_rounds,
         forced_tokens=stats.forced_tokens,
         rested_rounds=stats.rested_rounds,

@@ -301,6 +301,7 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
             # recovered/bonus token; the tokens a pass above also lose what EOS and the length cut)
             predicted_tokens_per_pass=round(sum(s.predicted_tokens for s in stats) / passes, 3),
             realized_tokens_per_pass=round((accepted + passes) / passes, 3),
+            prediction_standard_error=prediction_standard_error(stats),
             iid_tokens_per_pass=round(expected_tokens_per_pass(alpha, round(drafted / passes)), 3),
             mean_accepted_per_round=round(accepted / passes, 3),
             acceptance_per_position=_per_position(stats),
@@ -325,6 +326,19 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
         summary["itl_ms_p50"] = round(1000 * percentile(gaps, 0.5), 1)
         summary["itl_ms_p95"] = round(1000 * percentile(gaps, 0.95), 1)
     return summary
+
+
+def prediction_standard_error(stats: list) -> float:
+    """The standard error of realized minus predicted tokens a pass over these answers' rounds: the
+    spread of (kept − expected) a round over √rounds. A kind's 100 rounds keep 1 to 4 tokens each, so
+    its realized tokens a pass carry ±4-7% of noise at 2 prompts × 64 tokens; a prediction is off
+    only by what exceeds ~2 of these."""
+    rounds = sum(s.target_passes for s in stats)
+    if rounds < 2:
+        return 0.0
+    mean = (sum(s.accepted_tokens for s in stats) + rounds - sum(s.predicted_tokens for s in stats)) / rounds
+    variance = max(sum(s.predicted_tokens_squared_error for s in stats) / rounds - mean * mean, 0.0)
+    return round((variance / (rounds - 1)) ** 0.5, 4)
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -645,7 +659,7 @@ def speedup_cell(overall: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass realized (planner's prediction) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
+        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass realized ± SE (planner's prediction) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
@@ -661,10 +675,12 @@ def markdown_table(result: dict) -> str:
 
 
 def realized_cell(summary: dict) -> str:
-    """Tokens a pass the rounds kept and, in brackets, what the planner expected them to keep."""
+    """Tokens a pass the rounds kept, ± the standard error of their difference from what the planner
+    expected (prediction_standard_error), and in brackets what the planner expected them to keep."""
     if "realized_tokens_per_pass" not in summary:
         return "-"
-    return f"{summary['realized_tokens_per_pass']} ({summary['predicted_tokens_per_pass']})"
+    noise = f" ± {summary['prediction_standard_error']}" if summary.get("prediction_standard_error") else ""
+    return f"{summary['realized_tokens_per_pass']}{noise} ({summary['predicted_tokens_per_pass']})"
 
 
 def kinds_table(result: dict) -> str:
@@ -672,7 +688,7 @@ def kinds_table(result: dict) -> str:
     (predicted), so a kind where speculation loses, or where the planner misjudges it, shows."""
     modes = [m for m in result["modes"] if m.startswith("specd")]
     kinds = sorted({k for m in modes for k in result["modes"][m]["by_category"]})
-    lines = ["| kind | " + " | ".join(f"{m} speedup | {m} tokens/pass (predicted)" for m in modes) + " |",
+    lines = ["| kind | " + " | ".join(f"{m} speedup | {m} tokens/pass ± SE (predicted)" for m in modes) + " |",
              "|---|" + "---|---|" * len(modes)]
     for kind in kinds:
         cells = []

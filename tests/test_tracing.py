@@ -303,6 +303,8 @@ def check_request_trace(trace: Trace, root: ReceivedSpan, stats, response_tokens
     assert sum(r.attributes["specd.draft.length"] for r in rounds) == stats.draft_tokens
     assert sum(r.attributes["specd.accepted.length"] for r in rounds) == stats.accepted_tokens
     assert sum(r.attributes["specd.round.expected_tokens"] for r in rounds) == pytest.approx(stats.predicted_tokens)
+    assert sum((r.attributes["specd.accepted.length"] + 1 - r.attributes["specd.round.expected_tokens"]) ** 2
+               for r in rounds) == pytest.approx(stats.predicted_tokens_squared_error)  # the prediction's noise, round by round
     assert rounds[-1].attributes["specd.acceptance_rate_so_far"] == pytest.approx(
         stats.accepted_tokens / max(1, stats.draft_tokens)
     )

@@ -786,6 +786,25 @@ def test_bench_report_computes_speedup_and_alpha():
     assert "| specd | 25.0 | 2.5 |" in markdown_table(out)
 
 
+def test_bench_gives_the_noise_of_realized_against_predicted_tokens_a_pass():
+    """Rounds that kept 1, 3, 1, 3 tokens where 2 each were expected: realized 2.0, predicted 2.0,
+    and (kept − expected) a round of spread 1.155 (sample deviation) over √4 rounds: ± 0.577. Two
+    answers' rounds pool."""
+    from specd.v1 import generate_pb2
+    from specd_app.bench import prediction_standard_error, realized_cell
+
+    def answer(kept: list[int], expected: float):
+        return generate_pb2.SpeculationStats(target_passes=len(kept), accepted_tokens=sum(kept) - len(kept),
+                                             predicted_tokens=expected * len(kept),
+                                             predicted_tokens_squared_error=sum((k - expected) ** 2 for k in kept))
+
+    assert prediction_standard_error([answer([1, 3], 2.0), answer([1, 3], 2.0)]) == pytest.approx(0.5774, abs=1e-4)
+    assert prediction_standard_error([answer([2, 2, 2], 2.0)]) == 0.0  # every round as expected
+    assert prediction_standard_error([answer([1], 2.0)]) == 0.0  # one round says nothing of its noise
+    cell = realized_cell({"realized_tokens_per_pass": 2.0, "predicted_tokens_per_pass": 2.0, "prediction_standard_error": 0.5774})
+    assert cell == "2.0 ± 0.5774 (2.0)"
+
+
 def test_bench_report_compares_every_mode_with_llama_cpp_and_lookup_with_its_own_engine():
     """llama.cpp's modes: llamacpp_lookup's speedup is over llamacpp_target, every mode reads vs both baselines."""
     from specd_app.bench import Sample, markdown_table, report

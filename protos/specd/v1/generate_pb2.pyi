@@ -129,7 +129,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "draft_cache_lookups", "draft_cache_hits", "draft_model_seconds", "lookup_rounds", "head_rounds", "tree_rounds", "draft_wait_seconds", "draft_cache_hit_wait_seconds", "draft_cache_lookup_wait_seconds", "predicted_tokens", "forced_rounds", "forced_tokens", "rested_rounds")
+    __slots__ = ("target_passes", "draft_tokens", "accepted_tokens", "draft_tokens_per_position", "accepted_tokens_per_position", "wire_bytes", "round_seconds", "model_seconds", "rejected_rounds", "draft_cache_lookups", "draft_cache_hits", "draft_model_seconds", "lookup_rounds", "head_rounds", "tree_rounds", "draft_wait_seconds", "draft_cache_hit_wait_seconds", "draft_cache_lookup_wait_seconds", "predicted_tokens", "forced_rounds", "forced_tokens", "rested_rounds", "predicted_tokens_squared_error")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class SpeculationStats(_message.Message):
     FORCED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_SQUARED_ERROR_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     draft_tokens: int
     accepted_tokens: int
@@ -174,7 +175,8 @@ class SpeculationStats(_message.Message):
     forced_rounds: int
     forced_tokens: int
     rested_rounds: int
-    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., draft_cache_lookups: _Optional[int] = ..., draft_cache_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., draft_wait_seconds: _Optional[float] = ..., draft_cache_hit_wait_seconds: _Optional[float] = ..., draft_cache_lookup_wait_seconds: _Optional[float] = ..., predicted_tokens: _Optional[float] = ..., forced_rounds: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., rested_rounds: _Optional[int] = ...) -> None: ...
+    predicted_tokens_squared_error: float
+    def __init__(self, target_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_per_position: _Optional[_Iterable[int]] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., round_seconds: _Optional[float] = ..., model_seconds: _Optional[float] = ..., rejected_rounds: _Optional[int] = ..., draft_cache_lookups: _Optional[int] = ..., draft_cache_hits: _Optional[int] = ..., draft_model_seconds: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., draft_wait_seconds: _Optional[float] = ..., draft_cache_hit_wait_seconds: _Optional[float] = ..., draft_cache_lookup_wait_seconds: _Optional[float] = ..., predicted_tokens: _Optional[float] = ..., forced_rounds: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., rested_rounds: _Optional[int] = ..., predicted_tokens_squared_error: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "prompt_token_ids", "finish_reason", "usage", "stats", "logprobs")

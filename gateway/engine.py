@@ -111,6 +111,11 @@ class SpeculationStats:
     forced_tokens: int = 0  # ... and those tokens
     rested_rounds: int = 0  # rounds run plain because the request's speculation lost to plain rounds (gateway/guard.py)
 
+    def count_prediction(self, expected: float, kept: int) -> None:
+        """A round the planner expected to keep `expected` tokens kept `kept` (drafts + the recovered or bonus token)."""
+        self.predicted_tokens += expected
+        self.predicted_tokens_squared_error += (kept - expected) ** 2
+
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
         self.target_passes += 1
@@ -259,8 +264,7 @@ class Generation:
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
         self.stats.count_round(verdict.chain, outcome.accepted)
-        self.stats.predicted_tokens += plan.expected
-        self.stats.predicted_tokens_squared_error += (outcome.accepted + 1 - plan.expected) ** 2
+        self.stats.count_prediction(plan.expected, outcome.accepted + 1)
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)

@@ -330,9 +330,9 @@ def summarize(samples: Iterable[Sample], k: int, wall_s: Optional[float] = None)
 
 def prediction_standard_error(stats: list) -> float:
     """The standard error of realized minus predicted tokens a pass over these answers' rounds: the
-    spread of (kept − expected) a round over √rounds. A kind's 100 rounds keep 1 to 4 tokens each, so
-    its realized tokens a pass carry ±4-7% of noise at 2 prompts × 64 tokens; a prediction is off
-    only by what exceeds ~2 of these."""
+    spread of (kept − expected) a round over √rounds. A kind's ~100 rounds keep 1 to 4 tokens each, so
+    its realized tokens a pass carry 3-7% of noise at 2 prompts × 64 tokens (docs/design/policy.md); a
+    prediction is off only by what exceeds ~2 of these."""
     rounds = sum(s.target_passes for s in stats)
     if rounds < 2:
         return 0.0

@@ -232,45 +232,66 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     and the rounds measured at each batch size.
 
     Once requests share passes, a draft costs every request in the batch (its positions make the pass
-    longer; a padded batch pads every row to the longest: `ragged` says which), so speculation pays at batch size B only if rounds there emit more tokens a second
-    while speculation is allowed than while it is not. shapes[(B, speculating)] holds what rounds
-    run among B requests (RoundShapes.bucket) measured, either way. Where both were measured at B
-    the measured rates decide (speculating must be policy.measured_margin faster to start, and not slower
-    to go on); elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) /
-    cost(B, 1) × policy.speculation_margin < tokens a speculating round yields, with the yield measured at B, or, until
-    it is, at the largest smaller size (a provisional estimate that lets B be tried and measured:
-    rounds among fewer requests say little about B's, and on the 2-core EPYC rounds among ≤ 2
-    requests yielded 2.4 tokens a pass where 4 yielded 1.85). The smallest size is tried until its
-    own rounds are measured (what requests running alone yield is no estimate for it: on that VM the
-    one prompt that ends a benchmark's wave, 1.55 tokens a pass, kept 2 streams from ever being
-    measured).
+    longer; a padded batch pads every row to the longest: `ragged` says which), so speculation pays
+    at batch size B only if rounds there emit more tokens a second while speculation is allowed than
+    while it is not. shapes[(B, speculating)] holds what rounds run among B requests
+    (RoundShapes.bucket) measured, either way. Where both were measured at B the measured rates
+    decide (speculating must be policy.measured_margin faster to start, and not slower to go on);
+    elsewhere the model does, from the verify's start-up costs: expected_batch_cost(B) / cost(B, 1) ×
+    policy.speculation_margin < tokens a speculating round yields, with the yield measured at B, or,
+    until it is, at the largest smaller size measured, else the smallest larger one (a provisional
+    estimate that lets B be tried and measured: on the 2-core EPYC rounds among ≤ 2 requests yielded
+    2.4 tokens a pass where 4 yielded 1.85). What requests running alone yield is no estimate (on
+    that VM the one prompt that ends a benchmark's wave, 1.55 tokens a pass, stood for 2 streams).
 
-    The cap is the largest measured B for which speculation pays at every measured size up to B; 1
-    when it fails already at the smallest (a request running alone still decides for itself); 0 (no
-    cap) when it pays at every measured size (past the largest batch, passes are full and each pays
-    the same); the smallest size while that is unmeasured (a cold gateway does not bet a busy batch
-    on drafts it knows nothing of). batch_costs_ms[b][n]: ms of one round over b rows scoring n
+    The cap is the largest B for which speculation pays at every size up to B; 1 when it fails
+    already at the smallest (a request running alone still decides for itself); 0 (no cap) when it
+    pays at every size (past the largest batch, passes are full and each pays the same). While the
+    size served most (the bucket with the most plain rounds) has no speculating rounds measured, the
+    cap is that size: speculation is tried at the load the gateway carries until its rounds are
+    measured and the rates decide (a yield measured in a burst's tail among fewer requests must not
+    end the trial first). Measured rates overrule the model, smaller sizes' too: where speculating
+    among B measured faster than not, the model's no at a smaller size (each speculating row costs
+    less there) does not cap it (in a burst's tail the requests still running are those whose drafts
+    kept least: on the Xeon rounds among 4 yielded 1.46 tokens a pass where 8 yielded 2.46). With nothing served yet it is the smallest size (a cold gateway does not
+    bet a busy batch on drafts it knows nothing of). Trying only the smallest size never ended under
+    steady load: on a 2-vCPU Xeon serving 8 streams the cap stayed at 2 through thousands of rounds
+    (too few ran among 2 requests to be measured), while speculating among 8 was 6% faster than not
+    (docs/design/speculation-cap.md). batch_costs_ms[b][n]: ms of one round over b rows scoring n
     positions each (Scorer.measure_batch_costs). current: the cap in force (0 = none), whose sizes
     are kept at a lower bar (hysteresis: the model's at half its margin, measured rates at 1.0; an
     estimate near the threshold would otherwise flip the cap with every round)."""
-    cap, provisional = 0, None
-    for rows in sorted(batch_costs_ms):
-        speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
-        held = current is not None and (current == 0 or rows <= current)
-        if speculating is not None and plain is not None:
-            pays = speculating.tokens_per_s > plain.tokens_per_s * (1.0 if held else policy.measured_margin)
-        else:
-            shape = speculating or provisional
-            if shape is None:  # the smallest size, unmeasured: speculate while it is shared, and measure it
-                return rows
-            by_positions = batch_costs_ms[rows]
-            cost = expected_batch_cost(by_positions, shape.positions_share, rows, ragged) * (
-                policy.cap_hysteresis if held else policy.speculation_margin)
-            pays = cost < interpolate(by_positions, 1) * shape.tokens_per_pass
-        if not pays:
+    sizes = sorted(batch_costs_ms)
+    served = max(((shapes[rows, False].rounds, rows) for rows in sizes if (rows, False) in shapes), default=(0, 0))[1]
+    if served and (served, True) not in shapes:  # the load served most, never measured speculating: try it
+        return served
+    drafted = [rows for rows in sizes if (rows, True) in shapes]
+    if not drafted:  # cold: the smallest size
+        return sizes[0] if sizes else 0
+    verdicts = [(rows, *_speculation_pays(rows, batch_costs_ms[rows], shapes, drafted, current, policy, ragged))
+                for rows in sizes]
+    won = max((rows for rows, pays, measured in verdicts if pays and measured), default=0)
+    cap = 0
+    for rows, pays, measured in verdicts:
+        if not pays and (measured or rows > won):  # the model's no below a measured win is overruled
             return max(cap, 1)
-        provisional, cap = speculating or provisional, rows
+        cap = rows
     return 0
+
+
+def _speculation_pays(rows: int, by_positions: dict[int, float], shapes: dict[tuple[int, bool], "RoundShape"],
+                      drafted: list[int], current: Optional[int], policy: SpeculationPolicy, ragged: bool) -> tuple[bool, bool]:
+    """(whether speculating among `rows` requests pays, whether measured rates both ways said so) for
+    speculation_cap: the measured rates where both were measured, else the model over the yield measured
+    there or at the nearest size measured (a smaller one first)."""
+    speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
+    held = current is not None and (current == 0 or rows <= current)
+    if speculating is not None and plain is not None:
+        return speculating.tokens_per_s > plain.tokens_per_s * (1.0 if held else policy.measured_margin), True
+    shape = speculating or shapes[max((size for size in drafted if size < rows), default=drafted[0]), True]
+    cost = expected_batch_cost(by_positions, shape.positions_share, rows, ragged) * (
+        policy.cap_hysteresis if held else policy.speculation_margin)
+    return cost < interpolate(by_positions, 1) * shape.tokens_per_pass, False
 
 
 @dataclass(frozen=True)

@@ -553,14 +553,39 @@ def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     assert speculation_cap(odd, {(2, True): measured_rounds(1.8)}, policy=SpeculationPolicy(speculation_margin=1.0)) == 1
 
 
-def test_speculation_cap_is_the_smallest_batch_until_that_is_measured():
-    from gateway.adaptive import speculation_cap
+def test_speculation_cap_is_tried_at_the_load_served_until_speculating_rounds_are_measured():
+    from gateway.adaptive import RoundShape, speculation_cap
 
-    assert speculation_cap(EPYC_BATCH_COSTS, {}) == 2
-    assert speculation_cap(EPYC_BATCH_COSTS, {(4, False): measured_rounds(1.0)}) == 2  # plain rounds say nothing of drafts
-    # nor do those of requests running alone: 2 is tried until measured (the prompt that ends a wave is no sample)
+    assert speculation_cap(EPYC_BATCH_COSTS, {}) == 2  # cold: the smallest size
+    # served only plain, mostly among 8 (a steady load): speculation is tried there, not at 2, which
+    # a gateway kept at 8 streams would hardly ever measure
+    steady = {(8, False): RoundShape(3000, 1.0, 0.05, {1: 1.0}), (4, False): RoundShape(60, 1.0, 0.04, {1: 1.0})}
+    assert speculation_cap(EPYC_BATCH_COSTS, steady) == 8
+    assert speculation_cap(EPYC_BATCH_COSTS, {(4, False): measured_rounds(1.0)}) == 4
+    # a yield measured among 4 in a burst's tail (1.3 tokens a pass: 2 rows do not pay by the model) does
+    # not end the trial at 8 before 8's own speculating rounds are measured
+    assert speculation_cap(EPYC_BATCH_COSTS, steady | {(4, True): measured_rounds(1.3)}) == 8
+    # those of requests running alone are no sample of a shared pass: 2 is tried
     assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(1.2)}) == 2
     assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(3.0)}) == 2
+
+
+def test_a_trial_at_the_served_size_ends_by_the_measured_rates():
+    """Once the trial's speculating rounds among 8 are measured, their rate decides at 8, and their yield
+    prices the sizes not measured both ways (smaller ones too: 2 and 4 rows cost less than 8)."""
+    from gateway.adaptive import RoundShape, speculation_cap
+
+    plain = RoundShape(3000, 1.0, 0.05, {1: 1.0})  # 20 tokens/s a request
+    paying = {(8, False): plain, (8, True): measured_rounds(1.9, round_s=0.08)}  # 23.8 tokens/s
+    assert speculation_cap(EPYC_BATCH_COSTS, paying, current=8) == 0  # 2, 4 by the model from 8's yield; 8 measured
+    losing = {(8, False): plain, (8, True): measured_rounds(1.9, round_s=0.11)}  # 17.3 tokens/s
+    assert speculation_cap(EPYC_BATCH_COSTS, losing, current=8) == 4  # 8 loses; 2 and 4 rows pay by the model
+    assert speculation_cap(EPYC_BATCH_COSTS, {(8, False): plain, (8, True): measured_rounds(1.2, round_s=0.07)}) == 1
+    # a burst's tail measured among 4 (1.3 tokens a pass: the model says no) does not overrule 8's measured win
+    assert speculation_cap(EPYC_BATCH_COSTS, paying | {(4, True): measured_rounds(1.3)}, current=8) == 0
+    # measured both ways, a loss at 4 stands
+    lost_at_4 = {(4, True): measured_rounds(1.3, round_s=0.08), (4, False): measured_rounds(1.0, round_s=0.05)}
+    assert speculation_cap(EPYC_BATCH_COSTS, paying | lost_at_4, current=8) == 2
 
 
 def test_a_yield_measured_at_a_batch_size_replaces_the_one_from_fewer_requests():

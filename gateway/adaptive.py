@@ -253,8 +253,9 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     end the trial first). Measured rates overrule the model, smaller sizes' too: where speculating
     among B measured faster than not, the model's no at a smaller size (each speculating row costs
     less there) does not cap it (in a burst's tail the requests still running are those whose drafts
-    kept least: on the Xeon rounds among 4 yielded 1.46 tokens a pass where 8 yielded 2.46). With nothing served yet it is the smallest size (a cold gateway does not
-    bet a busy batch on drafts it knows nothing of). Trying only the smallest size never ended under
+    kept least: on the Xeon rounds among 4 yielded 1.46 tokens a pass where 8 yielded 2.46). With
+    nothing served yet it is the smallest size (a cold gateway does not bet a busy batch on drafts it
+    knows nothing of). Trying only the smallest size never ended under
     steady load: on a 2-vCPU Xeon serving 8 streams the cap stayed at 2 through thousands of rounds
     (too few ran among 2 requests to be measured), while speculating among 8 was 6% faster than not
     (docs/design/speculation-cap.md). batch_costs_ms[b][n]: ms of one round over b rows scoring n

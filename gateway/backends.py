@@ -83,8 +83,8 @@ class Backends:
         the cap is the smallest measured batch (2): a busy gateway that starts cold does not bet
         every batch on drafts it knows nothing of (on the 2-core EPYC, speculating in 8-stream
         batches lost 17%); then, until speculating rounds among others are, the batch size served
-        most, where they are tried and measured. No cap when the verify measured no batch costs (it does not batch:
-        requests then share no passes, and each one's own policy decides)."""
+        most, where they are tried and measured. No cap when the verify measured no batch costs (it
+        does not batch: requests then share no passes, and each one's own policy decides)."""
         costs = self._verify_batch_costs
         if not costs:
             return 0

@@ -198,8 +198,9 @@ def test_after_a_tree_the_heads_propose_from_the_kept_paths_last_node(tiny):
 
 
 def test_a_coupled_draw_returns_one_token_a_row_and_the_heads_read_the_kept_row(tiny, monkeypatch):
-    """VerifyRequest.coupled_draw: a sampled session gets each row's drawn token (no distributions unless
-    asked), drawn at the position each row scores (a chain's consecutive, a tree's node by its depth),
+    """VerifyRequest.coupled_draw: a sampled session gets each read row's drawn token (no distributions
+    unless asked; -1 past the first miss), drawn at the position each row scores (a chain's consecutive,
+    a tree's node by its depth),
     and, as greedy, the heads' proposals of the one row the caller will read: after the drafts that
     equal the draws. A greedy session ignores it."""
     from specd.v1 import verify_pb2
@@ -209,8 +210,8 @@ def test_a_coupled_draw_returns_one_token_a_row_and_the_heads_read_the_kept_row(
     heads, loaded = random_token_heads(tiny, chained=True)
     scorer = heads_scorer(loaded, heads)
     positions = []
-    real = scorer_module.uniforms_at
-    monkeypatch.setattr(scorer_module, "uniforms_at", lambda seed, at: positions.append(list(at)) or real(seed, at))
+    real = scorer_module.draw_walk
+    monkeypatch.setattr(scorer_module, "draw_walk", lambda probs, seed, at, *walk: positions.append(list(at)) or real(probs, seed, at, *walk))
     prompt, warm = [5, 17, 42], Warp(temperature=1.0)
     draw = verify_pb2.CoupledDraw(seed=3)
     first = scorer.score(scorer.open(prompt, warm), [], coupled=draw).sampled_token_ids[0]
@@ -220,6 +221,7 @@ def test_a_coupled_draw_returns_one_token_a_row_and_the_heads_read_the_kept_row(
     assert chain.sampled_token_ids[0] == first  # the same seed and position draw the same token
     kept = next((i for i, (x, y) in enumerate(zip(drafts, chain.sampled_token_ids)) if x != y), len(drafts))
     assert kept >= 1 and len(chain.head_drafts.token_ids) == HEADS  # one row, as greedy
+    assert all(token == -1 for token in chain.sampled_token_ids[kept + 1 :])  # rows past the first miss: not read, not drawn
     assert chain.head_drafts.start_position == len(prompt) - 1 + kept
     with_probs = scorer.score(scorer.open(prompt, warm), drafts, coupled=verify_pb2.CoupledDraw(seed=3, return_target_probs=True))
     assert with_probs.sampled_token_ids == chain.sampled_token_ids and len(with_probs.target_probs) == 4

@@ -239,6 +239,35 @@ def test_the_verify_draws_what_the_gateway_would_by_the_same_rule():
     assert chi_square_p_value(np.array(wrong_pairs), independent) < SIGNIFICANCE
 
 
+def test_the_verify_draws_only_the_rows_the_gateway_reads_and_those_as_drawing_every_row():
+    """warping.draw_walk: for a chain and a tree, every row it draws holds draw_rows' token for that row
+    (its p, its uniform), the others UNDRAWN, and the gateway's judging (greedy_verify,
+    greedy_tree_verify) ends the round as on every row's draws. Control: rows past the first miss stay
+    undrawn, so on these dyadic rows some seeds leave rows undrawn and some draw the whole chain."""
+    from specd_common.distributions import uniforms_at
+    from specd_common.tree import depths
+    from gateway.rejection import greedy_tree_verify
+    from specd_engine.warping import UNDRAWN, draw_rows, draw_walk
+
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.125, 0.625, 0.25], [0.25, 0.25, 0.5], [0.75, 0.125, 0.125]])  # [4, V]
+    drafts, nodes, parents = [0, 1, 2], [0, 1, 2], [-1, -1, 0]
+    chain_positions = list(range(40, 44))
+    tree_positions = [40] + [40 + depth for depth in depths(parents)]
+    undrawn_rounds = whole_chains = 0
+    for seed in range(2_000):
+        for tokens, tree_parents, positions in ((drafts, [], chain_positions), (nodes, parents, tree_positions)):
+            every = draw_rows(p, uniforms_at(seed, positions)).tolist()
+            walked = draw_walk(p, seed, positions, tokens, tree_parents).tolist()
+            assert all(w in (UNDRAWN, e) for w, e in zip(walked, every)) and walked[0] == every[0]
+            if tree_parents:
+                assert greedy_tree_verify(tokens, tree_parents, walked) == greedy_tree_verify(tokens, tree_parents, every)
+            else:
+                assert greedy_verify(tokens, walked) == greedy_verify(tokens, every)
+                undrawn_rounds += UNDRAWN in walked
+                whole_chains += UNDRAWN not in walked
+    assert undrawn_rounds > 1_000 and whole_chains > 50
+
+
 def test_logit_bias_is_added_before_warping_and_survives_the_wire():
     """biased(): the bias lands on its token ids in every row (ids past a drafter's shorter rows are
     skipped); -100 leaves a token no probability, +100 all of it; SamplingParams round-trips it."""

@@ -21,8 +21,7 @@ from specd_engine.sessions import KVSession
 from specd_engine.models import LoadedModel, describe_model, synchronize
 from specd_common.params import Warp
 from specd_common.sequence import common_prefix
-from specd_common.distributions import uniforms_at
-from specd_engine.warping import constrained, draw_rows, encode_rows, warp_probs
+from specd_engine.warping import constrained, draw_walk, encode_rows, warp_probs
 from verify_service.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ class Scores:
 
     argmax_token_ids: list[int] = field(default_factory=list)  # [k + 1] (greedy)
     target_probs: list[common_pb2.Distribution] = field(default_factory=list)  # [k + 1] (sampling without a Draw, or asked)
-    sampled_token_ids: list[int] = field(default_factory=list)  # [k + 1] (sampling with a Draw)
+    sampled_token_ids: list[int] = field(default_factory=list)  # [k + 1] (sampling with a Draw; UNDRAWN off the walk)
     features: Optional[common_pb2.TargetFeatures] = None  # the positions read, when asked for
     head_drafts: Optional[common_pb2.HeadDrafts] = None  # the Medusa heads' proposals there, when asked for
     logprobs: list[verify_pb2.RowLogprobs] = field(default_factory=list)  # [k + 1] greedy rows' likeliest tokens, when asked for
@@ -435,7 +434,7 @@ class Scorer:
         try:
             probs = None if warp.greedy else warp_probs(rows, warp, part.allowed)
             if part.draw is not None and probs is not None:
-                return probs, draw_rows(probs, uniforms_at(part.draw.seed, part.draw.positions))
+                return probs, draw_walk(probs, part.draw.seed, part.draw.positions, part.drafts, part.parents)
             return probs, torch.argmax(constrained(rows, warp, part.allowed), dim=-1)
         except Exception as error:
             return error

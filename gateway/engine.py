@@ -39,6 +39,7 @@ from gateway.proposers import (DRAFT, FORCED, HEADS, JOINED, PLAIN, DraftPropose
 from gateway.rejection import (RoundOutcome, coupled_tree_verify, coupled_verify, greedy_tree_verify, greedy_verify,
                                rejection_sample, tree_rejection_sample)
 from gateway.text import TextStream
+from gateway.verify_batch import coalescer_of
 from specd.v1 import common_pb2, generate_pb2, verify_pb2
 from specd_common.distributions import decode_distribution, one_hot, position_uniforms
 from specd_common.errors import ResourceExhausted, Unavailable
@@ -415,7 +416,7 @@ class Generation:
                 coupled_draw=coupled,
             )
             try:
-                scores = self._verify.replica.stub.Verify(request, timeout=self._timeout())
+                scores = coalescer_of(self._verify.replica).verify(request, self._timeout())
             except grpc.RpcError as error:
                 if not self._replica_fault(error):
                     raise

@@ -52,6 +52,7 @@ class Replica(Generic[Stub]):
     listed: bool = True  # False: gone from DNS (or the pool stopped); draining
     sessions: int = 0  # sessions this gateway has open (or is opening) on it
     watch_call: Any = None
+    calls: Any = None  # a verify replica's VerifyCoalescer (gateway/verify_batch.py), made on first use
 
     @property
     def eligible(self) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import grpc
@@ -10,17 +12,19 @@ import numpy as np
 import torch
 
 from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from specd_common.errors import grpc_errors, require
+from specd_common.errors import SpecdError, grpc_errors, require
 from specd_common.masks import allowed_tokens
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
-from specd_common.tree import MAX_DRAFT_TOKENS, MAX_TREE_NODES, validate_tree
+from specd_common.tree import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_VERIFY_PARTS, validate_tree
 from specd_common.params import Warp, check_top_logprobs
 from verify_service.scorer import Scorer, VerifySession
 
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
+
+log = logging.getLogger(__name__)
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
@@ -30,6 +34,8 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         self.scorer = scorer
         self.sessions = sessions
         self.vocab_size = scorer.lm.vocab_size
+        # a VerifyBatch's parts wait in the batcher side by side, each on its own thread
+        self._part_threads = ThreadPoolExecutor(MAX_VERIFY_PARTS, thread_name_prefix="specd-verify-part")
 
     @grpc_errors
     def Prefill(self, request: verify_pb2.VerifyPrefillRequest, context: grpc.ServicerContext):
@@ -57,6 +63,33 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
 
     @grpc_errors
     def Verify(self, request: verify_pb2.VerifyRequest, context: grpc.ServicerContext):
+        return self._verify(request)
+
+    @grpc_errors
+    def VerifyBatch(self, request: verify_pb2.VerifyBatchRequest, context: grpc.ServicerContext):
+        """Each part as its own Verify, all at once on the parts' threads, so the batcher scores them in
+        one pass; a part's failure is its result alone. Why: on the 2-vCPU Xeon 8 sessions driven
+        straight at the verify made 430 tokens/s in-process and 342 through one unary Verify each: the
+        calls, not the pass, cost a fifth of the throughput (docs/design/batching.md)."""
+        parts = request.parts
+        require(1 <= len(parts) <= MAX_VERIFY_PARTS, f"parts must hold 1 to {MAX_VERIFY_PARTS} Verifies, got {len(parts)}")
+        ids = [part.session_id for part in parts]
+        require(len(set(ids)) == len(ids), "each part must be of a different session (a session's rounds follow one another)")
+        results = list(self._part_threads.map(self._part_result, parts))
+        return verify_pb2.VerifyBatchResponse(results=results)
+
+    def _part_result(self, part: verify_pb2.VerifyRequest) -> verify_pb2.VerifyBatchResult:
+        """One part's response, or the status its Verify would fail with (grpc_errors' mapping)."""
+        try:
+            return verify_pb2.VerifyBatchResult(response=self._verify(part))
+        except SpecdError as error:
+            return verify_pb2.VerifyBatchResult(code=error.code.value[0], message=str(error))
+        except Exception:
+            log.exception("unexpected error in a VerifyBatch part")
+            return verify_pb2.VerifyBatchResult(code=grpc.StatusCode.INTERNAL.value[0],
+                                                message="internal error in VerifyBatch; see server log")
+
+    def _verify(self, request: verify_pb2.VerifyRequest) -> verify_pb2.VerifyResponse:
         drafts, parents = list(request.draft_token_ids), list(request.draft_parents)
         most = MAX_TREE_NODES if parents else MAX_DRAFT_TOKENS
         require(len(drafts) <= most, f"at most {most} draft tokens ({MAX_DRAFT_TOKENS} in a chain, {MAX_TREE_NODES} "

@@ -91,6 +91,28 @@ class VerifyResponse(_message.Message):
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., target_probs: _Optional[_Iterable[_Union[_common_pb2.Distribution, _Mapping]]] = ..., sequence_length: _Optional[int] = ..., model_seconds: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., head_drafts: _Optional[_Union[_common_pb2.HeadDrafts, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[RowLogprobs, _Mapping]]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, parts: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyBatchResult, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchResult(_message.Message):
+    __slots__ = ("response", "code", "message")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    response: VerifyResponse
+    code: int
+    message: str
+    def __init__(self, response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class RowLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

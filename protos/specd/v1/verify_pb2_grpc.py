@@ -46,6 +46,11 @@ class VerifyServiceStub:
                 request_serializer=specd_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specd.v1.VerifyService/VerifyBatch',
+                request_serializer=specd_dot_v1_dot_verify__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_verify__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specd.v1.VerifyService/Release',
                 request_serializer=specd_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -76,6 +81,15 @@ class VerifyServiceServicer:
 
     def Verify(self, request, context):
         """Applies the commit, then runs one forward pass over the pending token and the drafts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
+        """Several sessions' Verifies in one call, scored in the same pass where the service batches: a
+        caller with many streams on this service pays one call a pass, not one a stream. Each part
+        succeeds or fails alone, as its own Verify would.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +128,11 @@ def add_VerifyServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specd_dot_v1_dot_verify__pb2.VerifyRequest.FromString,
                     response_serializer=specd_dot_v1_dot_verify__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specd_dot_v1_dot_verify__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_verify__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -186,6 +205,33 @@ class VerifyService:
             '/specd.v1.VerifyService/Verify',
             specd_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
             specd_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.VerifyService/VerifyBatch',
+            specd_dot_v1_dot_verify__pb2.VerifyBatchRequest.SerializeToString,
+            specd_dot_v1_dot_verify__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -347,14 +347,15 @@ def test_bearer_token_is_required_when_configured(tiny: TinyModels):
 
 
 class SlowVerify(grpc.ServerInterceptor):
-    """Every Verify takes at least delay_s longer: generations last long enough to be interrupted."""
+    """Every Verify (alone or a VerifyBatch of them) takes at least delay_s longer: generations last long
+    enough to be interrupted."""
 
     def __init__(self, delay_s: float):
         self.delay_s = delay_s
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.endswith("/Verify"):
+        if handler is None or not handler_call_details.method.endswith(("/Verify", "/VerifyBatch")):
             return handler
 
         def slow(request, context):

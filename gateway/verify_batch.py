@@ -67,25 +67,21 @@ class VerifyCoalescer:
         self._in_flight: dict[str, float] = {}  # session id → time.monotonic() its call went out
         self._queue: list[_Part] = []
         self._collecting = False
-        self._call_s: Optional[float] = None  # moving average of a VerifyBatch's seconds
+        self._call_s: Optional[float] = None  # moving average of a call's seconds (Verify or VerifyBatch)
         self._condition = threading.Condition()
 
     def verify(self, request: verify_pb2.VerifyRequest, timeout: float) -> verify_pb2.VerifyResponse:
         """The reply to `request` within `timeout` seconds, alone or in a VerifyBatch; raises grpc.RpcError."""
+        started = time.monotonic()
         with self._condition:
-            self._last_verify[request.session_id] = time.monotonic()
+            self._last_verify[request.session_id] = started
             alone = not self.supported or self._expected() <= 1
             if alone:
-                self._in_flight[request.session_id] = time.monotonic()
+                self._in_flight[request.session_id] = started
         if alone:
-            started = time.monotonic()
-            try:
-                reply = self.stub.Verify(request, timeout=timeout)
-            finally:
-                self._landed([request.session_id])
-            self._observe(time.monotonic() - started)
-            return reply
-        started = time.monotonic()
+            part = _Part(request, started + timeout)
+            self._send([part])
+            return part.reply.result()
         with telemetry.span("specd.verify.coalesced") as span:
             reply = self._coalesced(_Part(request, started + timeout))
             if span.is_recording():
@@ -191,10 +187,13 @@ class VerifyCoalescer:
 
     def _unary(self, part: _Part):
         """The part's own Verify: its reply or its error."""
+        started = time.monotonic()
         try:
-            return self.stub.Verify(part.request, timeout=self._timeout([part]))
+            reply = self.stub.Verify(part.request, timeout=self._timeout([part]))
         except grpc.RpcError as error:
             return error
+        self._observe(time.monotonic() - started)
+        return reply
 
     @staticmethod
     def _timeout(batch: list[_Part]) -> float:

@@ -68,10 +68,16 @@ def grpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError as error:  # an upstream service failed: pass its status on
             context.abort(_upstream_code(error), f"upstream: {_upstream_details(error)}")
         except Exception:
-            log.exception("unexpected error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see server log")
+            context.abort(*unexpected(method.__name__))
 
     return wrapper
+
+
+def unexpected(where: str) -> tuple[grpc.StatusCode, str]:
+    """The status an error that is no SpecdError gets (INTERNAL), logged with its traceback; call it
+    from an `except` block."""
+    log.exception("unexpected error in %s", where)
+    return grpc.StatusCode.INTERNAL, f"internal error in {where}; see server log"
 
 
 def grpc_stream_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,8 +92,7 @@ def grpc_stream_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError as error:
             context.abort(_upstream_code(error), f"upstream: {_upstream_details(error)}")
         except Exception:
-            log.exception("unexpected error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see server log")
+            context.abort(*unexpected(method.__name__))
 
     return wrapper
 

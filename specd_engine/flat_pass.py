@@ -224,7 +224,7 @@ class SlotLayer(kv_cache.GrowingLayer):
 
     def set_length(self, length: int) -> None:
         """The slot holds `length` positions (a flat pass wrote the columns itself)."""
-        self.length = length
+        self._narrow(length)
 
 
 def _only_cleared(value: Optional[torch.Tensor]) -> None:

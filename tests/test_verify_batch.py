@@ -18,17 +18,6 @@ from specd_common.tree import MAX_VERIFY_PARTS
 PATIENT = BatchPolicy(max_wait_ms=5000, wait_fraction=200)  # a collector waits for every stream it expects (up to 200 calls' time)
 
 
-class FakeError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode):
-        self._code = code
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return f"fake {self._code.name}"
-
-
 class FakeStub:
     """Verify answers with the session id's length as argmax; VerifyBatch answers each part so, or as told."""
 
@@ -53,7 +42,7 @@ class FakeStub:
             self.batches.append([part.session_id for part in request.parts])
         time.sleep(self.batch_seconds)
         if self.batch_error is not None:
-            raise FakeError(self.batch_error)
+            raise PartError(self.batch_error, f"fake {self.batch_error.name}")
         return verify_pb2.VerifyBatchResponse(results=[
             verify_pb2.VerifyBatchResult(code=grpc.StatusCode.NOT_FOUND.value[0], message="no such session")
             if part.session_id == self.fail_part else verify_pb2.VerifyBatchResult(response=self.reply(part))

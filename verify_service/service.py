@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -12,7 +11,7 @@ import numpy as np
 import torch
 
 from specd.v1 import common_pb2, verify_pb2, verify_pb2_grpc
-from specd_common.errors import SpecdError, grpc_errors, require
+from specd_common.errors import SpecdError, grpc_errors, require, unexpected
 from specd_common.masks import allowed_tokens
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
@@ -23,8 +22,6 @@ from verify_service.scorer import Scorer, VerifySession
 
 MAX_HEAD_CANDIDATES = 4  # VerifyRequest.head_candidates
 SERVICE_NAME = verify_pb2.DESCRIPTOR.services_by_name["VerifyService"].full_name
-
-log = logging.getLogger(__name__)
 
 
 class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
@@ -83,11 +80,10 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
         try:
             return verify_pb2.VerifyBatchResult(response=self._verify(part))
         except SpecdError as error:
-            return verify_pb2.VerifyBatchResult(code=error.code.value[0], message=str(error))
+            code, message = error.code, str(error)
         except Exception:
-            log.exception("unexpected error in a VerifyBatch part")
-            return verify_pb2.VerifyBatchResult(code=grpc.StatusCode.INTERNAL.value[0],
-                                                message="internal error in VerifyBatch; see server log")
+            code, message = unexpected("VerifyBatch")
+        return verify_pb2.VerifyBatchResult(code=code.value[0], message=message)
 
     def _verify(self, request: verify_pb2.VerifyRequest) -> verify_pb2.VerifyResponse:
         drafts, parents = list(request.draft_token_ids), list(request.draft_parents)

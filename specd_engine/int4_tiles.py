@@ -32,7 +32,7 @@ from specd_engine import native
 log = logging.getLogger(__name__)
 
 # instruction set → what its code executes, as /proc/cpuinfo names it; the first this CPU runs serves
-ISAS = {"amx": ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16"), "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
+ISAS = {"amx": native.TILE_FLAGS, "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
 ENTRY_POINTS = {"amx": ("specd_int4_mm", "specd_int8_mm"), "avx512-bf16": ("specd_int4_mm_avx512", "specd_int8_mm_avx512")}
 KERNELS = ("auto", "tiles", "torch")  # --int4-kernel: auto = tiles where this machine runs them
 TILE_OUT, TILE_IN = 16, 32  # a weight tile: outputs × inputs (one 4-bit group)
@@ -111,8 +111,7 @@ def _loaded_library() -> tuple[Optional[ctypes.CDLL], str]:
     library, why = native.load()
     if library is None:
         return None, why
-    if runs["amx"] and not library.specd_amx_init():
-        runs["amx"] = False  # the OS withholds the tile state: AVX-512 BF16 still runs
+    runs["amx"] = runs["amx"] and native.tile_unit()  # where the OS withholds the tile state, AVX-512 BF16 still runs
     for isa, (int4_mm, int8_mm) in ENTRY_POINTS.items():
         getattr(library, int4_mm).restype = getattr(library, int8_mm).restype = None
         getattr(library, int4_mm).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5

@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent / "native"
 SOURCES = sorted(FOLDER.glob("*.c"))
+HEADERS = sorted(FOLDER.glob("*.h"))
+TILE_FLAGS = ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16")  # what the tile-unit code executes (/proc/cpuinfo)
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: Optional[tuple[Optional[ctypes.CDLL], str]] = None  # (library, why not): decided once a process
+_tiles: Optional[bool] = None  # whether this process may use Intel AMX's tile unit: decided once
 
 
 def load() -> tuple[Optional[ctypes.CDLL], str]:
@@ -50,6 +53,17 @@ def load() -> tuple[Optional[ctypes.CDLL], str]:
         return _loaded
 
 
+def tile_unit() -> bool:
+    """Whether the kernels may use Intel AMX's tile unit here: the CPU has it (TILE_FLAGS), the library
+    loads and the OS grants this process the tile state (decided once)."""
+    global _tiles
+    library = load()[0]
+    with _lock:
+        if _tiles is None:
+            _tiles = library is not None and not missing_cpu_flags(TILE_FLAGS) and bool(library.specd_amx_init())
+        return _tiles
+
+
 def identity() -> str:
     """The build's name without its suffix, for keys of cached timings."""
     return library_name().removesuffix(".so")
@@ -57,7 +71,7 @@ def identity() -> str:
 
 def library_name() -> str:
     """A digest of the sources and the flags: an edit of either names a new file."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS) + " ".join(FLAGS).encode())
     return f"specd_native-{digest.hexdigest()[:16]}.so"
 
 

@@ -9,11 +9,18 @@ its compacted columns), in a fixed order, so a row's bits are its own alone, in 
 node, beside any sessions and on any thread count, with no padding and no probe. It serves where the
 CPU runs AVX-512 (the 16-lane code) and the store is float32 or bfloat16 (STORE_DTYPES); elsewhere the
 flat pass keeps SDPA.
+
+Where the CPU has Intel AMX, a bfloat16 store's scores come from the tile unit (native/attention.c,
+tile_scores): each query split exactly into three bfloat16 parts, so the scores are float32's to float32
+rounding, 16 keys × up to 16 queries an instruction chain instead of a key and a query a 16-lane sum.
+Its rounding is fixed too, but differs from the 16-lane code's, so a process keeps one kernel
+(`kernel()`, SPECD_ATTENTION_KERNEL=lanes for the 16-lane code everywhere, to compare).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional
 
 import torch
@@ -24,7 +31,29 @@ CPU_FLAGS = ("avx512f",)  # what the compiled code executes, as /proc/cpuinfo na
 MAX_GROUP = 16  # query heads a key head the kernel takes (native/attention.c)
 STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values as (queries are float32)
 
+KERNELS = ("auto", "lanes")  # SPECD_ATTENTION_KERNEL: auto = the tile unit's scores where the CPU has AMX
+
 _function = None  # specd_attend_rows, once loaded
+_choice = os.environ.get("SPECD_ATTENTION_KERNEL", "auto")
+
+
+def use(kernel: str) -> None:
+    """Which scores a bfloat16 store's attention takes from now on: auto (the tile unit where this CPU has
+    AMX) or lanes (the 16-lane code everywhere)."""
+    global _choice
+    if kernel not in KERNELS:
+        raise ValueError(f"the attention kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
+    _choice = kernel
+
+
+def tiles() -> bool:
+    """Whether a bfloat16 store's scores come from the tile unit in this process."""
+    return _choice == "auto" and native.tile_unit()
+
+
+def identity() -> str:
+    """The kernel's build and scores, for keys of cached timings."""
+    return f"{native.identity()}-{'tiles' if tiles() else 'lanes'}"
 
 
 def unavailable(layer, device: torch.device, dtype: torch.dtype) -> str:
@@ -46,7 +75,7 @@ def _kernel():
     if _function is None:
         function = native.load()[0].specd_attend_rows
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
         _function = function
     return _function
 
@@ -65,7 +94,7 @@ def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slo
     failed = _kernel()(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
                        out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
-                       layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads())
+                       layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads(), tiles())
     if failed:
         raise ValueError(f"store attention refused rows of slots {slots.tolist()} seeing {seen.tolist()} of "
                          f"{keys.shape[0]} slots × {keys.shape[2]} columns")

@@ -15,10 +15,13 @@ why_not = store_attention.unavailable(LAYER, torch.device("cpu"), torch.float32)
 pytestmark = pytest.mark.skipif(bool(why_not), reason=f"store attention: {why_not}")
 
 
-def store(slots: int = 6, capacity: int = 1100, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+STORES = (torch.float32, torch.bfloat16)  # a bfloat16 store's scores come from the tile unit where the CPU has AMX
+
+
+def store(slots: int = 6, capacity: int = 1100, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     shape = (slots, LAYER.kv_heads, capacity, LAYER.head_dim)
-    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: int, columns: list[int]) -> torch.Tensor:
@@ -41,8 +44,9 @@ def test_rows_attend_their_own_slot_s_keys_within_float32_rounding():
         assert (out[r] - expected).abs().max() < 2e-6, r
 
 
-def test_a_tree_node_reads_its_compacted_columns():
-    keys, values = store()
+@pytest.mark.parametrize("dtype", STORES)
+def test_a_tree_node_reads_its_compacted_columns(dtype):
+    keys, values = store(dtype=dtype)
     q = torch.randn((2, LAYER.heads, LAYER.head_dim), generator=torch.Generator().manual_seed(2))
     path = list(range(40)) + [42, 45]  # committed columns, then the node's ancestors and itself
     columns = torch.arange(64).repeat(2, 1)
@@ -52,8 +56,9 @@ def test_a_tree_node_reads_its_compacted_columns():
     assert (out[0] - reference(q[0], keys, values, 2, list(range(41)))).abs().max() < 2e-6
 
 
-def test_a_row_s_bits_are_its_own_alone_beside_any_rows_and_on_any_thread_count():
-    keys, values = store(slots=32)
+@pytest.mark.parametrize("dtype", STORES)
+def test_a_row_s_bits_are_its_own_alone_beside_any_rows_and_on_any_thread_count(dtype):
+    keys, values = store(slots=32, dtype=dtype)
     generator = torch.Generator().manual_seed(3)
     rows = 33
     q = torch.randn((rows, LAYER.heads, LAYER.head_dim), generator=generator)
@@ -83,10 +88,11 @@ def test_a_row_that_would_read_outside_the_store_is_refused():
                                                         torch.device("cpu"), torch.float32)
 
 
-def test_rows_of_one_slot_read_its_keys_together_and_keep_the_bits_each_has_alone():
+@pytest.mark.parametrize("dtype", STORES)
+def test_rows_of_one_slot_read_its_keys_together_and_keep_the_bits_each_has_alone(dtype):
     """A chain's rows, a prompt chunk's and lone decode rows in one call (the kernel reads a run of one
     slot's rows together): every row's bits are the ones it has in a call of its own, on any thread count."""
-    keys, values = store(slots=6)
+    keys, values = store(slots=6, dtype=dtype)
     generator = torch.Generator().manual_seed(4)
     slots = torch.tensor([4] * 4 + [1] + [2] * 16 + [5] * 3 + [4], dtype=torch.long)
     seen = torch.tensor([300, 301, 302, 303, 9] + list(range(17, 33)) + [1, 2, 1099, 64], dtype=torch.int32)
@@ -105,11 +111,12 @@ def test_rows_of_one_slot_read_its_keys_together_and_keep_the_bits_each_has_alon
         assert (together[r] - reference(q[r], keys, values, int(slots[r]), list(range(int(seen[r]))))).abs().max() < 2e-6
 
 
-def test_a_shape_other_than_the_default_target_s_attends_within_float32_rounding():
+@pytest.mark.parametrize("dtype", STORES)
+def test_a_shape_other_than_the_default_target_s_attends_within_float32_rounding(dtype):
     """4 query heads a key head of D = 128: the kernel's general path, not the one shaped for the default target."""
     layer = SimpleNamespace(heads=8, kv_heads=2, head_dim=128, scaling=128 ** -0.5)
     generator = torch.Generator().manual_seed(5)
-    keys, values = (torch.randn((3, 2, 600, 128), generator=generator) for _ in range(2))
+    keys, values = (torch.randn((3, 2, 600, 128), generator=generator).to(dtype) for _ in range(2))
     slots, seen = torch.tensor([1, 1, 1, 0]), torch.tensor([500, 501, 502, 37], dtype=torch.int32)
     q = torch.randn((4, 8, 128), generator=generator)
     out = store_attention.attend(layer, keys, values, q, slots, seen, None)
@@ -119,17 +126,32 @@ def test_a_shape_other_than_the_default_target_s_attends_within_float32_rounding
         assert (out[r] - expected[0].reshape(8, 128).float()).abs().max() < 2e-6, r
 
 
-def test_a_bfloat16_store_reads_as_the_float32_store_of_its_values():
-    """Keys and values kept in bfloat16 are widened exactly as they are read: a row's bits are those of the
-    float32 kernel over the same rounded values, alone and beside other rows."""
+@pytest.mark.parametrize("kernel", store_attention.KERNELS)
+def test_a_bfloat16_store_reads_as_the_float32_store_of_its_values(kernel):
+    """Keys and values kept in bfloat16 are read exactly: with the 16-lane code a row's bits are those of
+    the float32 kernel over the same rounded values; with the tile unit's scores (AMX) they are within
+    float32 rounding of them (its sums run in another order), and a row's bits are its own either way."""
     keys, values = store()
     generator = torch.Generator().manual_seed(6)
     slots = torch.tensor([0, 3, 3, 3, 5], dtype=torch.long)
     seen = torch.tensor([1, 700, 701, 702, 1100], dtype=torch.int32)
     q = torch.randn((5, LAYER.heads, LAYER.head_dim), generator=generator)
     kept_keys, kept_values = keys.bfloat16(), values.bfloat16()
-    out = store_attention.attend(LAYER, kept_keys, kept_values, q, slots, seen, None)
-    assert torch.equal(out, store_attention.attend(LAYER, kept_keys.float(), kept_values.float(), q, slots, seen, None))
-    assert torch.equal(out[4:], store_attention.attend(LAYER, kept_keys, kept_values, q[4:], slots[4:], seen[4:], None))
+    chosen = store_attention._choice
+    try:
+        store_attention.use(kernel)
+        out = store_attention.attend(LAYER, kept_keys, kept_values, q, slots, seen, None)
+        float32 = store_attention.attend(LAYER, kept_keys.float(), kept_values.float(), q, slots, seen, None)
+        if store_attention.tiles():
+            assert (out - float32).abs().max() < 2e-6
+            for r in range(5):
+                assert (out[r] - reference(q[r], kept_keys.float(), kept_values.float(), int(slots[r]), list(range(int(seen[r]))))).abs().max() < 2e-6
+        else:
+            assert torch.equal(out, float32)
+        assert torch.equal(out[4:], store_attention.attend(LAYER, kept_keys, kept_values, q[4:], slots[4:], seen[4:], None))
+    finally:
+        store_attention.use(chosen)
     with pytest.raises(ValueError, match="keys and values of one of"):
         store_attention.attend(LAYER, kept_keys, values, q, slots, seen, None)
+    with pytest.raises(ValueError, match="must be one of"):
+        store_attention.use("tiles please")

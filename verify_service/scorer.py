@@ -10,7 +10,7 @@ import torch
 
 from specd.v1 import common_pb2, verify_pb2
 from specd_common import tree
-from specd_engine import autotune, flat_pass, kv_cache, native, quantized, runtime_cache
+from specd_engine import autotune, flat_pass, kv_cache, quantized, runtime_cache, store_attention
 from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
 from specd_engine.batching import BatchPolicy, make_batcher
 from specd_common.config import ServerConfig, StartupMeasurement
@@ -95,7 +95,7 @@ def attention_mode(lm: CausalLM) -> str:
     if lm.lean is None:
         return "transformers"
     if lm.store is not None:
-        return f"native-{native.identity()}" if lm.passes.native else "fold" if lm.passes.fold else "sdpa"
+        return f"native-{store_attention.identity()}" if lm.passes.native else "fold" if lm.passes.fold else "sdpa"
     return "a call a row" if lm.lean.query_per_call else f"query block {lm.lean.layers[0].query_block}"
 
 

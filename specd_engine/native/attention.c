@@ -18,6 +18,11 @@
  * Rows of one slot that read its leading columns are attended together a key head at a time (attend_run):
  * their keys are read from memory once for all of them, and each row does exactly the arithmetic it does alone.
  *
+ * Where the CPU has Intel AMX and the store is bfloat16 (amx), the scores come from the tile unit instead
+ * (tile_scores): the same s_j to float32 rounding, a block of up to 16 of a run's queries against 16 keys
+ * an instruction chain. Its order is fixed too, so a row's bits are still its own; they are not those of the
+ * 16-lane sums above, so a machine keeps one of the two (store_attention.py).
+ *
  * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32, or bfloat16 where bf16
  * (widened to float32 as they are read: decoding reads every cached key and value a pass, and at long
  * contexts that memory traffic, not the arithmetic, sets a pass's attention time);
@@ -27,9 +32,17 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "tiles.h"
 
 #define MAX_GROUP 16 /* query heads a key head */
 #define MAX_RUN 8    /* rows of one slot an item attends, its keys read once for all */
+
+typedef struct {  /* a thread's scratch for tile_scores */
+    uint16_t *parts, *gathered;
+    float *ctile;
+} tile_scratch;
 
 /* exp(x) for x <= 0 (scores less their max), 16 at a time: 2^k · P(f) with x = k·ln2 + f, |f| <= ln2/2;
  * a degree-6 polynomial (Cephes' expf coefficients), within 2 ulp; below -87 it is 0. */
@@ -114,19 +127,128 @@ static inline __attribute__((always_inline)) void value_sums(const float *p, int
     }
 }
 
+/* Scores of a run's `queries` = n × group queries (query u: row u / group, head u % group) over a bfloat16
+ * store's keys, by the tile unit: C[j][u] = Σ_d k_jd q_ud for 16 keys j and up to 16 queries u a tile.
+ * Each query is split exactly into three bfloat16 parts (hi + mid + lo = q: 24 significant bits, each
+ * residual exact in float32), so every product with a bfloat16 key is exact and the score is the float32
+ * score to float32 rounding, summed in the tile unit's fixed order. C[j][u] is a function of key j and
+ * query u alone: whatever else shares the tile (other rows, padding, keys past a row's own) changes no bit.
+ * Keys past the store's `capacity` columns, or a tree's compacted columns, are copied to `gathered` first.
+ * A tile's columns past the block's queries are never read, so the scratch is never cleared.
+ * parts: [D/32][3][16 pairs × 16 queries × 2] bfloat16 scratch; ctile: 16 × 16 float32 scratch. */
+static void tile_scores(const float *q, size_t stride, const uint16_t *keys, const int64_t *columns, const int32_t *seen,
+                        int n, int group, int D, int capacity, int most, int padded, float scale, float *scores,
+                        uint16_t *parts, uint16_t *gathered, float *ctile) {
+    const int chunks = D / 32, queries = n * group;
+    const __m512i rows16 = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int first = 0; first < queries; first += 16) {
+        const int width = queries - first < 16 ? queries - first : 16;
+        for (int u = 0; u < width; u++) {
+            const int t = (first + u) / group, i = (first + u) % group;
+            const float *qu = q + t * stride + (size_t)i * D;
+            for (int c = 0; c < chunks; c++) {
+                __m512 low = _mm512_loadu_ps(qu + 32 * c), high = _mm512_loadu_ps(qu + 32 * c + 16);
+                for (int part = 0; part < 3; part++) {
+                    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(high, low);  /* dims 0..15 low, 16..31 high */
+                    /* pair r (dims 2r, 2r + 1) is 32-bit lane r: to row r, column u of the part's tile */
+                    _mm512_i32scatter_epi32((uint32_t *)parts + (size_t)(c * 3 + part) * 256 + u, rows16, rounded, 4);
+                    low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded)), 16)));
+                    high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded, 1)), 16)));
+                }
+            }
+        }
+        const int resident = chunks <= 2;  /* the parts stay in tiles 2..7 for every key block (D <= 64) */
+        if (resident) {
+            _tile_loadd(2, parts, 64);
+            _tile_loadd(3, parts + 512, 64);
+            _tile_loadd(4, parts + 1024, 64);
+            if (chunks == 2) {
+                _tile_loadd(5, parts + 1536, 64);
+                _tile_loadd(6, parts + 2048, 64);
+                _tile_loadd(7, parts + 2560, 64);
+            }
+        }
+        const int last_row = (first + width - 1) / group;  /* the block's rows see the most keys last (a run's positions rise) */
+        int sees = 0;
+        for (int t = first / group; t <= last_row; t++) sees = seen[t] > sees ? seen[t] : sees;
+        for (int ahead = 0; ahead < 32 * D && !columns; ahead += 32)  /* the first two blocks (tile loads stall on a miss) */
+            _mm_prefetch((const char *)(keys + ahead), _MM_HINT_T0);
+        for (int b = 0; b < padded && b < sees; b += 16) {
+            const uint16_t *block = keys + (size_t)b * D;
+            for (int line = 0; line < 16 * D && !columns && b + 32 < sees; line += 32)  /* two blocks ahead; a prefetch never faults */
+                _mm_prefetch((const char *)(block + 32 * D + line), _MM_HINT_T0);
+            if (columns || b + 16 > capacity) {
+                for (int m = 0; m < 16; m++) {
+                    const int j = b + m < most ? b + m : 0;
+                    memcpy(gathered + (size_t)m * D, keys + (size_t)(columns ? columns[j] : j) * D, sizeof(uint16_t) * D);
+                }
+                block = gathered;
+            }
+            _tile_zero(0);
+            if (resident) {
+                _tile_loadd(1, block, D * sizeof(uint16_t));
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_dpbf16ps(0, 1, 3);
+                _tile_dpbf16ps(0, 1, 4);
+                if (chunks == 2) {
+                    _tile_loadd(1, block + 32, D * sizeof(uint16_t));
+                    _tile_dpbf16ps(0, 1, 5);
+                    _tile_dpbf16ps(0, 1, 6);
+                    _tile_dpbf16ps(0, 1, 7);
+                }
+            }
+            for (int c = 0; c < chunks && !resident; c++) {
+                _tile_loadd(1, block + 32 * c, D * sizeof(uint16_t));
+                _tile_loadd(2, parts + (size_t)(c * 3) * 512, 64);
+                _tile_loadd(3, parts + (size_t)(c * 3 + 1) * 512, 64);
+                _tile_loadd(4, parts + (size_t)(c * 3 + 2) * 512, 64);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_dpbf16ps(0, 1, 3);
+                _tile_dpbf16ps(0, 1, 4);
+            }
+            _tile_stored(0, ctile, 64);
+            for (int u = 0; u < width; u++) {
+                const int t = (first + u) / group, i = (first + u) % group;
+                if (seen[t] <= b) continue;
+                const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(u)), ctile, 4);
+                _mm512_storeu_ps(scores + ((size_t)t * group + i) * padded + b, _mm512_mul_ps(s, scaled));
+            }
+        }
+    }
+}
+
+/* Tiles: C 0 (16 keys × 16 queries float32), A 1 (16 keys × 32 bfloat16), B 2..7 (16 pairs × 16 queries:
+ * the three parts of two chunks of 32 dimensions, kept for every key block where D <= 64). */
+static void configure_scores(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* One key head for `n` rows of one slot (a run): row t's `group` queries at q + t·stride, over its first
  * seen[t] keys → out + t·stride. The run's keys are read once a block of 16 for all its rows, and a row's
  * arithmetic is what it would be alone: its scores are per key, its softmax and its sum over values over
  * its own keys in order. columns: a tree's node's compacted columns (n == 1 only). scores: scratch of
- * n × group × (the run's most seen rounded up to 16) floats. */
+ * n × group × (the run's most seen rounded up to 16) floats. tiles: the scores by the tile unit
+ * (tile_scores, a bfloat16 store; its scratch in `scratch`), else by the 16-lane code below. */
 static inline __attribute__((always_inline)) void attend_run(const float *q, size_t stride, const void *keys, const void *values,
                                                              const int64_t *columns, const int32_t *seen, int n, int group, int D,
-                                                             int bf16, float scale, float *scores, float *out) {
+                                                             int bf16, float scale, float *scores, float *out, int tiles,
+                                                             int capacity, const tile_scratch *scratch) {
     const int chunks = D / 16;
     int most = 0;
     for (int t = 0; t < n; t++) most = seen[t] > most ? seen[t] : most;
     const int padded = (most + 15) / 16 * 16;
-    for (int b = 0; b < padded; b += 16) {
+    if (tiles)
+        tile_scores(q, stride, keys, columns, seen, n, group, D, capacity, most, padded, scale, scores,
+                    scratch->parts, scratch->gathered, scratch->ctile);
+    for (int b = 0; b < padded && !tiles; b += 16) {
         size_t key[16];  /* where each key starts; past the run's keys its first, read and then dropped (-inf) */
         for (int m = 0; m < 16; m++) {
             const int j = b + m < most ? b + m : 0;
@@ -171,8 +293,9 @@ static inline __attribute__((always_inline)) void attend_run(const float *q, siz
  * keys come from memory once; runs are cut so the threads still get about four items each. */
 int specd_attend_rows(const float *q, const void *keys, const void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
-                      int capacity, int D, float scale, int bf16, int threads) {
+                      int capacity, int D, float scale, int bf16, int threads, int amx) {
     const int group = heads / kv_heads;
+    const int tiles = amx && bf16 && D % 32 == 0;
     if (D % 16 || group > MAX_GROUP || heads % kv_heads) return -1;
     int most = 1;
     for (int r = 0; r < R; r++) {
@@ -195,6 +318,13 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
 #pragma omp parallel num_threads(threads)
     {
         float *scores = aligned_alloc(64, (scratch * sizeof(float) + 63) / 64 * 64);
+        tile_scratch own = {0};
+        if (tiles) {
+            configure_scores();
+            own.parts = aligned_alloc(64, (size_t)D / 32 * 3 * 512 * sizeof(uint16_t));
+            own.gathered = aligned_alloc(64, (16 * (size_t)D * sizeof(uint16_t) + 63) / 64 * 64);
+            own.ctile = aligned_alloc(64, 256 * sizeof(float));
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < runs * kv_heads; item++) {
             const int run = item / kv_heads, h = item % kv_heads, r = starts[run];
@@ -203,10 +333,16 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
             const float *qr = q + ((size_t)r * heads + (size_t)h * group) * D;
             const int64_t *cr = columns ? columns + (size_t)r * columns_width : NULL;
             float *o = out + ((size_t)r * heads + (size_t)h * group) * D;
-            if (bf16) attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 1, scale, scores, o);
-            else attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 0, scale, scores, o);
+            if (bf16) attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 1, scale, scores, o, tiles, capacity, &own);
+            else attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 0, scale, scores, o, 0, capacity, &own);
         }
         free(scores);
+        if (tiles) {
+            free(own.parts);
+            free(own.gathered);
+            free(own.ctile);
+            _tile_release();
+        }
     }
     free(starts);
     return 0;

@@ -29,19 +29,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "tiles.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TILE_ROWS 16
 #define STACK_ROWS 64 /* rows whose sums and accumulators live on the stack */
 #define PREFETCH_TILES 16 /* weight tiles read ahead: 12% off a one-row pass of the default target's products (2-vCPU Xeon) */
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* Ask the kernel for the tile state (once a process); 1 when granted. */
 int specd_amx_init(void) {

@@ -39,9 +39,9 @@
 #define MAX_GROUP 16 /* query heads a key head */
 #define MAX_RUN 8    /* rows of one slot an item attends, its keys read once for all */
 
-typedef struct {  /* a thread's scratch for tile_scores */
-    uint16_t *parts, *gathered;
-    float *ctile;
+typedef struct {  /* a thread's scratch for tile_scores and tile_values */
+    uint16_t *parts, *gathered, *pparts, *pairs, *zeros;
+    float *ctile, *sums;
 } tile_scratch;
 
 /* exp(x) for x <= 0 (scores less their max), 16 at a time: 2^k · P(f) with x = k·ln2 + f, |f| <= ln2/2;
@@ -218,6 +218,82 @@ static void tile_scores(const float *q, size_t stride, const uint16_t *keys, con
     }
 }
 
+/* One value's 16 lanes of D from a pair of keys, interleaved as the tile unit's pairs: word 2k from the
+ * first key's lane k, word 2k + 1 from the second's. */
+static const uint16_t PAIR_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* The tile accumulators 0..3 += the three parts (tiles 4..6) × the value pairs of d-block c (tile 7). */
+#define VALUE_BLOCK(c)                                              \
+    if (blocks > c) {                                               \
+        _tile_loadd(7, pairs + (size_t)c * 512, 64);                \
+        _tile_dpbf16ps(c, 4, 7);                                    \
+        _tile_dpbf16ps(c, 5, 7);                                    \
+        _tile_dpbf16ps(c, 6, 7);                                    \
+    }
+#define STORE_BLOCK(c) \
+    if (blocks > c) _tile_stored(c, sums + (size_t)c * 256, 64);
+
+/* out[u] = (Σ_j p_uj v_j) / l_u for a run's queries (at most 16: the tile path's runs) over a bfloat16
+ * store's values, by the tile unit: 32 keys × 16 lanes of D an instruction chain. p (scores, after the
+ * softmax) is split exactly into three bfloat16 parts as the queries are (tile_scores), so every product
+ * is exact and each lane's sum runs in the tile unit's fixed order over the row's keys in order. A row
+ * that sees fewer keys than its run adds p = 0 for the rest (zeros change no bit of a sum); keys past
+ * the run's read a zero row. inverse: 1 / l_u; pparts: 3 × 16 × 32 bfloat16 scratch; pairs: 4 × 16 × 32
+ * bfloat16; zeros: D bfloat16 zeros; sums: 4 × 16 × 16 float32. */
+static void tile_values(const float *scores, int padded, const uint16_t *values, const int64_t *columns, const int32_t *seen,
+                        int n, int group, int D, int most, const float *inverse, size_t stride, float *out,
+                        uint16_t *pparts, uint16_t *pairs, const uint16_t *zeros, float *sums) {
+    const int queries = n * group;
+    const __m512i interleave = _mm512_loadu_si512(PAIR_WORDS);
+    for (int dg = 0; dg < D; dg += 64) {
+        const int blocks = (D - dg) / 16 < 4 ? (D - dg) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kb = 0; kb < most; kb += 32) {
+            for (int u = 0; u < queries; u++) {
+                const int rounded = (seen[u / group] + 15) / 16 * 16;  /* the row's p: 0 past its keys, to `rounded` */
+                const float *p = scores + (size_t)u * padded + kb;
+                const __mmask16 first = kb < rounded ? 0xFFFF : 0, second = kb + 16 < rounded ? 0xFFFF : 0;
+                __m512 low = _mm512_maskz_loadu_ps(first, p), high = _mm512_maskz_loadu_ps(second, p + 16);
+                for (int part = 0; part < 3; part++) {
+                    const __m512i rounded16 = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+                    _mm512_storeu_si512(pparts + (size_t)part * 512 + (size_t)u * 32, rounded16);
+                    low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded16)), 16)));
+                    high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded16, 1)), 16)));
+                }
+            }
+            for (int pair = 0; pair < 16; pair++) {
+                const int j = kb + 2 * pair;
+                const uint16_t *v0 = j < most ? values + (size_t)(columns ? columns[j] : j) * D : zeros;
+                const uint16_t *v1 = j + 1 < most ? values + (size_t)(columns ? columns[j + 1] : j + 1) * D : zeros;
+                for (int c = 0; c < blocks; c++) {
+                    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + dg + 16 * c))),
+                                                            _mm256_loadu_si256((const __m256i *)(v1 + dg + 16 * c)), 1);
+                    _mm512_storeu_si512(pairs + (size_t)c * 512 + (size_t)pair * 32, _mm512_permutexvar_epi16(interleave, both));
+                }
+            }
+            _tile_loadd(4, pparts, 64);
+            _tile_loadd(5, pparts + 512, 64);
+            _tile_loadd(6, pparts + 1024, 64);
+            VALUE_BLOCK(0)
+            VALUE_BLOCK(1)
+            VALUE_BLOCK(2)
+            VALUE_BLOCK(3)
+        }
+        STORE_BLOCK(0)
+        STORE_BLOCK(1)
+        STORE_BLOCK(2)
+        STORE_BLOCK(3)
+        for (int u = 0; u < queries; u++)
+            for (int c = 0; c < blocks; c++)
+                _mm512_storeu_ps(out + (size_t)(u / group) * stride + (size_t)(u % group) * D + dg + 16 * c,
+                                 _mm512_mul_ps(_mm512_load_ps(sums + (size_t)c * 256 + (size_t)u * 16), _mm512_set1_ps(inverse[u])));
+    }
+}
+
 /* Tiles: C 0 (16 keys × 16 queries float32), A 1 (16 keys × 32 bfloat16), B 2..7 (16 pairs × 16 queries:
  * the three parts of two chunks of 32 dimensions, kept for every key block where D <= 64). */
 static void configure_scores(void) {
@@ -264,9 +340,10 @@ static inline __attribute__((always_inline)) void attend_run(const float *q, siz
             }
         }
     }
+    float inverses[16];  /* the tile path's queries (at most 16 a run) */
     for (int t = 0; t < n; t++) {
         const int rounded = (seen[t] + 15) / 16 * 16;
-        float inverse[MAX_GROUP];
+        float *inverse = tiles ? inverses + t * group : (float[MAX_GROUP]){0};
         for (int i = 0; i < group; i++) {
             float *s = scores + ((size_t)t * group + i) * padded;
             for (int j = seen[t]; j < rounded; j++) s[j] = -INFINITY;  /* the last block's tail: exp gives 0 */
@@ -282,9 +359,13 @@ static inline __attribute__((always_inline)) void attend_run(const float *q, siz
             inverse[i] = 1.0f / _mm512_reduce_add_ps(total);
         }
         const float *p = scores + (size_t)t * group * padded;
+        if (tiles) continue;
         if (group == 3 && chunks == 4) value_sums(p, padded, values, columns, seen[t], 3, 4, bf16, inverse, out + t * stride);
         else value_sums(p, padded, values, columns, seen[t], group, chunks, bf16, inverse, out + t * stride);
     }
+    if (tiles)
+        tile_values(scores, padded, values, columns, seen, n, group, D, most, inverses, stride, out,
+                    scratch->pparts, scratch->pairs, scratch->zeros, scratch->sums);
 }
 
 /* Every row's attention (layout above) over a store of `store_slots` slots; 0 on success, -1 where a shape
@@ -306,6 +387,7 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
     }
     int longest = (R * kv_heads + 4 * threads - 1) / (4 * threads);  /* rows a run: enough items to share out */
     longest = columns ? 1 : longest < 1 ? 1 : longest > MAX_RUN ? MAX_RUN : longest;
+    if (tiles && longest * group > 16) longest = 16 / group;  /* a run's queries fill one tile */
     int *starts = malloc(sizeof(int) * (R + 1)), runs = 0;
     if (!starts) return -1;
     for (int r = 0; r < R; runs++) {
@@ -319,11 +401,19 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
     {
         float *scores = aligned_alloc(64, (scratch * sizeof(float) + 63) / 64 * 64);
         tile_scratch own = {0};
-        if (tiles) {
+        char *block = NULL;
+        if (tiles) {  /* one block a thread: parts, pparts, pairs, gathered, zeros (bfloat16), then ctile, sums */
             configure_scores();
-            own.parts = aligned_alloc(64, (size_t)D / 32 * 3 * 512 * sizeof(uint16_t));
-            own.gathered = aligned_alloc(64, (16 * (size_t)D * sizeof(uint16_t) + 63) / 64 * 64);
-            own.ctile = aligned_alloc(64, 256 * sizeof(float));
+            const size_t parts = (size_t)D / 32 * 3 * 512, words = parts + 3 * 512 + 4 * 512 + 16 * (size_t)D + (size_t)D;
+            block = aligned_alloc(64, (words * sizeof(uint16_t) + 5 * 256 * sizeof(float) + 63) / 64 * 64 + 64);
+            own.parts = (uint16_t *)block;
+            own.pparts = own.parts + parts;
+            own.pairs = own.pparts + 3 * 512;
+            own.gathered = own.pairs + 4 * 512;
+            own.zeros = own.gathered + 16 * (size_t)D;
+            memset(own.zeros, 0, sizeof(uint16_t) * D);
+            own.ctile = (float *)(block + (words * sizeof(uint16_t) + 63) / 64 * 64);
+            own.sums = own.ctile + 256;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < runs * kv_heads; item++) {
@@ -338,9 +428,7 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
         }
         free(scores);
         if (tiles) {
-            free(own.parts);
-            free(own.gathered);
-            free(own.ctile);
+            free(block);
             _tile_release();
         }
     }

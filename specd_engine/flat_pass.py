@@ -409,6 +409,8 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     """q [R, Hq, D], k and v [R, Hkv, D]: the rows' keys and values written into the store, then each
     row one query over its slot's first K columns. Returns [R, Hq, D]."""
     keys, values = store.keys[index], store.values[index]  # [S, Hkv, capacity, D]
+    if rows.seen is not None:  # specd's kernel writes them (rounded as .to(keys.dtype) would) and attends, one call
+        return store_attention.attend(layer, keys, values, q, rows.slots, rows.seen, rows.compact, (k, v, rows.writes))
     k, v = k.to(keys.dtype), v.to(values.dtype)  # a bfloat16 store rounds them as it keeps them (store_dtype)
     if len(rows.runs) == 1 and not gather:  # one session's rows: consecutive columns of one slot, a plain copy
         _, n, slot = rows.runs[0]
@@ -418,8 +420,6 @@ def _attend(layer: lean_forward.LeanLayer, store: KVStore, index: int, q: torch.
     else:
         keys[rows.slots, :, rows.writes] = k  # [R, Hkv, D] into (slot, column) pairs
         values[rows.slots, :, rows.writes] = v
-    if rows.seen is not None:
-        return store_attention.attend(layer, keys, values, q, rows.slots, rows.seen, rows.compact)
     if rows.folds is not None:
         return folded_attention(layer, keys, values, q, rows.folds)
     width = mask.shape[-1]
@@ -718,7 +718,8 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None,
         lm.store, lm.passes, lm.max_length, ragged.tiles = None, ragged, max_length, tiles
         log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
         return False
-    calls = ("one attention call a layer by specd's kernel, in place" if lm.passes.native else
+    unit = " (AMX's tile unit)" if lm.store.kv_dtype == "bfloat16" and store_attention.tiles() else ""
+    calls = (f"one attention call a layer by specd's kernel{unit}, in place" if lm.passes.native else
              "one attention call a layer and row count, in place" if lm.passes.fold else
              "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
     log.info("model passes: flat over a %s KV store of %d slots × %d positions (%.0f MiB), %s",

@@ -75,26 +75,36 @@ def _kernel():
     if _function is None:
         function = native.load()[0].specd_attend_rows
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + \
+            [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
         _function = function
     return _function
 
 
 def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
-           columns: Optional[torch.Tensor]) -> torch.Tensor:
+           columns: Optional[torch.Tensor], new: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """q [R, Hq, D] float32 over the store's keys and values [S, Hkv, capacity, D] (STORE_DTYPES): row r over the first
     seen[r] (int32) columns of slot slots[r] (int64), or over columns[r, :seen[r]] (int64 [R, K]) where a
-    tree's node reads compacted keys → [R, Hq, D]. Call unavailable() first."""
+    tree's node reads compacted keys → [R, Hq, D]. With `new` = (k, v [R, Hkv, D] float32, writes [R] int64),
+    the rows' keys and values are first written into column writes[r] of their slots, rounded as
+    `.to(keys.dtype)` rounds them: one call a layer instead of four ops. Call unavailable() first."""
     if keys.dtype != values.dtype or keys.dtype not in STORE_DTYPES:
         raise ValueError(f"store attention reads keys and values of one of {STORE_DTYPES}, not {keys.dtype} and {values.dtype}")
     q = q.contiguous()
     out = torch.empty_like(q)
     if columns is not None:
         columns = columns.contiguous()
+    k = v = writes = None
+    if new is not None:
+        k, v, writes = (part.contiguous() for part in new)
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+            raise ValueError(f"new keys and values must be float32 [R, Hkv, D], got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
     failed = _kernel()(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
                        out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
-                       layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads(), tiles())
+                       layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads(), tiles(),
+                       None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
+                       None if writes is None else writes.data_ptr())
     if failed:
         raise ValueError(f"store attention refused rows of slots {slots.tolist()} seeing {seen.tolist()} of "
                          f"{keys.shape[0]} slots × {keys.shape[2]} columns")

@@ -155,3 +155,30 @@ def test_a_bfloat16_store_reads_as_the_float32_store_of_its_values(kernel):
         store_attention.attend(LAYER, kept_keys, values, q, slots, seen, None)
     with pytest.raises(ValueError, match="must be one of"):
         store_attention.use("tiles please")
+
+
+@pytest.mark.parametrize("dtype", STORES)
+def test_the_kernel_writes_a_pass_s_keys_as_the_store_s_own_cast_does_before_any_row_reads(dtype):
+    """With `new`, the rows' keys and values go into their columns first, with the bits `.to(dtype)` gives
+    them (NaN, infinities and denormals included), and a chain's rows read the keys written beside them:
+    the same outputs as writing with torch and attending after."""
+    keys, values = store(slots=4, capacity=256, dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    slots = torch.tensor([1, 1, 1, 3], dtype=torch.long)
+    writes = torch.tensor([100, 101, 102, 0], dtype=torch.long)
+    seen = (writes + 1).to(torch.int32)
+    q = torch.randn((4, LAYER.heads, LAYER.head_dim), generator=generator)
+    k, v = (torch.randn((4, LAYER.kv_heads, LAYER.head_dim), generator=generator) for _ in range(2))
+    k[3, 0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -3e-39, 3.3895e38])  # row 3 alone reads them
+    v[0, 2, :3] = torch.tensor([1e-41, 1.00390625, 1.01171875])  # a denormal and two ties to even
+    by_torch_keys, by_torch_values = keys.clone(), values.clone()
+    by_torch_keys[slots, :, writes] = k.to(dtype)
+    by_torch_values[slots, :, writes] = v.to(dtype)
+    expected = store_attention.attend(LAYER, by_torch_keys, by_torch_values, q, slots, seen, None)
+    out = store_attention.attend(LAYER, keys, values, q, slots, seen, None, (k, v, writes))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(keys.view(bits), by_torch_keys.view(bits)) and torch.equal(values.view(bits), by_torch_values.view(bits))
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))  # row 3's special values too
+    assert out[:3].isfinite().all()
+    with pytest.raises(ValueError, match="refused"):
+        store_attention.attend(LAYER, keys, values, q[:1], slots[:1], seen[:1], None, (k[:1], v[:1], torch.tensor([256])))

@@ -368,13 +368,46 @@ static inline __attribute__((always_inline)) void attend_run(const float *q, siz
                     scratch->pparts, scratch->pairs, scratch->zeros, scratch->sums);
 }
 
+/* 16 float32 lanes as bfloat16, rounded as PyTorch's vectorized cast rounds them (to nearest even; a NaN
+ * becomes 0xFFFF), denormals kept: a key the kernel writes has the bits `.to(torch.bfloat16)` gives it. */
+static inline __m256i bfloat16_lanes(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* The pass's new keys and values k, v [R, Hkv, D] float32 into column writes[r] of slot slots[r], as the
+ * store keeps them (bfloat16 rounded as above, or float32 as they are), before any row reads: a chain's
+ * rows see the keys written beside them. */
+static void write_rows(const float *k, const float *v, const int64_t *slots, const int64_t *writes, void *keys, void *values,
+                       int R, int kv_heads, int capacity, int D, int bf16) {
+#pragma omp for schedule(static)
+    for (int item = 0; item < R * kv_heads; item++) {
+        const int r = item / kv_heads, h = item % kv_heads;
+        const size_t at = (((size_t)slots[r] * kv_heads + h) * capacity + (size_t)writes[r]) * D, from = (size_t)item * D;
+        for (int d = 0; d < D; d += 16) {
+            if (bf16) {
+                _mm256_storeu_si256((__m256i *)((uint16_t *)keys + at + d), bfloat16_lanes(_mm512_loadu_ps(k + from + d)));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)values + at + d), bfloat16_lanes(_mm512_loadu_ps(v + from + d)));
+            } else {
+                _mm512_storeu_ps((float *)keys + at + d, _mm512_loadu_ps(k + from + d));
+                _mm512_storeu_ps((float *)values + at + d, _mm512_loadu_ps(v + from + d));
+            }
+        }
+    }
+}
+
 /* Every row's attention (layout above) over a store of `store_slots` slots; 0 on success, -1 where a shape
- * is outside what it serves or a row would read outside the store (nothing is written then). Consecutive
+ * is outside what it serves or a row would read or write outside the store (nothing is written then).
+ * With new_keys and new_values (not NULL), the rows' own keys and values are written first (write_rows, at `writes`). Consecutive
  * rows of one slot that read its leading columns (a chain's, a prompt chunk's) share an item, so their
  * keys come from memory once; runs are cut so the threads still get about four items each. */
-int specd_attend_rows(const float *q, const void *keys, const void *values, const int64_t *slots, const int32_t *seen,
+int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
-                      int capacity, int D, float scale, int bf16, int threads, int amx) {
+                      int capacity, int D, float scale, int bf16, int threads, int amx,
+                      const float *new_keys, const float *new_values, const int64_t *writes) {
     const int group = heads / kv_heads;
     const int tiles = amx && bf16 && D % 32 == 0;
     if (D % 16 || group > MAX_GROUP || heads % kv_heads) return -1;
@@ -384,6 +417,7 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
         for (int j = 0; columns && j < seen[r]; j++)
             if (columns[(size_t)r * columns_width + j] < 0 || columns[(size_t)r * columns_width + j] >= capacity) return -1;
         if (seen[r] > most) most = seen[r];
+        if (new_keys && (writes[r] < 0 || writes[r] >= capacity)) return -1;
     }
     int longest = (R * kv_heads + 4 * threads - 1) / (4 * threads);  /* rows a run: enough items to share out */
     longest = columns ? 1 : longest < 1 ? 1 : longest > MAX_RUN ? MAX_RUN : longest;
@@ -399,6 +433,8 @@ int specd_attend_rows(const float *q, const void *keys, const void *values, cons
     const size_t scratch = (size_t)longest * group * ((most + 15) / 16 * 16);
 #pragma omp parallel num_threads(threads)
     {
+        if (new_keys)  /* its loop ends in a barrier: every row's keys are in before any row reads */
+            write_rows(new_keys, new_values, slots, writes, keys, values, R, kv_heads, capacity, D, bf16);
         float *scores = aligned_alloc(64, (scratch * sizeof(float) + 63) / 64 * 64);
         tile_scratch own = {0};
         char *block = NULL;

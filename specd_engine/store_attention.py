@@ -10,11 +10,12 @@ node, beside any sessions and on any thread count, with no padding and no probe.
 CPU runs AVX-512 (the 16-lane code) and the store is float32 or bfloat16 (STORE_DTYPES); elsewhere the
 flat pass keeps SDPA.
 
-Where the CPU has Intel AMX, a bfloat16 store's scores come from the tile unit (native/attention.c,
-tile_scores): each query split exactly into three bfloat16 parts, so the scores are float32's to float32
-rounding, 16 keys × up to 16 queries an instruction chain instead of a key and a query a 16-lane sum.
-Its rounding is fixed too, but differs from the 16-lane code's, so a process keeps one kernel
-(`kernel()`, SPECD_ATTENTION_KERNEL=lanes for the 16-lane code everywhere, to compare).
+Where the CPU has Intel AMX, a bfloat16 store's scores and value sums come from the tile unit
+(native/attention.c, tile_scores and tile_values): each query and each softmax weight split exactly into
+three bfloat16 parts, so the results are float32's to float32 rounding, up to 16 queries a tile instead
+of a key and a query a 16-lane sum. Its rounding is fixed too, but differs from the 16-lane code's, so a
+process keeps one kernel (`tiles()`; SPECD_ATTENTION_KERNEL=lanes, or `use("lanes")`, for the 16-lane
+code everywhere, to compare).
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ CPU_FLAGS = ("avx512f",)  # what the compiled code executes, as /proc/cpuinfo na
 MAX_GROUP = 16  # query heads a key head the kernel takes (native/attention.c)
 STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values as (queries are float32)
 
-KERNELS = ("auto", "lanes")  # SPECD_ATTENTION_KERNEL: auto = the tile unit's scores where the CPU has AMX
+KERNELS = ("auto", "lanes")  # SPECD_ATTENTION_KERNEL: auto = the tile unit where the CPU has AMX
 
 _function = None  # specd_attend_rows, once loaded
 _choice = os.environ.get("SPECD_ATTENTION_KERNEL", "auto")
 
 
 def use(kernel: str) -> None:
-    """Which scores a bfloat16 store's attention takes from now on: auto (the tile unit where this CPU has
+    """Which code a bfloat16 store's attention takes from now on: auto (the tile unit where this CPU has
     AMX) or lanes (the 16-lane code everywhere)."""
     global _choice
     if kernel not in KERNELS:
@@ -47,12 +48,12 @@ def use(kernel: str) -> None:
 
 
 def tiles() -> bool:
-    """Whether a bfloat16 store's scores come from the tile unit in this process."""
+    """Whether a bfloat16 store's scores and value sums come from the tile unit in this process."""
     return _choice == "auto" and native.tile_unit()
 
 
 def identity() -> str:
-    """The kernel's build and scores, for keys of cached timings."""
+    """The kernel's build and its code (tiles or lanes), for keys of cached timings."""
     return f"{native.identity()}-{'tiles' if tiles() else 'lanes'}"
 
 

@@ -18,9 +18,9 @@
  * Rows of one slot that read its leading columns are attended together a key head at a time (attend_run):
  * their keys are read from memory once for all of them, and each row does exactly the arithmetic it does alone.
  *
- * Where the CPU has Intel AMX and the store is bfloat16 (amx), the scores come from the tile unit instead
- * (tile_scores): the same s_j to float32 rounding, a block of up to 16 of a run's queries against 16 keys
- * an instruction chain. Its order is fixed too, so a row's bits are still its own; they are not those of the
+ * Where the CPU has Intel AMX and the store is bfloat16 (amx), the scores and the value sums come from the
+ * tile unit instead (tile_scores, tile_values): the same s_j and out to float32 rounding, up to 16 of a run's
+ * queries a tile. Its order is fixed too, so a row's bits are still its own; they are not those of the
  * 16-lane sums above, so a machine keeps one of the two (store_attention.py).
  *
  * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32, or bfloat16 where bf16
@@ -127,10 +127,20 @@ static inline __attribute__((always_inline)) void value_sums(const float *p, int
     }
 }
 
+/* 32 float32 (low: 0..15, high: 16..31) as three bfloat16 vectors whose sum is exactly them: parts[0] the
+ * values rounded, parts[1] the rounded residual, parts[2] the residual's residual (24 significant bits in
+ * all; each residual is exact in float32). What the tile unit multiplies in place of a float32 vector. */
+static inline void exact_parts(__m512 low, __m512 high, __m512i parts[3]) {
+    for (int part = 0; part < 3; part++) {
+        parts[part] = (__m512i)_mm512_cvtne2ps_pbh(high, low);  /* words 0..15 from low, 16..31 from high */
+        low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(parts[part])), 16)));
+        high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(parts[part], 1)), 16)));
+    }
+}
+
 /* Scores of a run's `queries` = n × group queries (query u: row u / group, head u % group) over a bfloat16
  * store's keys, by the tile unit: C[j][u] = Σ_d k_jd q_ud for 16 keys j and up to 16 queries u a tile.
- * Each query is split exactly into three bfloat16 parts (hi + mid + lo = q: 24 significant bits, each
- * residual exact in float32), so every product with a bfloat16 key is exact and the score is the float32
+ * Each query is split exactly into three bfloat16 parts (exact_parts), so every product with a bfloat16 key is exact and the score is the float32
  * score to float32 rounding, summed in the tile unit's fixed order. C[j][u] is a function of key j and
  * query u alone: whatever else shares the tile (other rows, padding, keys past a row's own) changes no bit.
  * Keys past the store's `capacity` columns, or a tree's compacted columns, are copied to `gathered` first.
@@ -148,14 +158,10 @@ static void tile_scores(const float *q, size_t stride, const uint16_t *keys, con
             const int t = (first + u) / group, i = (first + u) % group;
             const float *qu = q + t * stride + (size_t)i * D;
             for (int c = 0; c < chunks; c++) {
-                __m512 low = _mm512_loadu_ps(qu + 32 * c), high = _mm512_loadu_ps(qu + 32 * c + 16);
-                for (int part = 0; part < 3; part++) {
-                    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(high, low);  /* dims 0..15 low, 16..31 high */
-                    /* pair r (dims 2r, 2r + 1) is 32-bit lane r: to row r, column u of the part's tile */
-                    _mm512_i32scatter_epi32((uint32_t *)parts + (size_t)(c * 3 + part) * 256 + u, rows16, rounded, 4);
-                    low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded)), 16)));
-                    high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded, 1)), 16)));
-                }
+                __m512i split[3];
+                exact_parts(_mm512_loadu_ps(qu + 32 * c), _mm512_loadu_ps(qu + 32 * c + 16), split);
+                for (int part = 0; part < 3; part++)  /* pair r (dims 2r, 2r + 1) is 32-bit lane r: to row r, column u */
+                    _mm512_i32scatter_epi32((uint32_t *)parts + (size_t)(c * 3 + part) * 256 + u, rows16, split[part], 4);
             }
         }
         const int resident = chunks <= 2;  /* the parts stay in tiles 2..7 for every key block (D <= 64) */
@@ -236,7 +242,7 @@ static const uint16_t PAIR_WORDS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21
 
 /* out[u] = (Σ_j p_uj v_j) / l_u for a run's queries (at most 16: the tile path's runs) over a bfloat16
  * store's values, by the tile unit: 32 keys × 16 lanes of D an instruction chain. p (scores, after the
- * softmax) is split exactly into three bfloat16 parts as the queries are (tile_scores), so every product
+ * softmax) is split exactly into three bfloat16 parts as the queries are (exact_parts), so every product
  * is exact and each lane's sum runs in the tile unit's fixed order over the row's keys in order. A row
  * that sees fewer keys than its run adds p = 0 for the rest (zeros change no bit of a sum); keys past
  * the run's read a zero row. inverse: 1 / l_u; pparts: 3 × 16 × 32 bfloat16 scratch; pairs: 4 × 16 × 32
@@ -257,13 +263,10 @@ static void tile_values(const float *scores, int padded, const uint16_t *values,
                 const int rounded = (seen[u / group] + 15) / 16 * 16;  /* the row's p: 0 past its keys, to `rounded` */
                 const float *p = scores + (size_t)u * padded + kb;
                 const __mmask16 first = kb < rounded ? 0xFFFF : 0, second = kb + 16 < rounded ? 0xFFFF : 0;
-                __m512 low = _mm512_maskz_loadu_ps(first, p), high = _mm512_maskz_loadu_ps(second, p + 16);
-                for (int part = 0; part < 3; part++) {
-                    const __m512i rounded16 = (__m512i)_mm512_cvtne2ps_pbh(high, low);
-                    _mm512_storeu_si512(pparts + (size_t)part * 512 + (size_t)u * 32, rounded16);
-                    low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded16)), 16)));
-                    high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded16, 1)), 16)));
-                }
+                __m512i split[3];
+                exact_parts(_mm512_maskz_loadu_ps(first, p), _mm512_maskz_loadu_ps(second, p + 16), split);
+                for (int part = 0; part < 3; part++)
+                    _mm512_storeu_si512(pparts + (size_t)part * 512 + (size_t)u * 32, split[part]);
             }
             for (int pair = 0; pair < 16; pair++) {
                 const int j = kb + 2 * pair;

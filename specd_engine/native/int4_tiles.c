@@ -37,7 +37,6 @@
 #define STACK_ROWS 64 /* rows whose sums and accumulators live on the stack */
 #define PREFETCH_TILES 16 /* weight tiles read ahead: 12% off a one-row pass of the default target's products (2-vCPU Xeon) */
 
-
 /* Ask the kernel for the tile state (once a process); 1 when granted. */
 int specd_amx_init(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

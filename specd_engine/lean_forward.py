@@ -193,10 +193,10 @@ def row_index(rows: Sequence[int], device: Optional[torch.device] = None) -> tor
 def product(linear: torch.nn.Module, h: torch.Tensor, prompt: Optional[PromptRows]) -> torch.Tensor:
     """linear(h) for rows h [T, C] → [T, out]: an int4 product in the kernel's bfloat16 (the caller's add
     or cast makes it h's dtype exactly, one operator fewer), with the prompt rows through the linear's
-    dense weight where it keeps one (quantized.Int4Linear.prompt_product: where the machine's GEMM
-    takes a row for less than the int4 kernel). A row's product depends only on whether it is a prompt
+    own prompt product where it has one (quantized.Int4Linear.prompt_product: where a block of prompt
+    rows costs less so than by the int4 kernel). A row's product depends only on whether it is a prompt
     position, never on what shares its pass: both kernels compute each row on its own."""
-    if prompt is None or getattr(linear, "dense", None) is None:
+    if prompt is None or not getattr(linear, "separate_prompt_rows", False):
         return linear.rows(h) if isinstance(linear, Int4Linear) else linear(h)
     if prompt.other is None:
         return linear.prompt_product(h)

@@ -253,7 +253,8 @@ class CausalLM:
     def prefill_granule(self) -> int:
         """The prompt positions a pass's prefill chunks are best counted in: a dense prompt product
         computes whole blocks of quantized.PROMPT_BLOCK rows (16 rows cost what 64 do: the rest of the
-        block is zeros), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
+        block is zeros), the prompt tiles dequantize every weight once a pass (a few rows cost most of
+        what 64 do), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
         if self.passes.prompt_kernel is not None:
             return quantized.PROMPT_BLOCK
         return lean_forward.PROMPT_TILE if self.prompt_tiles else 1

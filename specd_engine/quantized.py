@@ -25,13 +25,15 @@ On a CPU with Intel AMX or AVX-512 BF16 the products take specd's own kernel ins
 the same groups, unpacked once a tile for every row of a pass, so rows cost a fraction of PyTorch's
 per-row work and prompt rows need no dense copy. Each row's bits are its own there too.
 
-Elsewhere, prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized, in
-bfloat16 or float32, where the start-up measurement finds a GEMM over a block of rows cheaper than the
-int4 kernel, which computes every row on its own at ~1.8 ms a row for the default target here: on a
-CPU with AMX a bfloat16 block costs a fraction of that (choose_prompt_kernel). Every call takes
-PROMPT_BLOCK rows, so a prompt row has the same bits in any chunk and beside any rows, and generated
-tokens are always scored in int4: speculation and target-only decoding read the same prompt cache.
-docs/design/engine-room.md.
+Prompt rows (a prefill's positions but the prompt's last) may take the same weights dequantized to
+bfloat16, where the start-up measurement finds a block of PROMPT_BLOCK rows cheaper that way
+(choose_prompt_kernel): with the tile kernel on AMX, by int4_tiles.prompt_product (PROMPT_TILES: the
+4-bit weight dequantized a block at a time for every prompt row of the pass, all of K summed in the
+tile unit, no second copy of the weights); with PyTorch's int4 kernel, which computes every row on its
+own at ~1.8 ms a row for the default target here, by a GEMM over a dense copy in bfloat16 or float32
+(PROMPT_KERNELS), every call PROMPT_BLOCK rows. Either way a prompt row has the same bits in any
+chunk and beside any rows, and generated tokens are always scored in int4: speculation and
+target-only decoding read the same prompt cache. docs/design/engine-room.md.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ ROWS_MULTIPLE = 16  # the kernel packs output rows in sixteens
 PROMPT_BLOCK = 64  # prompt rows a dense product takes at once (prompt_product): a fixed GEMM shape
 PROMPT_KERNELS = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # dense weights prompt rows may take
 PROMPT_MARGIN = 1.25  # a dense prompt product must beat int4 by this much: it keeps a second copy of the weights
+PROMPT_TILES = "tiles"  # prompt rows by int4_tiles.prompt_product: the 4-bit weight dequantized in the kernel, no copy
 
 
 def unsupported(weight: torch.Tensor) -> str:
@@ -85,6 +88,7 @@ class Int4Linear(torch.nn.Module):
     Prompt rows may take the same weight dequantized (use_dense, prompt_product)."""
 
     dense: Optional[torch.Tensor] = None  # [out, in]: the weight for prompt rows, where a GEMM is faster (None: int4)
+    prompt_tiles = False  # prompt rows by int4_tiles.prompt_product (use_prompt_tiles)
 
     def __init__(self, weight: torch.Tensor, tiles: Optional[bool] = None):
         """tiles: multiply by specd's own tile kernel (int4_tiles) or PyTorch's; None: as int4_tiles.chosen()."""
@@ -121,14 +125,29 @@ class Int4Linear(torch.nn.Module):
     def use_dense(self, dtype: Optional[torch.dtype], slots: Optional[torch.Tensor] = None) -> None:
         """Keep this weight dequantized in `dtype` too, for prompt rows (prompt_product); None drops it.
         slots: weight_slots of this shape, when the caller already read them."""
+        self.prompt_tiles = False
         self.dense = None if dtype is None else prompt_weight(self.dequantized(dtype, slots))  # [out, in]
 
+    def use_prompt_tiles(self, on: bool) -> None:
+        """Prompt rows through int4_tiles.prompt_product from now on (on), or not; drops a dense weight."""
+        if on and not (self.tiles and int4_tiles.prompt_kernel()):
+            raise ValueError("the prompt tiles need a tile-packed product on AMX (int4_tiles.prompt_kernel)")
+        self.prompt_tiles, self.dense = on, None
+
+    @property
+    def separate_prompt_rows(self) -> bool:
+        """Whether prompt rows take their own product here (prompt_product), not int4's."""
+        return self.prompt_tiles or self.dense is not None
+
     def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [P, in] (prompt rows) → [P, out] in x's dtype by the dense weight (use_dense), in blocks of exactly
+        """x [P, in] (prompt rows) → [P, out] in x's dtype: by the tile kernel dequantizing the 4-bit weight
+        (use_prompt_tiles: any row count, a row's bits its own), or by the dense weight (use_dense), in blocks of exactly
         PROMPT_BLOCK rows (the last padded with zeros): a GEMM's row may round differently with the row
         count, so every call has the same count and a row's bits are its own in any chunk; rounded to
         bfloat16 like the int4 kernel's output. Where 4 bits a weight make the CPU kernel compute-bound
         (~1.8 ms a row for the default target's 30 layers here), a GEMM over many rows is several times cheaper."""
+        if self.prompt_tiles:
+            return int4_tiles.prompt_product(x, self.nibbles, self.tile_scale, self.tile_zero, self.out_features)
         return dense_product(x, self.dense)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -244,8 +263,8 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
     products = int4_products(layers)
     if not products:
         return None
-    if products[0].tiles:  # the tile kernel takes a block of rows at a fraction of a row's cost each, at any count
-        return None
+    if products[0].tiles:
+        return _choose_prompt_tiles(layers, products, threads, measure)
 
     slots: dict = {}  # slots_by_shape, read once for the timing and the weights kept, if either needs them
 
@@ -275,15 +294,44 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
     return best
 
 
+def _choose_prompt_tiles(layers: Sequence[torch.nn.Module], products: list[Int4Linear], threads: int, measure) -> Optional[str]:
+    """With the tile kernel: PROMPT_TILES where it runs here and a block of PROMPT_BLOCK prompt rows through
+    every product is cheaper by it than by the tile kernel's own products (no margin: it keeps no copy of the
+    weights), timed interleaved; else None. The int4 tiles take a few rows for little more than one, but a
+    prompt chunk's rows each pay the 4-bit groups' adds there."""
+    if not int4_tiles.prompt_kernel():
+        return None
+
+    def runs() -> dict:
+        inputs = {product.in_features: torch.randn(PROMPT_BLOCK, product.in_features) for product in products}
+        return {(threads, "int4"): lambda: [product.rows(inputs[product.in_features]) for product in products],
+                (threads, PROMPT_TILES): lambda: [int4_tiles.prompt_product(inputs[product.in_features], product.nibbles, product.tile_scale,
+                                                                            product.tile_zero, product.out_features) for product in products]}
+
+    timed = measure("prompt product", runs, 3)
+    if not timed:
+        return None
+    seconds = {kernel: value for (_, kernel), value in timed.items()}
+    log.info("prompt rows' products, a block of %d rows: %s", PROMPT_BLOCK,
+             ", ".join(f"{kernel} {value * 1e3:.1f} ms" for kernel, value in seconds.items()))
+    if seconds["int4"] <= seconds[PROMPT_TILES]:
+        return None
+    use_prompt_kernel(layers, PROMPT_TILES)
+    if not prompt_rows_alike(products[0]):
+        log.warning("the prompt tiles here round a row by its neighbours: prompt rows stay in int4")
+        return use_prompt_kernel(layers, None)
+    return PROMPT_TILES
+
+
 def use_prompt_kernel(layers: Sequence[torch.nn.Module], kernel: Optional[str],
                       slots: Optional[dict[tuple[int, int], torch.Tensor]] = None) -> Optional[str]:
-    """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or drop them
-    (None). slots: slots_by_shape of these products, when the caller already read them."""
+    """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or the prompt
+    tiles (PROMPT_TILES: tile-packed products only), or neither (None). slots: slots_by_shape of these products, when the caller already read them."""
     products = int4_products(layers)
-    if kernel is None:
+    if kernel is None or kernel == PROMPT_TILES:
         for product in products:
-            product.use_dense(None)
-        return None
+            product.use_prompt_tiles(kernel == PROMPT_TILES)
+        return kernel
     slots = slots or slots_by_shape(products)
     for product in products:
         product.use_dense(PROMPT_KERNELS[kernel], slots[product.out_features, product.in_features])

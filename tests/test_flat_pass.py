@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specd_common.errors import ResourceExhausted
-from specd_engine import flat_pass, store_attention
+from specd_engine import flat_pass, int4_tiles, quantized, store_attention
 
 PROMPT = [(7 * i) % 50 + 3 for i in range(60)]
 DRAFTS = [11, 2, 30, 8, 41, 17]
@@ -217,16 +217,18 @@ def test_sessions_hold_slots_until_they_end(tiny):
     assert lm.store.free_slots == 0 and third.cached == len(PROMPT)  # the prefill scored the last token (prescores)
 
 
-def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_any_prompt_chunks():
+@pytest.mark.parametrize("prompt_kernel", [None] + ([quantized.PROMPT_TILES] if int4_tiles.prompt_kernel() else []))
+def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_any_prompt_chunks(prompt_kernel):
     """The real default target (its own copy: packing changes a model in place), flat: a chain of six
     drafts, decoding after prompt chunks of 16 and of 512, and a tree's nodes score each position with
-    the bits of decoding it."""
+    the bits of decoding it; with prompt rows through the int4 products or the prompt tiles (AMX)."""
     from specd_common.config import DEFAULT_TARGET
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
     lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
     assert lm.use_flat_pass(slots=8, capacity=2048)
+    lm.use_prompt_kernel(prompt_kernel)
     prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
                                                      add_generation_prompt=True, return_dict=True)["input_ids"]
     drafts = [504, 3632, 28, 2216, 216, 314]

@@ -62,6 +62,7 @@ def test_a_packed_weight_unpacks_to_what_the_kernel_multiplies_by(shape):
 
 needs_tiles = pytest.mark.skipif(bool(int4_tiles.unavailable()), reason=f"int4 tiles: {int4_tiles.unavailable()}")
 ISAS_HERE = int4_tiles.runnable_instruction_sets() or ["none here"]  # every instruction set the tiles run on here
+PROMPT_TILES_HERE = [quantized.PROMPT_TILES] if int4_tiles.prompt_kernel() else []  # the prompt tiles, where they run (AMX)
 
 
 @pytest.fixture(params=ISAS_HERE)
@@ -72,6 +73,22 @@ def tile_isa(request):
     before = int4_tiles.use_instruction_set(request.param)
     yield request.param
     int4_tiles.use_instruction_set(before)
+
+
+def assert_each_row_its_own(product, x: torch.Tensor, together: torch.Tensor, rows, counts) -> None:
+    """product(rows of x) gives each of `rows` the bits it has in `together` (product(x)) in every run of
+    `counts` consecutive rows that holds it (the run ending at it), and the first 37 rows on one thread too."""
+    for row in rows:
+        for count in counts:
+            start = max(0, row - count + 1)
+            if start + count <= x.shape[0]:
+                assert torch.equal(product(x[start : start + count])[row - start], together[row]), (row, count)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(product(x[:37]), together[:37])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("shape", [(48, 96), (192, 576), (576, 1536), (16, 32)])
@@ -100,17 +117,26 @@ def test_the_tile_kernel_gives_a_row_its_own_bits_at_any_count_and_thread_count(
     scale = reference.abs().max()
     assert (together.float() - reference).abs().max() < 0.01 * scale
     assert (reference_kernel.rows(x).float() - together.float()).abs().max() < 0.01 * scale
-    for rows in ([0], [5], [69], [16], [17]):
-        for count in (1, 5, 16, 37, 70):
-            start = max(0, rows[0] - count + 1)
-            if start + count <= 70:
-                assert torch.equal(tiles.rows(x[start : start + count])[rows[0] - start], together[rows[0]])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(tiles.rows(x[:9]), together[:9])
-    finally:
-        torch.set_num_threads(threads)
+    assert_each_row_its_own(tiles.rows, x, together, rows=(0, 5, 69, 16, 17), counts=(1, 5, 16, 37, 70))
+
+
+@pytest.mark.skipif(not PROMPT_TILES_HERE, reason="the prompt tiles run on AMX's tile unit, which this CPU lacks")
+@pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536), (16, 32)])
+def test_the_prompt_tiles_give_a_row_its_own_bits_near_the_dequantized_weight_s_product(shape):
+    """int4_tiles.prompt_product: within bfloat16 rounding of the rows times Int4Linear.dequantized(), float32 rows
+    as their bfloat16 cast, and each row's bits the same alone, in a block, past blocks of 16 and 32 rows (a
+    zero-padded last block, a lone last row block or output block) and on one thread."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.05
+    linear = quantized.Int4Linear(weight, tiles=True)
+    linear.use_prompt_tiles(True)
+    x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(8))
+    together = linear.prompt_product(x)  # [70, out] float32, rounded to bfloat16
+    assert together.dtype == torch.float32 and torch.equal(together, linear.prompt_product(x.to(torch.bfloat16)).float())
+    assert torch.equal(together, together.to(torch.bfloat16).float())
+    reference = x.to(torch.bfloat16).float() @ linear.dequantized().T
+    assert (together - reference).abs().max() < 0.01 * reference.abs().max()
+    assert_each_row_its_own(linear.prompt_product, x, together, rows=(0, 5, 15, 16, 31, 32, 47, 69), counts=(1, 5, 16, 33, 48, 70))
+    assert linear.separate_prompt_rows and not quantized.Int4Linear(weight, tiles=True).separate_prompt_rows
 
 
 def test_an_8_bit_weight_packs_from_a_transposed_view_on_either_kernel():
@@ -209,7 +235,7 @@ def test_an_int4_target_scores_a_position_alike_in_a_pass_of_any_size(tiny):
     assert together.shape == alone.shape and torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"])
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"] + PROMPT_TILES_HERE)
 def test_an_int4_row_scores_alike_beside_other_sessions_prompt_chunks_and_trees(tiny, prompt_kernel):
     """One ragged pass holding chains, a tree and a prompt chunk of sessions at different lengths (some
     crossing a key block in the pass): each session's logits are the bits it gets decoding alone, with
@@ -362,7 +388,7 @@ def test_auto_weights_are_int4_only_for_a_model_stored_in_4_bits(tiny):
     assert CausalLM(load_causal_lm(str(tiny.target)), lean=False, weights="auto").weights == "float"
 
 
-@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16", "float32"])
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16", "float32"] + PROMPT_TILES_HERE)
 def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
     """A busy pass's budget (4), chunks of 16 and 40 and an idle pass's (512) prefill an int4 prompt, and
     score its last token (the first round's row 0), to the same bits: chunks are cut at whole prompt tiles, each tile one attention call over its keys padded to
@@ -398,7 +424,7 @@ def test_an_int4_prompt_scores_alike_in_chunks_of_any_size(tiny, prompt_kernel):
         lm.run_feeds([Feed(session, session.tokens[21:40], logits=0)])
 
 
-@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"])
+@pytest.mark.parametrize("prompt_kernel", [None, "bfloat16"] + PROMPT_TILES_HERE)
 def test_an_int4_prefill_scores_the_prompts_last_token_for_the_first_round(tiny, prompt_kernel, monkeypatch):
     """CausalLM.prescores: an int4 prefill caches the whole prompt and keeps its last row's scores. The first
     round reads them as its row 0: with no drafts it runs no pass, and a chain or tree scores its drafts
@@ -470,13 +496,23 @@ def test_prompt_rows_take_the_dense_weight_and_replayed_tokens_the_int4_one(tiny
 def test_the_prompt_kernel_is_chosen_by_its_timings(tiny, monkeypatch):
     """choose_prompt_kernel keeps a dense weight only where a block of prompt rows is PROMPT_MARGIN
     cheaper through it than through PyTorch's int4 kernel, the fastest one, and leaves none otherwise; with
-    the tile kernel none at all (it takes a block of rows for little more than a row)."""
+    the tile kernel, the prompt tiles only where they run (AMX) and are cheaper (they keep no copy)."""
     from specd_engine.lm import CausalLM
     from specd_engine.models import load_causal_lm
 
-    if not int4_tiles.unavailable():
+    if not int4_tiles.unavailable():  # the tile products: the prompt tiles where they run and are cheaper, else none
         tiled = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
-        assert quantized.choose_prompt_kernel(tiled.lean.layers, 1, lambda name, runs, repeats: pytest.fail("timed")) is None
+        tiled_products = quantized.int4_products(tiled.lean.layers)
+        if PROMPT_TILES_HERE:
+            def tile_timings(int4: float, tiles: float):
+                return lambda name, runs, repeats: {key: {"int4": int4, "tiles": tiles}[key[1]] for key in runs()}
+
+            assert quantized.choose_prompt_kernel(tiled.lean.layers, 1, tile_timings(1.0, 1.0)) is None
+            assert not any(product.separate_prompt_rows for product in tiled_products)
+            assert quantized.choose_prompt_kernel(tiled.lean.layers, 1, tile_timings(2.0, 1.0)) == quantized.PROMPT_TILES
+            assert all(product.prompt_tiles and product.dense is None for product in tiled_products)
+        else:
+            assert quantized.choose_prompt_kernel(tiled.lean.layers, 1, lambda name, runs, repeats: pytest.fail("timed")) is None
     monkeypatch.setattr(int4_tiles, "_choice", "torch")
     lm = CausalLM(load_causal_lm(str(tiny.target)), weights="int4")
     layers, products = lm.lean.layers, quantized.int4_products(lm.lean.layers)

@@ -23,6 +23,7 @@
  * scale and zero: bfloat16 [N/16][K/32][16].
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +36,7 @@
 #define XFEATURE_XTILEDATA 18
 #define TILE_ROWS 16
 #define STACK_ROWS 64 /* rows whose sums and accumulators live on the stack */
+#define PROMPT_PANEL_BYTES (512 << 10) /* dequantized prompt weights a thread keeps at once: well inside a core's L2 */
 #define PREFETCH_TILES 16 /* weight tiles read ahead: 12% off a one-row pass of the default target's products (2-vCPU Xeon) */
 
 /* Ask the kernel for the tile state (once a process); 1 when granted. */
@@ -206,6 +208,147 @@ void specd_int4_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *sca
         _tile_release();
     }
     if (sums != sums_here) free(sums);
+}
+
+
+/* ---- Prompt rows: a block's weights dequantized once, every row through them, all of K in the tile unit ---- */
+
+/* One group's weight tile [16 pairs][32] as bfloat16((q − 8) · scale + zero): Int4Linear.dequantized()'s
+ * weight ((q − 8) · scale is exact in float32, so the one rounding before bfloat16's is the add's, as
+ * there). s and z: the group's 16 scales and zeros, each in both lanes of its output's pair, for outputs
+ * 0..7 (lo) and 8..15 (hi). */
+static inline void dequantize_tile(const uint8_t *packed, __m512 s_lo, __m512 s_hi, __m512 z_lo, __m512 z_hi, uint16_t *tile) {
+    const __m512 bias = _mm512_set1_ps(136.0f);  /* (128 + q) − 136 = q − 8 */
+    for (int c = 0; c < 4; c++) {
+        __m512i rows[4];
+        unpack_chunk(packed + 64 * c, rows);
+        for (int j = 0; j < 4; j++) {
+            const __m512 lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rows[j])), 16)), bias);
+            const __m512 hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rows[j], 1)), 16)), bias);
+            _mm512_store_si512(tile + 128 * c + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi), _mm512_fmadd_ps(lo, s_lo, z_lo)));
+        }
+    }
+}
+
+/* Every group's weight tile of one block of 16 outputs, dequantized (dequantize_tile) into tiles [groups][512]. */
+static void dequantize_block(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int groups, uint16_t *tiles) {
+    const __m512i low_pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high_pairs = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    for (int g = 0; g < groups; g++) {
+        const __m512 s = bf16x16_to_ps(scale + (size_t)g * 16), z = bf16x16_to_ps(zero + (size_t)g * 16);
+        dequantize_tile(nibbles + (size_t)g * 256, _mm512_permutexvar_ps(low_pairs, s), _mm512_permutexvar_ps(high_pairs, s),
+                        _mm512_permutexvar_ps(low_pairs, z), _mm512_permutexvar_ps(high_pairs, z), tiles + (size_t)g * TILE_ROWS * 32);
+    }
+}
+
+/* Tiles: C 0..3 (row block i, output block j at 2i + j), A 4 and 5, B 6 and 7; 16 rows each. */
+static void configure_prompt(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = TILE_ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One C tile's 16 rows × 16 outputs (float32, in `c`) rounded into out's rows [first, first + count). */
+static inline void store_tile(const float *c, void *out, int first, int count, int N, int block, int floats) {
+    for (int r = 0; r < count; r++) store_rounded(out, (size_t)(first + r) * N + block * 16, floats, _mm512_load_ps(c + 16 * r));
+}
+
+/* y = x · Wᵀ for prompt rows, with W the 4-bit weight dequantized to bfloat16 (Int4Linear.dequantized()).
+ * Why: specd_int4_mm applies each group's scale to each row's sum of that group (a tile store and two
+ * adds a row and group), which is most of a prompt chunk's cost; here each thread dequantizes a panel of
+ * its output blocks once (PROMPT_PANEL_BYTES) and every pair of row blocks goes through it, 2 × 2 tiles
+ * at a time, all of K summed in the tile unit. The rows are first laid out by tiles, so a tile loads
+ * contiguous lines. Same arguments, layout and rounding as specd_int4_mm; a row's bits are its own at any
+ * row count (each output sums its own row's products over K in one order), but they are not
+ * specd_int4_mm's: the weight is rounded to bfloat16 first. */
+void specd_int4_prompt_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
+                          void *out, int M, int K, int N, int threads, int floats) {
+    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
+    const int groups = K / 32, blocks = N / 16;
+    const int row_blocks = (M + TILE_ROWS - 1) / TILE_ROWS;
+    /* the rows by tiles: [row block][group][16 rows][32], the last block's missing rows zero, so a tile loads contiguous lines */
+    uint16_t *a = aligned_alloc(64, (size_t)row_blocks * groups * TILE_ROWS * 32 * 2);
+    for (int rb = 0; rb < row_blocks; rb++)
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const int m = rb * TILE_ROWS + r;
+            for (int g = 0; g < groups; g++) {
+                uint16_t *to = a + (((size_t)rb * groups + g) * TILE_ROWS + r) * 32;
+                if (m < M) _mm512_store_si512(to, _mm512_loadu_si512(x + (size_t)m * K + g * 32));
+                else _mm512_store_si512(to, _mm512_setzero_si512());
+            }
+        }
+    const size_t a_block = (size_t)groups * TILE_ROWS * 32;  /* words a row block */
+#pragma omp parallel num_threads(threads)
+    {
+        configure_prompt();
+        /* this thread's output blocks, in panels whose dequantized tiles stay in L2 while every row pair passes */
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int pairs = (blocks + 1) / 2, begin = 2 * (pairs * me / team), end = 2 * (pairs * (me + 1) / team);
+        int panel = (int)(PROMPT_PANEL_BYTES / ((size_t)groups * TILE_ROWS * 32 * 2)) & ~1;
+        if (panel < 2) panel = 2;
+        uint16_t *w = aligned_alloc(64, (size_t)panel * groups * TILE_ROWS * 32 * 2);
+        float c[4][TILE_ROWS * 16] __attribute__((aligned(64)));
+        const size_t w_block = (size_t)groups * TILE_ROWS * 32;  /* words a block */
+        for (int from = begin; from < end && from < blocks; from += panel) {
+            int to = from + panel < end ? from + panel : end;
+            if (to > blocks) to = blocks;  /* an odd last block: its pair's second is none */
+            for (int block = from; block < to; block++) {
+                const size_t tile = (size_t)block * groups;
+                dequantize_block(nibbles + tile * 256, scale + tile * 16, zero + tile * 16, groups, w + (block - from) * w_block);
+            }
+            for (int rb = 0; rb < row_blocks; rb += 2) {
+                const int two = rb + 1 < row_blocks;
+                const uint16_t *a0 = a + rb * a_block, *a1 = a0 + a_block;
+                const int first = rb * TILE_ROWS;
+                const int count0 = M - first < TILE_ROWS ? M - first : TILE_ROWS;
+                const int count1 = M - first - TILE_ROWS < TILE_ROWS ? M - first - TILE_ROWS : TILE_ROWS;
+                for (int block = from; block < to; block += 2) {
+                    const int both = block + 1 < to;
+                    const uint16_t *w0 = w + (block - from) * w_block, *w1 = w0 + w_block;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int g = 0; g < groups; g++) {
+                        _tile_loadd(4, a0 + (size_t)g * 512, 64);
+                        _tile_loadd(6, w0 + (size_t)g * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (both) {
+                            _tile_loadd(7, w1 + (size_t)g * 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                        if (two) {
+                            _tile_loadd(5, a1 + (size_t)g * 512, 64);
+                            _tile_dpbf16ps(2, 5, 6);
+                            if (both) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    store_tile(c[0], out, first, count0, N, block, floats);
+                    if (both) {
+                        _tile_stored(1, c[1], 64);
+                        store_tile(c[1], out, first, count0, N, block + 1, floats);
+                    }
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        store_tile(c[2], out, first + TILE_ROWS, count1, N, block, floats);
+                        if (both) {
+                            _tile_stored(3, c[3], 64);
+                            store_tile(c[3], out, first + TILE_ROWS, count1, N, block + 1, floats);
+                        }
+                    }
+                }
+            }
+        }
+        free(w);
+        _tile_release();
+    }
+    free(a);
 }
 
 

@@ -251,10 +251,9 @@ class CausalLM:
 
     @property
     def prefill_granule(self) -> int:
-        """The prompt positions a pass's prefill chunks are best counted in: a dense prompt product
-        computes whole blocks of quantized.PROMPT_BLOCK rows (16 rows cost what 64 do: the rest of the
-        block is zeros), the prompt tiles dequantize every weight once a pass (a few rows cost most of
-        what 64 do), and tiles attend PROMPT_TILE rows at a time; 1 where rows cost one by one."""
+        """The prompt positions a pass's prefill chunks are best counted in: with a prompt kernel, blocks of
+        quantized.PROMPT_BLOCK rows (a dense product pads to one, the prompt tiles dequantize every weight
+        once a pass); PROMPT_TILE where tiles attend prompt rows; 1 where rows cost one by one."""
         if self.passes.prompt_kernel is not None:
             return quantized.PROMPT_BLOCK
         return lean_forward.PROMPT_TILE if self.prompt_tiles else 1

@@ -140,11 +140,11 @@ class Int4Linear(torch.nn.Module):
         return self.prompt_tiles or self.dense is not None
 
     def prompt_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [P, in] (prompt rows) → [P, out] in x's dtype: by the tile kernel dequantizing the 4-bit weight
-        (use_prompt_tiles: any row count, a row's bits its own), or by the dense weight (use_dense), in blocks of exactly
-        PROMPT_BLOCK rows (the last padded with zeros): a GEMM's row may round differently with the row
-        count, so every call has the same count and a row's bits are its own in any chunk; rounded to
-        bfloat16 like the int4 kernel's output. Where 4 bits a weight make the CPU kernel compute-bound
+        """x [P, in] (prompt rows) → [P, out] in x's dtype, rounded to bfloat16 like the int4 kernel's
+        output: by the tile kernel dequantizing the 4-bit weight (use_prompt_tiles: any row count, a row's
+        bits its own), or by the dense weight (use_dense) in blocks of exactly PROMPT_BLOCK rows (the last
+        padded with zeros): a GEMM's row may round differently with the row count, so every call has the
+        same count and a row's bits are its own in any chunk. Where 4 bits a weight make the CPU kernel compute-bound
         (~1.8 ms a row for the default target's 30 layers here), a GEMM over many rows is several times cheaper."""
         if self.prompt_tiles:
             return int4_tiles.prompt_product(x, self.nibbles, self.tile_scale, self.tile_zero, self.out_features)
@@ -287,11 +287,7 @@ def choose_prompt_kernel(layers: Sequence[torch.nn.Module], threads: int, measur
              ", ".join(f"{kernel} {value * 1e3:.1f} ms" for kernel, value in seconds.items()))
     if seconds["int4"] < PROMPT_MARGIN * seconds[best]:
         return None
-    use_prompt_kernel(layers, best, slots)
-    if not prompt_rows_alike(products[0]):
-        log.warning("a %s GEMM here rounds a row by its neighbours: prompt rows stay in int4", best)
-        return use_prompt_kernel(layers, None)
-    return best
+    return _adopt_where_alike(layers, products, best, slots)
 
 
 def _choose_prompt_tiles(layers: Sequence[torch.nn.Module], products: list[Int4Linear], threads: int, measure) -> Optional[str]:
@@ -316,17 +312,25 @@ def _choose_prompt_tiles(layers: Sequence[torch.nn.Module], products: list[Int4L
              ", ".join(f"{kernel} {value * 1e3:.1f} ms" for kernel, value in seconds.items()))
     if seconds["int4"] <= seconds[PROMPT_TILES]:
         return None
-    use_prompt_kernel(layers, PROMPT_TILES)
+    return _adopt_where_alike(layers, products, PROMPT_TILES)
+
+
+def _adopt_where_alike(layers: Sequence[torch.nn.Module], products: list[Int4Linear], kernel: str,
+                       slots: Optional[dict[tuple[int, int], torch.Tensor]] = None) -> Optional[str]:
+    """Prompt rows through `kernel` from now on, unless a row's bits there depend on its neighbours
+    (prompt_rows_alike): then int4 stays, and the log says why."""
+    use_prompt_kernel(layers, kernel, slots)
     if not prompt_rows_alike(products[0]):
-        log.warning("the prompt tiles here round a row by its neighbours: prompt rows stay in int4")
+        log.warning("prompt rows through %s here round a row by its neighbours: they stay in int4", kernel)
         return use_prompt_kernel(layers, None)
-    return PROMPT_TILES
+    return kernel
 
 
 def use_prompt_kernel(layers: Sequence[torch.nn.Module], kernel: Optional[str],
                       slots: Optional[dict[tuple[int, int], torch.Tensor]] = None) -> Optional[str]:
     """Give every int4 product the dense weight of `kernel` (PROMPT_KERNELS) for prompt rows, or the prompt
-    tiles (PROMPT_TILES: tile-packed products only), or neither (None). slots: slots_by_shape of these products, when the caller already read them."""
+    tiles (PROMPT_TILES: tile-packed products only), or neither (None). slots: slots_by_shape of these
+    products, when the caller already read them."""
     products = int4_products(layers)
     if kernel is None or kernel == PROMPT_TILES:
         for product in products:

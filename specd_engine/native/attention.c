@@ -68,7 +68,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
  * float32's upper half). */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t index, int bf16) {
     if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index))), 16));
+        return bfloat16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
     return _mm512_loadu_ps((const float *)base + index);
 }
 
@@ -133,8 +133,8 @@ static inline __attribute__((always_inline)) void value_sums(const float *p, int
 static inline void exact_parts(__m512 low, __m512 high, __m512i parts[3]) {
     for (int part = 0; part < 3; part++) {
         parts[part] = (__m512i)_mm512_cvtne2ps_pbh(high, low);  /* words 0..15 from low, 16..31 from high */
-        low = _mm512_sub_ps(low, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(parts[part])), 16)));
-        high = _mm512_sub_ps(high, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(parts[part], 1)), 16)));
+        low = _mm512_sub_ps(low, low_bfloat16_to_ps(parts[part]));
+        high = _mm512_sub_ps(high, high_bfloat16_to_ps(parts[part]));
     }
 }
 

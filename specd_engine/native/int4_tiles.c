@@ -45,7 +45,7 @@ int specd_amx_init(void) {
 }
 
 static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return bfloat16_to_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* Tiles: A 0 and 3 (rows × 32 bfloat16), B 1 and 4 (16 pairs × 16 outputs), C 2 and 5 (rows × 16 float32):
@@ -123,7 +123,7 @@ static const uint16_t *bfloat16_rows(const void *x, int floats, int M, int K) {
 static inline void store_rounded(void *out, size_t at, int floats, __m512 values) {
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(values);
     if (floats)
-        _mm512_storeu_ps((float *)out + at, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        _mm512_storeu_ps((float *)out + at, bfloat16_to_ps(rounded));
     else
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), rounded);
 }
@@ -223,8 +223,7 @@ static inline void dequantize_tile(const uint8_t *packed, __m512 s_lo, __m512 s_
         __m512i rows[4];
         unpack_chunk(packed + 64 * c, rows);
         for (int j = 0; j < 4; j++) {
-            const __m512 lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rows[j])), 16)), bias);
-            const __m512 hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rows[j], 1)), 16)), bias);
+            const __m512 lo = _mm512_sub_ps(low_bfloat16_to_ps(rows[j]), bias), hi = _mm512_sub_ps(high_bfloat16_to_ps(rows[j]), bias);
             _mm512_store_si512(tile + 128 * c + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi), _mm512_fmadd_ps(lo, s_lo, z_lo)));
         }
     }

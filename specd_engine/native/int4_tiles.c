@@ -267,23 +267,28 @@ static inline void store_tile(const float *c, void *out, int first, int count, i
  * specd_int4_mm's: the weight is rounded to bfloat16 first. */
 void specd_int4_prompt_mm(const void *x_in, const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
                           void *out, int M, int K, int N, int threads, int floats) {
-    const uint16_t *x = bfloat16_rows(x_in, floats, M, K);
     const int groups = K / 32, blocks = N / 16;
     const int row_blocks = (M + TILE_ROWS - 1) / TILE_ROWS;
-    /* the rows by tiles: [row block][group][16 rows][32], the last block's missing rows zero, so a tile loads contiguous lines */
+    /* the rows by tiles, [row block][group][16 rows][32] bfloat16, the last block's missing rows zero: a tile loads contiguous lines */
     uint16_t *a = aligned_alloc(64, (size_t)row_blocks * groups * TILE_ROWS * 32 * 2);
-    for (int rb = 0; rb < row_blocks; rb++)
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const int m = rb * TILE_ROWS + r;
-            for (int g = 0; g < groups; g++) {
-                uint16_t *to = a + (((size_t)rb * groups + g) * TILE_ROWS + r) * 32;
-                if (m < M) _mm512_store_si512(to, _mm512_loadu_si512(x + (size_t)m * K + g * 32));
-                else _mm512_store_si512(to, _mm512_setzero_si512());
-            }
-        }
     const size_t a_block = (size_t)groups * TILE_ROWS * 32;  /* words a row block */
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (int rb = 0; rb < row_blocks; rb++)  /* float32 rows rounded as bfloat16_rows rounds them; ends in a barrier */
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const int m = rb * TILE_ROWS + r;
+                for (int g = 0; g < groups; g++) {
+                    __m512i row = _mm512_setzero_si512();
+                    if (m < M && floats) {
+                        const float *from = (const float *)x_in + (size_t)m * K + g * 32;
+                        row = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 16), _mm512_loadu_ps(from));
+                    } else if (m < M) {
+                        row = _mm512_loadu_si512((const uint16_t *)x_in + (size_t)m * K + g * 32);
+                    }
+                    _mm512_store_si512(a + rb * a_block + ((size_t)g * TILE_ROWS + r) * 32, row);
+                }
+            }
         configure_prompt();
         /* this thread's output blocks, in panels whose dequantized tiles stay in L2 while every row pair passes */
         const int team = omp_get_num_threads(), me = omp_get_thread_num();

@@ -226,6 +226,28 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
     return total
 
 
+def position_price_s(by_positions: dict[int, float], shapes: dict[tuple[int, bool], "RoundShape"], rows: int) -> float:
+    """Seconds one more verified position of one request adds to a round among `rows` requests,
+    summed over every request that waits for it: the round's price of a draft beside others.
+
+    Measured where rounds among `rows` were measured both ways (shapes, RoundShapes.measured): the
+    extra seconds of a speculating round over a plain one, per position a request drafted in it; that
+    includes all a draft costs as served (the heads' products, the gateway's work per draft), which
+    on the 2-vCPU Xeon came to 6.6-9.5 ms a position among 8 against 4.3 at start-up. Else the
+    verify's start-up costs of `rows` rows (by_positions: positions → ms, Scorer.measure_batch_costs):
+    (cost(4) - cost(1)) / 3, every row 3 positions more, as one row's 3 positions each delay all."""
+    speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
+    if speculating is not None and plain is not None:
+        drafted = sum(n * share for n, share in speculating.positions_share.items()) - sum(
+            n * share for n, share in plain.positions_share.items())
+        if drafted >= 0.1:  # fewer drafts a round than that measure noise, not their price
+            return max(speculating.round_s - plain.round_s, 0.0) / drafted
+    if 1 not in by_positions or not any(n > 1 for n in by_positions):
+        return 0.0
+    more = min((n for n in by_positions if n > 1), key=lambda n: abs(n - 4))
+    return max(by_positions[more] - by_positions[1], 0.0) / (more - 1) / 1e3
+
+
 def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tuple[int, bool], "RoundShape"],
                     current: Optional[int] = None, policy: SpeculationPolicy = POLICY, ragged: bool = False) -> int:
     """The most requests a verify replica may run while they speculate, from its measured batch costs

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, speculation_cap
+from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, position_price_s, speculation_cap
 from gateway.grammar import Grammars
 from gateway.guard import PlainRounds
 from gateway.links import SessionKeeper
@@ -95,6 +95,16 @@ class Backends:
             self._last_cap = cap
             self.report_cap(cap)
         return cap
+
+    def position_price_s(self, running: int) -> float:
+        """What one more verified position of a request costs the round of the `running` requests that
+        share one verify replica's passes (adaptive.position_price_s at their batch size; 0 alone)."""
+        rows = -(-running // self._serving_replicas())
+        costs = self._verify_batch_costs
+        if rows <= 1 or not costs:
+            return 0.0
+        bucket = RoundShapes.bucket(rows, list(costs))
+        return position_price_s(costs[bucket], self.rounds.measured(), bucket)
 
     def observe_round(self, tokens: int, positions: int, seconds: float, running: int, speculating: bool) -> None:
         """One round's shape for the speculation cap, counted at the batch size its `running`

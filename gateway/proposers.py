@@ -47,6 +47,7 @@ class RoundContext:
     allowed: bool  # the server's load lets requests speculate now (the speculation cap)
     alone: bool  # no other request shares the verify's passes: a tree pass holds nobody up
     costs: StepCosts
+    position_s: float = 0.0  # what one more verified position of this request costs the round of every request sharing its passes (0 alone; Backends.position_price_s)
 
     def draft_cap(self, longest: int) -> int:
         """At most `longest` drafts, and one token fewer than the request may still emit."""
@@ -62,7 +63,14 @@ class RoundContext:
         """Seconds of a round of k drafts made without a call (`tree`: k nodes that are not a chain).
         heads: its Verify asks for the heads' proposals when it drafts (a plain round does not);
         otherwise priced at the share of Verifies that ask."""
-        return self.costs.round_cost_s(k, drafting=False, heads=(k > 0) if heads else None, tree=tree)
+        return self.costs.round_cost_s(k, drafting=False, heads=(k > 0) if heads else None, tree=tree) + self.shared_cost(k)
+
+    def shared_cost(self, k: int) -> float:
+        """Seconds k drafted positions add to the round of the requests that share this one's passes,
+        summed over them: beside others a request's own Verify hardly lengthens when it drafts (the
+        pass is everyone's), but each of its rows delays every request in the pass. Priced so, a
+        request drafts only the positions that pay for the batch (k = 1-2 among 8 on 2 cores, not 3-4)."""
+        return k * self.position_s
 
 
 @dataclass
@@ -441,7 +449,7 @@ class DraftProposer:
         branches = ctx.tree_branches(self.branches)
         rescue = self.rescue.chain(cap) if branches > 1 else None
         return best_shape(self.acceptance.chain(cap), cap, rescue,
-                          lambda k, w: ctx.costs.round_cost_s(k, self.branches, widened=w))
+                          lambda k, w: ctx.costs.round_cost_s(k, self.branches, widened=w) + ctx.shared_cost(k))
 
     def expected(self, ctx: RoundContext, k: int, widened: int) -> float:
         """Tokens a round of k drafts, alternatives beside the first `widened`, is expected to keep."""

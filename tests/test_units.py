@@ -546,6 +546,40 @@ def test_a_cap_in_force_is_kept_at_half_the_margin():
     assert speculation_cap(EPYC_BATCH_COSTS, below, current=2) == 1
 
 
+def test_a_position_beside_others_is_priced_by_what_it_delays_everyone():
+    """Beside others a draft is priced by the seconds it adds to the whole round: from the verify's
+    start-up batch costs until rounds at that size are measured both ways, then by what speculating
+    rounds took over plain ones per position drafted."""
+    from gateway.adaptive import position_price_s
+
+    xeon = {1: 14.9, 4: 27.9, 8: 50.7}  # 8 rows, 2-vCPU Xeon, ms
+    assert position_price_s(xeon, {}, 8) == pytest.approx((27.9 - 14.9) / 3 / 1e3)
+    assert position_price_s({1: 14.9}, {}, 8) == 0.0  # nothing to price a position by
+    measured = {(8, False): measured_rounds(1.0, {1: 1.0}, round_s=0.020),
+                (8, True): measured_rounds(2.2, {1: 0.2, 4: 0.5, 5: 0.3}, round_s=0.041)}  # 2.7 drafts a round
+    assert position_price_s(xeon, measured, 8) == pytest.approx(0.021 / 2.7)
+    assert position_price_s(xeon, {(8, True): measured[8, True]}, 8) == pytest.approx(13e-3 / 3)  # one kind only: start-up
+    hardly = {**measured, (8, True): measured_rounds(1.05, {1: 0.95, 2: 0.05}, round_s=0.021)}
+    assert position_price_s(xeon, hardly, 8) == pytest.approx(13e-3 / 3)  # 0.05 drafts a round price nothing
+
+
+def test_a_request_beside_others_drafts_fewer_positions_than_alone():
+    """The same acceptance drafts 3 positions alone (its own Verify barely lengthens) and fewer among 8,
+    where each position delays all 8 requests."""
+    from gateway.adaptive import StepCosts, best_rate
+    from gateway.proposers import RoundContext
+
+    costs = StepCosts()
+    for positions, ms in {1: 20.0, 2: 20.5, 3: 21.0, 4: 21.5}.items():
+        costs.observe_verify(positions, ms / 1e3)
+    chain = [0.55, 0.6, 0.6]  # conditional acceptance by position
+    alone = RoundContext([1], 64, True, True, costs)
+    among_8 = RoundContext([1], 64, True, False, costs, position_s=8e-3)
+    assert best_rate(chain, 3, alone.free_cost)[0] == 3
+    assert best_rate(chain, 3, among_8.free_cost)[0] == 1
+    assert among_8.free_cost(2) == pytest.approx(alone.free_cost(2) + 16e-3)
+
+
 def test_speculation_cap_stops_at_the_first_batch_size_that_loses():
     from gateway.adaptive import speculation_cap
 

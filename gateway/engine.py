@@ -241,9 +241,8 @@ class Generation:
         (load_allows; None: asked now, once a round) and the request's own speculation has not lost to
         plain rounds as served (gateway/guard.py)."""
         load_allows = self._speculation_allowed() if load_allows is None else load_allows
-        running = self._running()
-        return RoundContext(self.sequence, self._tokens_left(), load_allows and self.guard.allows(), running <= 1,
-                            self.costs, self.backends.position_price_s(running) if running > 1 else 0.0)
+        return RoundContext(self.sequence, self._tokens_left(), load_allows and self.guard.allows(), self._running() <= 1,
+                            self.costs, self.backends.position_price_s(self._running()))
 
     def _round(self) -> Chunk:
         started = time.perf_counter()

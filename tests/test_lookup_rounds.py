@@ -160,7 +160,7 @@ def test_declined_copies_are_tried_again_later():
     costs.observe_verify(1, 0.100)
     for positions in range(2, 6):
         costs.observe_verify(positions, 0.150)  # a copy must bring 1.5 tokens a round to pay
-    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs, keeper=None,
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=False), draft_info=None, costs=costs, keeper=None, position_price_s=lambda running: 0.0,
                                target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=0),
                                tokenizer=SimpleNamespace(decode=lambda ids: ""))
     spec = GenerationSpec(prompt_ids=[1, 2, 3, 1, 2], max_new_tokens=10, warp=Warp(), seed=0)

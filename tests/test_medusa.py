@@ -567,7 +567,7 @@ def head_policy_generation(costs: StepCosts, draft_service: bool = False, max_ne
     from gateway.options import GatewayOptions
     from specd_common.params import Warp
 
-    backends = SimpleNamespace(draft=SimpleNamespace(configured=draft_service), keeper=None,
+    backends = SimpleNamespace(draft=SimpleNamespace(configured=draft_service), keeper=None, position_price_s=lambda running: 0.0,
                                draft_info=SimpleNamespace(wants_target_features=False) if draft_service else None, costs=costs,
                                target_info=SimpleNamespace(max_sequence_length=100, eos_token_ids=[], medusa_heads=3),
                                tokenizer=SimpleNamespace(decode=lambda ids: ""))

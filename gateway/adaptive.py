@@ -205,6 +205,11 @@ def depth_sums(nodes: Sequence[TreeNode], values: dict[tuple[int, ...], float]) 
     return sums
 
 
+def mean_positions(positions_share: dict[int, float]) -> float:
+    """Positions a row verifies on average, from positions → share of rounds."""
+    return sum(n * share for n, share in positions_share.items())
+
+
 def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[int, float], rows: int,
                         ragged: bool = False) -> float:
     """Expected cost of a batched round whose `rows` rows each verify a number of positions drawn
@@ -216,7 +221,7 @@ def expected_batch_cost(by_positions: dict[int, float], positions_share: dict[in
     row to the longest, so it costs as much as its longest row, Σ_p P(max = p) · cost(p) with
     P(max ≤ p) = F(p)^rows: one copy of 8 tokens among 8 rows makes all 8 verify 9 positions."""
     if ragged:
-        return interpolate(by_positions, sum(n * share for n, share in positions_share.items()))
+        return interpolate(by_positions, mean_positions(positions_share))
     total, below, cumulative = 0.0, 0.0, 0.0
     for positions in sorted(positions_share):
         cumulative += positions_share[positions]
@@ -238,8 +243,7 @@ def position_price_s(by_positions: dict[int, float], shapes: dict[tuple[int, boo
     (cost(4) - cost(1)) / 3, every row 3 positions more, as one row's 3 positions each delay all."""
     speculating, plain = shapes.get((rows, True)), shapes.get((rows, False))
     if speculating is not None and plain is not None:
-        drafted = sum(n * share for n, share in speculating.positions_share.items()) - sum(
-            n * share for n, share in plain.positions_share.items())
+        drafted = mean_positions(speculating.positions_share) - mean_positions(plain.positions_share)
         if drafted >= 0.1:  # fewer drafts a round than that measure noise, not their price
             return max(speculating.round_s - plain.round_s, 0.0) / drafted
     if 1 not in by_positions or not any(n > 1 for n in by_positions):

@@ -99,8 +99,7 @@ class Backends:
     def position_price_s(self, running: int) -> float:
         """What one more verified position of a request costs the round of the `running` requests that
         share one verify replica's passes (adaptive.position_price_s at their batch size; 0 alone)."""
-        rows = -(-running // self._serving_replicas())
-        costs = self._verify_batch_costs
+        rows, costs = self._rows_per_replica(running), self._verify_batch_costs
         if rows <= 1 or not costs:
             return 0.0
         bucket = RoundShapes.bucket(rows, list(costs))
@@ -109,8 +108,12 @@ class Backends:
     def observe_round(self, tokens: int, positions: int, seconds: float, running: int, speculating: bool) -> None:
         """One round's shape for the speculation cap, counted at the batch size its `running`
         requests (this gateway's, spread over the serving verify replicas) make."""
-        rows = -(-running // self._serving_replicas())
-        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(rows, list(self._verify_batch_costs)), speculating)
+        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(self._rows_per_replica(running), list(self._verify_batch_costs)),
+                            speculating)
+
+    def _rows_per_replica(self, running: int) -> int:
+        """The batch `running` requests of this gateway make on each serving verify replica (rounded up)."""
+        return -(-running // self._serving_replicas())
 
     def _serving_replicas(self) -> int:
         return max(1, sum(replica.eligible for replica in self.verify.replicas()))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import sys
 import threading
@@ -407,6 +408,52 @@ def add_repeat_spread(report: dict, tokens_per_s_by_repeat: dict[str, list[float
             entry["overall"]["speedup_by_repeat"] = [round(rate / base, 3) for rate, base in zip(rates, reference)]
 
 
+def cpu_seconds(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, all threads) process `pid` has used so far, from /proc/<pid>/stat;
+    None where there is no /proc (not Linux) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14 and 15)
+
+
+def cpu_snapshot(children: dict) -> dict[str, float]:
+    """CPU seconds so far of each child service (name → Popen) and of this process ("client": the
+    bench's streams, their gRPC and its parsing): taken around a run, they say which process kept how
+    many cores busy (cores_by_process)."""
+    snapshot = {name: seconds for name, process in children.items() if (seconds := cpu_seconds(process.pid)) is not None}
+    snapshot["client"] = sum(os.times()[:2])
+    return snapshot
+
+
+def add_cpu(total: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    """Add each process's CPU seconds between two cpu_snapshot()s into `total`."""
+    for name in after.keys() & before.keys():
+        total[name] = total.get(name, 0.0) + after[name] - before[name]
+
+
+def add_cores(report: dict, cpu_by_mode: dict[str, dict[str, float]], walls: dict[str, float]) -> None:
+    """Each service mode's cores kept busy by process over its runs (CPU seconds over wall seconds),
+    busiest first, and their sum: on a CPU the stack shares the cores it measures, so whether a mode is
+    bound by one process (the verify's model thread) or leaves cores idle is read here."""
+    for mode, cpu in cpu_by_mode.items():
+        entry, wall = report["modes"].get(mode), walls.get(mode, 0.0)
+        if entry is None or wall <= 0:
+            continue
+        cores = {name: round(seconds / wall, 2) for name, seconds in sorted(cpu.items(), key=lambda item: -item[1])}
+        entry["overall"]["cores_by_process"] = cores
+        entry["overall"]["cores"] = round(sum(cores.values()), 2)
+
+
+def cores_cell(summary: dict) -> str:
+    """The verify's cores and all the stack's (with the bench's client), or '-' where not measured."""
+    if "cores" not in summary:
+        return "-"
+    return f"{summary['cores_by_process'].get('verify', 0.0)} / {summary['cores']}"
+
+
 def speculation_cache(stats: list) -> dict:
     """The draft's speculation cache over these requests: its hit rate, and the gateway's mean wait for a
     Propose on a hit and on a miss (a hit's is one round trip; a miss's, a draft's k steps besides)."""
@@ -659,8 +706,8 @@ def speedup_cell(overall: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     lines = [
-        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass realized ± SE (planner's prediction) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | tokens/s | speedup | vs hf_target | vs llamacpp_target | acceptance | tokens/pass realized ± SE (planner's prediction) | TTFT p50 ms | ITL p50 / p95 ms | bytes/round | outside models | cores: verify / all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, entry in result["modes"].items():
         o = entry["overall"]
@@ -669,7 +716,7 @@ def markdown_table(result: dict) -> str:
         outside = f"{100 * o['outside_models_share']:.1f}%" if o.get("outside_models_share") is not None else "-"
         lines.append(
             f"| {mode} | {o['tokens_per_s']} | {speedup_cell(o)} | {o.get('vs_hf_target', '-')} | {o.get('vs_llamacpp_target', '-')} | {o.get('acceptance_rate', '-')} | {per_pass} "
-            f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} |"
+            f"| {o.get('ttft_ms_p50', '-')} | {itl} | {o.get('wire_bytes_per_round', '-')} | {outside} | {cores_cell(o)} |"
         )
     return "\n".join(lines)
 

@@ -497,6 +497,7 @@ def run_bench(args: argparse.Namespace) -> int:
     mode_address = {mode: extra_gateways[name] for mode, name in mode_gateway.items()}
     results_at = {level: {} for level in levels}  # streams at a time → mode → (samples, wall seconds)
     by_repeat = {level: {} for level in levels}  # streams at a time → mode → tokens/s of each repeat (concurrency > 1)
+    cpu_at = {level: {} for level in levels}  # streams at a time → mode → process → CPU seconds (concurrency > 1)
     results, arrivals = results_at[args.concurrency], {}
     try:
         _set_threads(args.threads)  # the in-process transformers modes get the services' thread budget (0: all cores)
@@ -529,7 +530,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 for mode, fields, level in plan[:: -1 if repeat % 2 else 1]:
                     progress.stage(mode if len(levels) == 1 else f"{mode} x{level}")
                     target_address = mode_address.get(mode) or address
+                    before = bench.cpu_snapshot(children)
                     samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, level, progress, **fields)
+                    bench.add_cpu(cpu_at[level].setdefault(mode, {}), before, bench.cpu_snapshot(children))
                     earlier, earlier_wall = results_at[level].get(mode, ([], 0.0))
                     results_at[level][mode] = (earlier + samples, earlier_wall + wall)
                     by_repeat[level].setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
@@ -545,9 +548,11 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         report = bench.report(results, args.num_draft_tokens)
         bench.add_repeat_spread(report, by_repeat[args.concurrency])
+        bench.add_cores(report, cpu_at[args.concurrency], {mode: wall for mode, (_, wall) in results_at[args.concurrency].items()})
     if args.sequential_too:
         sequential = bench.report(results_at[1], args.num_draft_tokens)
         bench.add_repeat_spread(sequential, by_repeat[1])
+        bench.add_cores(sequential, cpu_at[1], {mode: wall for mode, (_, wall) in results_at[1].items()})
         report["sequential"] = sequential["modes"]
         report["scaling"] = bench.scaling(sequential, report, {mode: samples for mode, (samples, _) in results_at[1].items()},
                                           args.concurrency)

@@ -925,6 +925,39 @@ def test_bench_report_shows_the_speedup_of_each_repeat():
     assert "speedup_by_repeat" not in single["modes"]["specd"]["overall"]
 
 
+def test_bench_reports_the_cores_each_process_kept_busy():
+    """CPU seconds by process around a mode's runs become cores (CPU over wall seconds), busiest first,
+    shown as the verify's and the whole stack's; a real process's count grows while it works."""
+    import subprocess
+    import sys
+    import time
+
+    from specd_app.bench import Sample, add_cores, add_cpu, cpu_seconds, cpu_snapshot, markdown_table, report
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        before = cpu_snapshot({"verify": child})
+        time.sleep(1.0)
+        after = cpu_snapshot({"verify": child})
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert after["verify"] - before["verify"] > 0.1  # it spun for the second (on a core shared with others)
+    assert after["client"] >= before["client"]
+    assert cpu_seconds(child.pid) is None  # gone
+    results = {"target_only": ([Sample("chat", tokens=100, seconds=2.0)], 2.0), "specd": ([Sample("chat", tokens=100, seconds=1.0)], 1.0)}
+    out = report(results, k=3)
+    cpu: dict = {}
+    add_cpu(cpu, {"verify": 1.0, "gateway": 0.5, "client": 2.0}, {"verify": 4.0, "gateway": 0.9, "client": 2.2, "draft": 9.0})
+    assert cpu == pytest.approx({"verify": 3.0, "gateway": 0.4, "client": 0.2})  # one missing from a snapshot is left out
+    add_cores(out, {"target_only": cpu}, {"target_only": 2.0})
+    overall = out["modes"]["target_only"]["overall"]
+    assert list(overall["cores_by_process"]) == ["verify", "gateway", "client"] and overall["cores"] == 1.8
+    assert overall["cores_by_process"]["verify"] == 1.5
+    table = markdown_table(out)
+    assert "| 1.5 / 1.8 |" in table and table.splitlines()[-1].endswith("| - |")  # specd: not measured
+
+
 def test_switchable_linear_computes_what_linear_computes_in_every_layout():
     import torch
 

@@ -128,11 +128,16 @@ def stream_one(stub, row: dict, max_new_tokens: int, on_tokens: Optional[Callabl
     return sample
 
 
-def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concurrency: int, progress, **fields) -> tuple[list[Sample], float]:
-    """All rows through the gateway with `concurrency` streams at a time; returns samples and wall seconds."""
+def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concurrency: int, progress,
+                     children: Optional[dict] = None, cpu: Optional[dict[str, float]] = None,
+                     **fields) -> tuple[list[Sample], float]:
+    """All rows through the gateway with `concurrency` streams at a time; returns samples and wall seconds.
+    With `cpu`, adds to it the CPU seconds each of `children` (name → Popen) and this process used over
+    the same timed window as the wall seconds (cpu_snapshot; the warm-up is in neither)."""
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         stream_one(stub, rows[0], 8, **fields)  # warm-up, not counted: first-call allocations, caches
+        before = cpu_snapshot(children or {}) if cpu is not None else {}
         started = time.perf_counter()
         with futures.ThreadPoolExecutor(concurrency) as pool:
             calls = [pool.submit(stream_one, stub, row, max_new_tokens, **fields) for row in rows]
@@ -140,7 +145,10 @@ def run_service_mode(address: str, rows: list[dict], max_new_tokens: int, concur
             for call in futures.as_completed(calls):
                 samples.append(call.result())
                 progress()
-        return samples, time.perf_counter() - started
+        wall = time.perf_counter() - started
+        if cpu is not None:
+            add_cpu(cpu, before, cpu_snapshot(children or {}))
+        return samples, wall
 
 
 @dataclass(frozen=True)
@@ -434,12 +442,13 @@ def add_cpu(total: dict[str, float], before: dict[str, float], after: dict[str, 
         total[name] = total.get(name, 0.0) + after[name] - before[name]
 
 
-def add_cores(report: dict, cpu_by_mode: dict[str, dict[str, float]], walls: dict[str, float]) -> None:
-    """Each service mode's cores kept busy by process over its runs (CPU seconds over wall seconds),
-    busiest first, and their sum: on a CPU the stack shares the cores it measures, so whether a mode is
-    bound by one process (the verify's model thread) or leaves cores idle is read here."""
+def add_cores(report: dict, cpu_by_mode: dict[str, dict[str, float]], results: dict[str, tuple[list[Sample], float]]) -> None:
+    """Each service mode's cores kept busy by process over its runs (CPU seconds over the wall seconds
+    of its `results`, as `report` takes them), busiest first, and their sum: on a CPU the stack shares
+    the cores it measures, so whether a mode is bound by one process (the verify's model thread) or
+    leaves cores idle is read here."""
     for mode, cpu in cpu_by_mode.items():
-        entry, wall = report["modes"].get(mode), walls.get(mode, 0.0)
+        entry, wall = report["modes"].get(mode), results.get(mode, ([], 0.0))[1]
         if entry is None or wall <= 0:
             continue
         cores = {name: round(seconds / wall, 2) for name, seconds in sorted(cpu.items(), key=lambda item: -item[1])}

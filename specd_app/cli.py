@@ -530,9 +530,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 for mode, fields, level in plan[:: -1 if repeat % 2 else 1]:
                     progress.stage(mode if len(levels) == 1 else f"{mode} x{level}")
                     target_address = mode_address.get(mode) or address
-                    before = bench.cpu_snapshot(children)
-                    samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, level, progress, **fields)
-                    bench.add_cpu(cpu_at[level].setdefault(mode, {}), before, bench.cpu_snapshot(children))
+                    samples, wall = bench.run_service_mode(target_address, rows, args.max_new_tokens, level, progress, children,
+                                                           cpu_at[level].setdefault(mode, {}), **fields)
                     earlier, earlier_wall = results_at[level].get(mode, ([], 0.0))
                     results_at[level][mode] = (earlier + samples, earlier_wall + wall)
                     by_repeat[level].setdefault(mode, []).append(sum(sample.tokens for sample in samples) / wall)
@@ -548,11 +547,11 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         report = bench.report(results, args.num_draft_tokens)
         bench.add_repeat_spread(report, by_repeat[args.concurrency])
-        bench.add_cores(report, cpu_at[args.concurrency], {mode: wall for mode, (_, wall) in results_at[args.concurrency].items()})
+        bench.add_cores(report, cpu_at[args.concurrency], results_at[args.concurrency])
     if args.sequential_too:
         sequential = bench.report(results_at[1], args.num_draft_tokens)
         bench.add_repeat_spread(sequential, by_repeat[1])
-        bench.add_cores(sequential, cpu_at[1], {mode: wall for mode, (_, wall) in results_at[1].items()})
+        bench.add_cores(sequential, cpu_at[1], results_at[1])
         report["sequential"] = sequential["modes"]
         report["scaling"] = bench.scaling(sequential, report, {mode: samples for mode, (samples, _) in results_at[1].items()},
                                           args.concurrency)

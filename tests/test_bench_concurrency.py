@@ -9,6 +9,7 @@ numbers that agree with each other (every ratio is the quotient of the numbers i
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def test_sequential_too_reports_one_at_a_time_and_n_at_once_side_by_side(bench_c
         assert row["concurrent_over_sequential_by_repeat"] == [
             round(m / o, 3) for m, o in zip(many["tokens_per_s_by_repeat"], one["tokens_per_s_by_repeat"])]
         assert row["vs_target_only"] == {"sequential": one["speedup"], "concurrent": many["speedup"]}
+        for side in (one, many):  # the client's CPU over the timed runs alone: never more cores than the machine has
+            assert 0 <= side["cores_by_process"]["client"] == side["cores"] <= os.cpu_count()
         for side in (row["sequential"], row["concurrent"]):
             assert 0 < side["ttft_ms_p50"] <= side["ttft_ms_p95"] and 0 < side["itl_ms_p50"] <= side["itl_ms_p95"]
         prefill = row["prefill"]

@@ -950,7 +950,7 @@ def test_bench_reports_the_cores_each_process_kept_busy():
     cpu: dict = {}
     add_cpu(cpu, {"verify": 1.0, "gateway": 0.5, "client": 2.0}, {"verify": 4.0, "gateway": 0.9, "client": 2.2, "draft": 9.0})
     assert cpu == pytest.approx({"verify": 3.0, "gateway": 0.4, "client": 0.2})  # one missing from a snapshot is left out
-    add_cores(out, {"target_only": cpu}, {"target_only": 2.0})
+    add_cores(out, {"target_only": cpu}, results)
     overall = out["modes"]["target_only"]["overall"]
     assert list(overall["cores_by_process"]) == ["verify", "gateway", "client"] and overall["cores"] == 1.8
     assert overall["cores_by_process"]["verify"] == 1.5

@@ -29,6 +29,9 @@ replay. Here:
   products that score each row alone (int4, int8; specd_engine/quantized.py) a position's logits are
   then the same alone, in a chain, in a tree, beside other sessions and after prompt chunks of any
   size (tests/test_flat_pass.py).
+- **Every layer in one native call** where int4 tiles and specd's attention serve (native_decoder,
+  native/decoder.c): a pass's layers run no framework operator, a third of a CPU pass's time before.
+  Its rounding is its own, so a process keeps it for every pass (`use_native_layers`, after the probe).
 
 Where folding does not serve (a GPU's eager passes, until a device window measures them), `gather`
 decides: one call a layer over keys gathered by slot, or a call a session over a broadcast view of its
@@ -54,7 +57,7 @@ from transformers import DynamicCache
 
 from specd_common import tree
 from specd_common.errors import InvalidArgument, ResourceExhausted
-from specd_engine import kv_cache, lean_forward, store_attention
+from specd_engine import kv_cache, lean_forward, native_decoder, quantized, store_attention
 from specd_engine.passes import PassOutput, keeps_hidden, logit_rows, prompt_rows
 from specd_engine.sessions import Feed
 from specd_engine.tuning import PassRuntime
@@ -613,6 +616,7 @@ class FlatPasses:
         self.prompt_kernel: Optional[str] = None  # prompt rows' dense products (quantized.choose_prompt_kernel); None: int4
         # fixed-shape passes replayed as CUDA graphs on a GPU, padding rows in a spare slot
         self.graphs = GraphedPasses(lean, store, store.claim()) if device.type == "cuda" else None
+        self.decoder: Optional[native_decoder.NativeDecoder] = None  # every layer in one native call a pass (use_native_layers)
 
     @torch.inference_mode()
     def run(self, feeds: Sequence[Feed], starts: Sequence[int], captured: Sequence[int]) -> PassOutput:
@@ -634,14 +638,31 @@ class FlatPasses:
             if hidden is None:
                 # several sessions decoding one row each: gathering their keys costs less than a call a session,
                 # on a CPU too; one session reads a view of its slot (no copy)
-                gather = self.gather or len(ids) == len(feeds) > 1
-                hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured,
-                                              prompt_rows(feeds, self.prompt_kernel))  # [R, H], [R, L, H] or None
+                prompt = prompt_rows(feeds, self.prompt_kernel)
+                if self.native_layers:
+                    hidden, layers = self.decoder.forward(ids, rows, keep, captured, native_decoder.prompt_row_numbers(prompt))
+                else:
+                    gather = self.gather or len(ids) == len(feeds) > 1
+                    hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured, prompt)  # [R, H], [R, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]
         for feed, start in zip(feeds, starts):
             for layer in feed.session.cache.layers:
                 layer.set_length(start + len(feed.tokens))
         return PassOutput(hidden, layers, logits)
+
+    def use_native_layers(self) -> str:
+        """Run every pass's layers in one native call from now on where that runs here (native_decoder), and
+        say why not where it does not ("" where it does)."""
+        why = "" if self.native and self.int4 else "the decoder serves int4 products with specd's attention"
+        why = why or native_decoder.unavailable(self.lean, self.store)
+        self.decoder = None if why else native_decoder.NativeDecoder(self.lean, self.store)
+        return why
+
+    @property
+    def native_layers(self) -> bool:
+        """Whether passes run their layers in one native call (native_decoder): where it runs, unless prompt rows
+        take a dense weight, which only the framework's pass multiplies by (then it serves every pass)."""
+        return self.decoder is not None and self.native and self.prompt_kernel in (None, quantized.PROMPT_TILES)
 
     @property
     def positional_prompts(self) -> bool:
@@ -712,6 +733,8 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None,
         why = lm.run(lambda: lean_forward.logits_disagree(probe(lm), reference, rounding) or lean_forward.logits_disagree(probe(lm), reference, rounding))
         if not why and dtype != lm.store.keys[0].dtype:
             serve_store(dtype)  # the probe's sessions have ended: their slots went back with them
+        if not why:  # like the bfloat16 store, its rounding is its tests' contract (native_decoder), not the probe's
+            lm.passes.use_native_layers()
     except Exception as error:  # noqa: BLE001: the ragged pass serves instead, and the log says why
         why = repr(error)
     if why:
@@ -719,7 +742,8 @@ def serve_flat(lm, slots: int, capacity: int = 0, gather: Optional[bool] = None,
         log.warning("model passes: ragged; the flat pass failed its start-up probe: %s", why)
         return False
     unit = " (AMX's tile unit)" if lm.store.kv_dtype == "bfloat16" and store_attention.tiles() else ""
-    calls = (f"one attention call a layer by specd's kernel{unit}, in place" if lm.passes.native else
+    calls = (f"one attention call a layer by specd's kernel{unit}, in place" + (", every layer in one native call" if lm.passes.decoder else "")
+             if lm.passes.native else
              "one attention call a layer and row count, in place" if lm.passes.fold else
              "one attention call a layer" if lm.passes.gather else "one attention call a session and layer")
     log.info("model passes: flat over a %s KV store of %d slots × %d positions (%.0f MiB), %s",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specd_common.errors import ResourceExhausted
-from specd_engine import flat_pass, int4_tiles, quantized, store_attention
+from specd_engine import flat_pass, int4_tiles, native_decoder, quantized, store_attention
 
 PROMPT = [(7 * i) % 50 + 3 for i in range(60)]
 DRAFTS = [11, 2, 30, 8, 41, 17]
@@ -114,7 +114,11 @@ def test_one_attention_call_a_layer_or_one_a_session_give_the_same_bits(flat):
     finally:
         flat.passes.gather, (flat.passes.fold, flat.passes.native) = False, modes
     assert all(torch.equal(a, b) for a, b in zip(apart, gathered))
-    assert all(torch.equal(a, b) for a, b in zip(apart, flat.run_feeds_then_rewind(feeds)))  # the fixture's own attention
+    decoder, flat.passes.decoder = flat.passes.decoder, None  # the framework's layers, whose bits SDPA's layers share
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(apart, flat.run_feeds_then_rewind(feeds)))  # the fixture's own attention
+    finally:
+        flat.passes.decoder = decoder
 
 
 @pytest.mark.parametrize("attention", ["native", "folded", "gathered"])
@@ -256,6 +260,106 @@ def test_the_default_target_in_int4_scores_a_position_alike_in_chains_trees_and_
     for session in others + [mine]:
         lm.forward(session)
     assert torch.equal(lm.forward_batch([(mine, drafts)] + [(other, [5, 6]) for other in others])[0], alone)
+
+
+@pytest.fixture(scope="module")
+def default_flat():
+    """The default target in int4, flat, with the prompt tiles where this CPU runs them (its own copy)."""
+    from specd_common.config import DEFAULT_TARGET
+    from specd_engine.lm import CausalLM
+    from specd_engine.models import load_causal_lm
+
+    lm = CausalLM(load_causal_lm(DEFAULT_TARGET, device="cpu", dtype="float32"), weights="int4")
+    assert lm.use_flat_pass(slots=24, capacity=2048)
+    if native_decoder.unavailable(lm.lean, lm.store):
+        pytest.skip(f"native decoder: {native_decoder.unavailable(lm.lean, lm.store)}")
+    lm.use_prompt_kernel(quantized.PROMPT_TILES if int4_tiles.prompt_kernel() else None)
+    return lm
+
+
+def test_the_native_decoder_scores_within_rounding_of_the_framework_s_layers(default_flat):
+    """Every layer in one native call (native_decoder) computes the framework pass's math: on real prompts,
+    a chain's logits and the captured layers' outputs agree with the framework's layers to the rounding of
+    bfloat16 product inputs (their sums run in other orders), with the same argmax at every position."""
+    lm = default_flat
+    assert lm.passes.native_layers
+    lm.capture_layers([4, 20])
+    questions = ["Name three rivers of Europe.", "Write a haiku about rain on a tin roof.", "What is 17 times 23?"]
+    prompts = [lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"] for text in questions]
+
+    def scored(native: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        decoder, lm.passes.decoder = lm.passes.decoder, lm.passes.decoder if native else None
+        try:
+            made = []
+            for prompt in prompts:
+                session = lm.new_session(prompt[:-6], keep_features=True)
+                lm.forward(session)
+                made.append((lm.forward(session, prompt[-6:]), session.fed_layers[-6:].clone()))  # [7, V], [6, 2, C]
+            return made
+        finally:
+            lm.passes.decoder = decoder
+
+    try:
+        for (logits, layers), (reference, reference_layers) in zip(*lm.run(lambda: (scored(True), scored(False)))):
+            assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+            assert (logits - reference).abs().max() <= 2e-2 * reference.abs().max()
+            assert (layers - reference_layers).abs().max() <= 2e-2 * reference_layers.abs().max()
+            assert not torch.equal(layers[:, 0], layers[:, 1])  # two layers' outputs, not one twice
+    finally:
+        lm.capture_layers([])
+
+
+def test_a_native_pass_s_rows_keep_their_bits_when_prompt_rows_sit_on_both_sides_of_them(default_flat):
+    """A pass whose prompt rows are not one run (a chunk, a round, another chunk): the native call gathers each
+    kernel's rows, and every row scores as it does alone: the round's logits, and the chunks' caches (each
+    session's next logits as after prefilling alone)."""
+    lm = default_flat
+    prompt = lm.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Describe a lighthouse at night."}],
+                                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    def mixed() -> tuple[list, list]:
+        first, round_, last = (lm.new_session(prompt[: len(prompt) - cut], prefill=False) for cut in (0, 3, 5))
+        while lm.unprefilled(round_):
+            lm.run_feeds([lm.prefill_feed(round_, 512)])
+        lm.forward(round_)
+        together = lm.run_feeds([lm.prefill_feed(first, 512), lm.chain_feed(round_, DRAFTS[:3]), lm.prefill_feed(last, 512)])
+        return together[1], [lm.forward(first), lm.forward(last)]
+
+    def apart() -> tuple[torch.Tensor, list]:
+        round_ = lm.new_session(prompt[: len(prompt) - 3])
+        lm.forward(round_)
+        return lm.forward(round_, DRAFTS[:3]), [lm.forward(lm.new_session(prompt[: len(prompt) - cut])) for cut in (0, 5)]
+
+    (round_logits, nexts), (alone, alone_nexts) = lm.run(lambda: (mixed(), apart()))
+    assert torch.equal(round_logits, alone)
+    assert all(torch.equal(a, b) for a, b in zip(nexts, alone_nexts))
+
+
+def test_a_native_pass_runs_a_fixed_handful_of_operators_whatever_its_sessions(default_flat):
+    """With every layer in one native call, a pass's framework operators (the torch profiler's count) are the
+    embedding, the rotary embedding and the final norm: as many for two sessions as for seven, and not a
+    tenth of the framework's pass, which runs ~30 a layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lm = default_flat
+    sessions = [lm.new_session(PROMPT[: 20 + 4 * j]) for j in range(8)]
+    for session in sessions:
+        lm.forward(session)
+
+    def operations(count: int, native: bool = True) -> int:
+        parts = [(flat_pass.slot_of(s.cache), s.cache.get_seq_length(), 1, None, None) for s in sessions[1 : count + 1]]
+        rows = flat_pass.flat_rows(parts, lm.loaded.device, 0, native=True)
+        ids = torch.full((count,), 7, dtype=torch.long)
+        with profile(activities=[ProfilerActivity.CPU]) as run:
+            if native:
+                lm.passes.decoder.forward(ids, rows)
+            else:
+                flat_pass.forward_flat(lm.lean, lm.store, ids, rows, gather=False)
+        return sum(1 for event in run.events() if event.name.startswith("aten::"))
+
+    two, seven, framework = lm.run(operations, 2), lm.run(operations, 7), lm.run(operations, 7, False)
+    assert two == seven and 10 * seven < framework, (two, seven, framework)
 
 
 def test_graphed_passes_pad_rows_into_a_spare_slot_and_keep_every_row_s_bits(tiny):

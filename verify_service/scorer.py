@@ -95,7 +95,8 @@ def attention_mode(lm: CausalLM) -> str:
     if lm.lean is None:
         return "transformers"
     if lm.store is not None:
-        return f"native-{store_attention.identity()}" if lm.passes.native else "fold" if lm.passes.fold else "sdpa"
+        layers = "-native-layers" if lm.passes.native_layers else ""
+        return f"native-{store_attention.identity()}{layers}" if lm.passes.native else "fold" if lm.passes.fold else "sdpa"
     return "a call a row" if lm.lean.query_per_call else f"query block {lm.lean.layers[0].query_block}"
 
 

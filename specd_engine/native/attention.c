@@ -44,26 +44,6 @@ typedef struct {  /* a thread's scratch for tile_scores and tile_values */
     float *ctile, *sums;
 } tile_scratch;
 
-/* exp(x) for x <= 0 (scores less their max), 16 at a time: 2^k · P(f) with x = k·ln2 + f, |f| <= ln2/2;
- * a degree-6 polynomial (Cephes' expf coefficients), within 2 ulp; below -87 it is 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 low = _mm512_set1_ps(-87.0f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, low);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    f = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), f);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-    const __m512 scaled = _mm512_scalef_ps(p, k);
-    return _mm512_mask_mov_ps(scaled, tiny, _mm512_setzero_ps());
-}
-
 /* 16 lanes of a store at element `index`: float32 as they are, bfloat16 widened exactly (its bits are a
  * float32's upper half). */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t index, int bf16) {

@@ -93,12 +93,14 @@ def main() -> None:
     args = parser.parse_args()
     shown = " ".join(f"--{key} {' '.join(value) if isinstance(value, list) else value}" for key, value in vars(args).items()
                      if value and value != parser.get_default(key))
-    loaded = load_causal_lm(args.target, device="cpu", dtype="float32")
-    heads = load_heads(args.heads, loaded.model)
+    # every torch call on the model's thread: one on this thread too starts a second OpenMP team, whose
+    # workers then sleep between parallel regions and made the int4 passes here ~2x slower (engine-room.md)
+    lm = CausalLM(load_causal_lm(args.target, device="cpu"), weights="int4")
+    loaded = lm.run(load_causal_lm, args.target, device="cpu", dtype="float32")
+    heads = lm.run(load_heads, args.heads, loaded.model)
     prompts = [prompt for path in args.prompts for prompt in load_prompts(path, args.limit)]
     result = {"command": f"python scripts/heads_precision.py {shown}".strip(), "machine": machine_facts(),
-              "threads": torch.get_num_threads(), "agreement": agreement(loaded, heads, prompts, args.tokens)}
-    lm = CausalLM(load_causal_lm(args.target, device="cpu"), weights="int4")
+              "threads": torch.get_num_threads(), "agreement": lm.run(agreement, loaded, heads, prompts, args.tokens)}
     result["proposal_ms_after_a_pass"] = cold_proposals(lm, heads, args.repeats)
     print_and_save(result, args.out)
 

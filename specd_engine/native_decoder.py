@@ -118,14 +118,14 @@ class NativeDecoder:
         cos, sin = (part[:, 0].contiguous() for part in lean_forward.rotary_rows(lean.rotary, x, rows.positions))  # [R, D] each
         layers = sorted(index for index in capture if 0 < index <= len(lean.layers)) if keep_hidden else []
         captured = torch.empty((x.shape[0], len(layers), x.shape[1])) if layers else None  # [R, L, C]
-        wanted = torch.tensor(layers, dtype=torch.int32)
+        wanted = torch.tensor(layers, dtype=torch.int32) if layers else None
         compact = None if rows.compact is None else rows.compact.contiguous()
         tiles = prompt is not None and len(prompt) and lean.layers[0].qkv.prompt_tiles
         failed = _kernel()(ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
                            rows.slots.data_ptr(), rows.seen.data_ptr(), None if compact is None else compact.data_ptr(),
                            0 if compact is None else compact.shape[1], rows.writes.data_ptr(),
                            prompt.data_ptr() if tiles else None, len(prompt) if tiles else 0,
-                           int4_tiles.instruction_set() != "amx", store_attention.tiles(), wanted.data_ptr(), len(layers),
+                           int4_tiles.instruction_set() != "amx", store_attention.tiles(), None if wanted is None else wanted.data_ptr(), len(layers),
                            None if captured is None else captured.data_ptr(), torch.get_num_threads())
         if failed:
             raise ValueError(f"the native decoder refused rows of slots {rows.slots.tolist()} seeing {rows.seen.tolist()} of "

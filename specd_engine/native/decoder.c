@@ -140,6 +140,8 @@ static void silu_rows(const float *gu, float *act, int R, int I, int threads) {
     }
 }
 
+static inline int larger(int a, int b) { return a > b ? a : b; }
+
 static void add_rows(float *x, const float *y, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += y[i];
 }
@@ -150,8 +152,8 @@ int specd_decoder_pass(const specd_decoder *m, float *x, int R, const float *cos
                        const int32_t *prompt_rows, int prompt_count, int isa, int amx_attention,
                        const int32_t *capture, int captures, float *captured, int threads) {
     const int C = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->intermediate;
-    const int width = (H + 2 * Hkv) * D, widest_in = C > I ? (C > H * D ? C : H * D) : (I > H * D ? I : H * D);
-    const int widest_out = width > 2 * I ? (width > C ? width : C) : (2 * I > C ? 2 * I : C);
+    const int width = (H + 2 * Hkv) * D;
+    const int widest_in = larger(C, larger(I, H * D)), widest_out = larger(width, larger(2 * I, C));  /* a product's K and N */
     const size_t floats = (size_t)R * (2 * C + width + 2 * H * D + 2 * Hkv * D + 3 * I + widest_in + widest_out);
     float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
     int32_t *others = prompt_count ? malloc(sizeof(int32_t) * (R - prompt_count + 1)) : NULL;

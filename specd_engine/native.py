@@ -53,6 +53,38 @@ def load() -> tuple[Optional[ctypes.CDLL], str]:
         return _loaded
 
 
+class Int4Weight(ctypes.Structure):
+    """A tile-packed int4 product's weight as the C code reads it (tiles.h's specd_int4)."""
+
+    _fields_ = [("nibbles", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, product) -> "Int4Weight":
+        """The addresses of a quantized.Int4Linear's packed buffers (tiles=True)."""
+        return cls(product.nibbles.data_ptr(), product.tile_scale.data_ptr(), product.tile_zero.data_ptr())
+
+
+_entries: dict[str, ctypes._CFuncPtr] = {}
+_entries_lock = threading.Lock()  # not _lock: load() takes that one
+
+
+def entry(name: str, argtypes: list) -> ctypes._CFuncPtr:
+    """The library's function `name` (returning int), its argument types set once; the library must load."""
+    with _entries_lock:
+        if name not in _entries:
+            function = getattr(load_library(), name)
+            function.restype, function.argtypes = ctypes.c_int, argtypes
+            _entries[name] = function
+        return _entries[name]
+
+
+def load_library() -> ctypes.CDLL:
+    library, why = load()
+    if library is None:
+        raise OSError(why)
+    return library
+
+
 def tile_unit() -> bool:
     """Whether the kernels may use Intel AMX's tile unit here: the CPU has it (TILE_FLAGS), the library
     loads and the OS grants this process the tile state (decided once)."""

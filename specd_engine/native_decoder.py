@@ -30,16 +30,11 @@ from specd_engine.quantized import Int4Linear
 CHOICES = ("native", "framework")  # SPECD_DECODER: native = one call a pass where it runs
 
 _choice = os.environ.get("SPECD_DECODER", "native")
-_function = None  # specd_decoder_pass, once loaded
-
-
-class _Int4(ctypes.Structure):
-    _fields_ = [("nibbles", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Int4), ("o", _Int4),
-                ("gate_up", _Int4), ("down", _Int4), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", native.Int4Weight), ("o", native.Int4Weight),
+                ("gate_up", native.Int4Weight), ("down", native.Int4Weight), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
 
 
 class _Decoder(ctypes.Structure):
@@ -74,19 +69,9 @@ def unavailable(lean, store) -> str:
 
 
 def _kernel():
-    global _function
-    if _function is None:
-        function = native.load()[0].specd_decoder_pass
-        function.restype = ctypes.c_int
-        pointer, number = ctypes.c_void_p, ctypes.c_int
-        function.argtypes = [ctypes.POINTER(_Decoder), pointer, number] + [pointer] * 5 + \
-            [number, pointer, pointer, number, number, number, pointer, number, pointer, number]
-        _function = function
-    return _function
-
-
-def _int4(product: Int4Linear) -> _Int4:
-    return _Int4(product.nibbles.data_ptr(), product.tile_scale.data_ptr(), product.tile_zero.data_ptr())
+    pointer, number = ctypes.c_void_p, ctypes.c_int
+    return native.entry("specd_decoder_pass", [ctypes.POINTER(_Decoder), pointer, number] + [pointer] * 5 +
+                        [number, pointer, pointer, number, number, number, pointer, number, pointer, number])
 
 
 class NativeDecoder:
@@ -100,8 +85,8 @@ class NativeDecoder:
         first = lean.layers[0]
         self.lean, self.store = lean, store
         self._layers = (_Layer * len(lean.layers))(*(
-            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), _int4(layer.qkv), _int4(layer.o), _int4(layer.gate_up),
-                   _int4(layer.down), store.keys[index].data_ptr(), store.values[index].data_ptr())
+            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), native.Int4Weight.of(layer.qkv), native.Int4Weight.of(layer.o), native.Int4Weight.of(layer.gate_up),
+                   native.Int4Weight.of(layer.down), store.keys[index].data_ptr(), store.values[index].data_ptr())
             for index, layer in enumerate(lean.layers)))
         self._model = _Decoder(len(lean.layers), first.qkv.in_features, first.heads, first.kv_heads, first.head_dim,
                                first.intermediate, store.slots, store.capacity, store.keys[0].dtype == torch.bfloat16,

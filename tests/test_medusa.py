@@ -505,19 +505,25 @@ def test_heads_product_precision_chosen_from_fake_timings(tiny, monkeypatch):
     faster than float32, float32 elsewhere (and no reduced copy of the columns kept that no size
     uses); the residual blocks likewise in int8; the record names the timings."""
     from specd_engine import autotune
-    from verify_service import medusa
+    from verify_service import medusa, native_heads
 
     heads, _ = random_token_heads(tiny, chained=True)
     ms = {(1, "float32"): 0.50, (1, "bfloat16"): 0.69, (1, "int8"): 0.48, (4, "float32"): 2.42, (4, "bfloat16"): 0.81,
           (4, "int8"): 1.0, (8, "float32"): 3.0, (8, "bfloat16"): 2.9, (8, "int8"): 5.0,
           (1, "blocks float32"): 1.6, (1, "blocks int8"): 1.2, (4, "blocks float32"): 1.9, (4, "blocks int8"): 1.8,
-          (8, "blocks float32"): 2.2, (8, "blocks int8"): 1.6}
+          (8, "blocks float32"): 2.2, (8, "blocks int8"): 1.6,
+          (1, "native"): 0.95, (1, "framework"): 1.0, (4, "native"): 1.0, (4, "framework"): 3.0, (8, "native"): 1.0, (8, "framework"): 3.0}
     monkeypatch.setattr(autotune, "measure_interleaved", lambda runs, repeats: {key: ms[key[1:]] / 1e3 for key in runs})
     record = heads.tune_product(rows=(1, 4, 8))
     assert heads.product_dtypes == {1: "float32", 4: "bfloat16", 8: "float32"}  # 1 row and 8 rows: within the margin
     assert heads.block_dtypes == {1: "int8", 4: "float32", 8: "int8"}
-    assert record[4] == ("bfloat16 (2.42 ms float32, 0.81 ms bfloat16, 1.00 ms int8); "
-                         "blocks float32 (1.90 ms float32, 1.80 ms int8)")
+    assert record[4].startswith("bfloat16 (2.42 ms float32, 0.81 ms bfloat16, 1.00 ms int8); "
+                                "blocks float32 (1.90 ms float32, 1.80 ms int8); proposals ")
+    if not native_heads.unavailable(heads):  # a whole proposal natively where it is REDUCED_MARGIN faster
+        assert heads.native_rows == {1: False, 4: True, 8: True} and heads.native is not None
+        assert record[4].endswith("proposals native (1.00 ms native int4, 3.00 ms framework)")
+    else:
+        assert heads.native is None and "proposals by the framework (native: " in record[4]
     assert set(heads.reduced) == {"bfloat16"} and heads.rescoring is not None and len(heads.packed_blocks) == sum(len(head) for head in heads.heads)
     assert medusa.REDUCED_MARGIN > 3.0 / 2.9
     ms[(1, "int8")], ms[(4, "bfloat16")] = 0.42, 2.5  # the AVX2-only EPYC: int8 at one row

@@ -123,6 +123,8 @@ class MedusaHeads(nn.Module):
         self.rescoring: Optional[torch.Tensor] = None  # head_columns as rows [V', H], while a reduced precision is kept
         self.block_dtypes: dict[int, str] = {}  # rows → float32 or int8 for the residual blocks (tune_product); {}: float32
         self.packed_blocks: dict[tuple[int, int], Int8Linear] = {}  # (head, layer) → its block's weight in 8 bits, when some size uses them
+        self.native = None  # NativeHeads (verify_service/native_heads.py), when some row count proposes natively
+        self.native_rows: dict[int, bool] = {}  # rows → whether proposals take the native call (tune_product); {}: never
         if config.next_token_input:
             if embedding is None:
                 raise ValueError("Medusa heads with next_token_input need the target's input embedding")
@@ -191,6 +193,8 @@ class MedusaHeads(nn.Module):
         only the first `depth` heads propose (K = depth; each head costs a product over V' × H)."""
         features = self.fused(features, layer_features)
         heads = min(depth, len(self.heads)) if depth > 0 else len(self.heads)
+        if self.native is not None and autotune.by_size(self.native_rows, features.shape[0], False):
+            return self.native.ranked(features, next_tokens, candidates, heads)
         if not self.config.chained_input:
             outputs = torch.stack([self.head_output(k, features, next_tokens) for k in range(heads)])  # [K, N, H]
             top, probs = self.top_columns(outputs.flatten(0, 1), candidates, with_probs=True)  # [K·N, c] each: one product
@@ -292,6 +296,7 @@ class MedusaHeads(nn.Module):
         own alone by a reduced precision's rounding (its proposals are rescored in float32). Float32,
         unmeasured, off the CPU."""
         self.product_dtypes, self.block_dtypes = {}, {}
+        self.native, self.native_rows = None, {}
         if self.head_columns.device.type != "cpu":
             return {}
         h = self.config.hidden_size
@@ -334,8 +339,42 @@ class MedusaHeads(nn.Module):
         def described(n: int, chosen: str, names: Sequence[str], prefix: str = "") -> str:
             return f"{chosen} (" + ", ".join(f"{costs[n, prefix + name]:.2f} ms {name}" for name in names) + ")"
 
-        return {n: described(n, self.product_dtypes[n], precisions) + "; blocks " + described(n, self.block_dtypes[n], blocks, "blocks ")
-                for n in self.product_dtypes}
+        chosen = {n: described(n, self.product_dtypes[n], precisions) + "; blocks " + described(n, self.block_dtypes[n], blocks, "blocks ")
+                  for n in self.product_dtypes}
+        natively = self._tune_native(rows, repeats, measure) if costs else {}
+        return {n: chosen[n] + natively.get(n, "") for n in chosen}
+
+    def _tune_native(self, rows: Sequence[int], repeats: int, measure: autotune.Measure) -> dict[int, str]:
+        """Time a whole proposal (every head, one candidate) natively (NativeHeads) and by the framework at
+        the precisions just chosen, for each row count in rows, interleaved; propose natively where it is
+        REDUCED_MARGIN faster. Returns rows → what was measured ("" for every row count where it cannot run)."""
+        from verify_service import native_heads
+
+        self.native, self.native_rows = None, {}
+        why = native_heads.unavailable(self)
+        if why:
+            return {n: f"; proposals by the framework (native: {why})" for n in rows}
+        native = native_heads.NativeHeads(self)
+        h, layers = self.config.hidden_size, len(self.config.fusion_layers)
+        features = {n: torch.randn(n, h) for n in rows}  # [n, H]
+        tokens = {n: torch.randint(0, self.config.vocab_size, (n,)) for n in rows}  # [n]
+        fused = {n: torch.randn(n, layers, h) if layers else None for n in rows}  # [n, L, H]
+
+        def proposal(n: int, natively: bool):
+            def run():
+                self.native, self.native_rows = (native, {1: True}) if natively else (None, {})
+                self.ranked(features[n], tokens[n], fused[n])
+            return run
+
+        def runs() -> dict:
+            return {(torch.get_num_threads(), n, way): proposal(n, way == "native") for n in rows for way in ("native", "framework")}
+
+        timed = measure("heads proposal (native int4, framework)", runs, repeats)
+        costs = {key[1:]: seconds * 1e3 for key, seconds in timed.items()}  # (rows, way) → ms
+        self.native_rows = {n: costs[n, "native"] * REDUCED_MARGIN < costs[n, "framework"] for n in rows} if costs else {}
+        self.native = native if any(self.native_rows.values()) else None
+        return {n: f"; proposals {'native' if self.native_rows.get(n) else 'framework'} ({costs[n, 'native']:.2f} ms native int4, "
+                   f"{costs[n, 'framework']:.2f} ms framework)" for n in rows if costs}
 
 
 def faster_than_float32(costs: dict[tuple[int, str], float], rows: int, reduced: Sequence[str], float32: str = FLOAT32) -> str:

@@ -34,20 +34,10 @@
 
 #define PARALLEL_ROWS 32 /* rows from which the loops between products share the threads (below, the fork costs more) */
 
-typedef void (*int4_kernel)(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
-
-void specd_int4_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
-void specd_int4_mm_avx512(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
-void specd_int4_prompt_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
                       int capacity, int D, float scale, int bf16, int threads, int amx,
                       const float *new_keys, const float *new_values, const int64_t *writes);
-
-typedef struct { /* a product's packed weight (int4_tiles.pack) */
-    const uint8_t *nibbles;
-    const uint16_t *scale, *zero;
-} specd_int4;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [C] */
@@ -125,18 +115,13 @@ static void rotate_rows(const float *qkv, const float *cos, const float *sin, fl
     }
 }
 
-/* act [R, I] = silu(g) · u for gu [R, 2 I] = (g, u): σ(g) = 1 / (1 + e) for g ≥ 0 and e / (1 + e) below, e = exp(-|g|). */
+/* act [R, I] = silu(g) · u for gu [R, 2 I] = (g, u). */
 static void silu_rows(const float *gu, float *act, int R, int I, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (R >= PARALLEL_ROWS)
     for (int r = 0; r < R; r++) {
         const float *g = gu + (size_t)r * 2 * I, *u = g + I;
-        for (int i = 0; i < I; i += 16) {
-            const __m512 gate = _mm512_loadu_ps(g + i), one = _mm512_set1_ps(1.0f);
-            const __m512 e = exp_nonpositive(_mm512_min_ps(gate, _mm512_sub_ps(_mm512_setzero_ps(), gate)));
-            const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
-            _mm512_storeu_ps(act + (size_t)r * I + i, _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), _mm512_loadu_ps(u + i)));
-        }
+        for (int i = 0; i < I; i += 16)
+            _mm512_storeu_ps(act + (size_t)r * I + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
     }
 }
 

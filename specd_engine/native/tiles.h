@@ -1,5 +1,6 @@
 /* What specd's kernels share: Intel AMX's tile configuration (palette 1), the widening of bfloat16 lanes
- * to float32, and the vector exp of attention's softmax and the decoder's SiLU. */
+ * to float32, the vector exp of attention's softmax and of SiLU, and the int4 products' entry points (for
+ * the native decoder's and the Medusa heads' calls). */
 #ifndef SPECD_TILES_H
 #define SPECD_TILES_H
 #include <immintrin.h>
@@ -45,5 +46,24 @@ static inline __m512 exp_nonpositive(__m512 x) {
     const __m512 scaled = _mm512_scalef_ps(p, k);
     return _mm512_mask_mov_ps(scaled, tiny, _mm512_setzero_ps());
 }
+
+/* silu(g) = g · σ(g), 16 at a time: σ(g) = 1 / (1 + e) for g ≥ 0 and e / (1 + e) below, e = exp(-|g|). */
+static inline __m512 silu16(__m512 gate) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp_nonpositive(_mm512_min_ps(gate, _mm512_sub_ps(_mm512_setzero_ps(), gate)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mul_ps(gate, _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e)));
+}
+
+typedef struct { /* a product's packed weight (int4_tiles.pack) */
+    const uint8_t *nibbles;
+    const uint16_t *scale, *zero;
+} specd_int4;
+
+/* out [M, N] = x [M, K] · Wᵀ (int4_tiles.c): (x, nibbles, scale, zero, out, M, K, N, threads, floats) */
+typedef void (*int4_kernel)(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+void specd_int4_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+void specd_int4_mm_avx512(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+void specd_int4_prompt_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 
 #endif

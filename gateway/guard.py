@@ -2,7 +2,7 @@
 
 The planner prices each round from estimates: acceptance per position, the heads' calibrated
 confidence, step costs by size. Each estimate can be right on average and the request still lose:
-a pass that asks for the heads' proposals costs ~20% more on a 2-core CPU whether the next round
+a pass that asks for the heads' proposals costs ~15% more on a 2-core CPU whether the next round
 drafts or not, a size never served is priced from start-up costs, not as served, and on text unlike
 the drafts' training the drafts that are taken keep little. So the guard judges the policy by what it did, not by what
 it expected: over a trial of policy.guard_trial_rounds rounds run alone, the tokens emitted per

@@ -293,8 +293,9 @@ class MedusaHeads(nn.Module):
         6.85 against 9.35 for four rows (scripts/heads_precision.py). Greedy and coupled sampled
         sessions score one row (verify_service/scorer.py), other sampling ones every row of the pass.
         A batch's rows take its row count's precision, so a row's confidences may differ from its
-        own alone by a reduced precision's rounding (its proposals are rescored in float32). Float32,
-        unmeasured, off the CPU."""
+        own alone by a reduced precision's rounding (its proposals are rescored in float32). Then a
+        whole proposal natively (verify_service/native_heads.py) against the framework's at the
+        precisions chosen (_tune_native). Float32, unmeasured, off the CPU."""
         self.product_dtypes, self.block_dtypes = {}, {}
         self.native, self.native_rows = None, {}
         if self.head_columns.device.type != "cpu":

@@ -1,13 +1,15 @@
-"""The Medusa heads' proposals in float32 and in 8 bits: what each costs as served, what each proposes.
+"""The Medusa heads' proposals in float32, in 8 bits and natively: what each costs as served, what each proposes.
 
 The verify measures at start-up which precision each row count's heads take (MedusaHeads.tune_product),
 with the weights hot in cache; served, a proposal follows a pass that streamed the target's weights, so
 its own weights come from memory. This times, on the model thread, a proposal of every head right after
 a decoding pass of the int4 target, for one row and four, with the blocks and products in float32 and
-in int8 (specd's AMX tiles where they serve), interleaved. And it runs the target greedily over
-prompts, then asks both precisions for proposals at every answer row (teacher-forced: the answer's
-own next token as the token input) and reports how often they agree and how often each head's
-proposal is the answer's token. One JSON object (docs/design/medusa-heads.md).
+in int8 (specd's AMX tiles where they serve), and in one native call (verify_service/native_heads.py,
+where it runs), interleaved. And it runs the target greedily over prompts, then asks each for
+proposals at every answer row (teacher-forced: the answer's own next token as the token input) and
+reports how often they agree, how often each head's proposal is the answer's token, and how often a
+chain of proposals is the answer's tokens up to each depth (what a round keeps). One JSON object
+(docs/design/medusa-heads.md).
 
     python scripts/heads_precision.py --out docs/benchmarks/never_loses/heads_precision.json
     python scripts/heads_precision.py --target TINY_MODEL_DIR --heads HEADS_DIR --prompts P.jsonl --limit 1 --tokens 4 --repeats 1   (CI)
@@ -26,59 +28,91 @@ from specd_app.bench import load_prompts, machine_facts
 from specd_common.config import DEFAULT_MEDUSA_HEADS, DEFAULT_TARGET
 from specd_engine.lm import CausalLM
 from specd_engine.models import load_causal_lm
+from verify_service import native_heads
 from verify_service.medusa import FLOAT32, INT8, MedusaHeads, load_heads
 
 PROMPTS = ["docs/benchmarks/unseen_prompts.jsonl", "docs/benchmarks/heldout_prompts.jsonl"]
 ROWS = (1, 4)  # a greedy (or coupled sampled) session's row, and a sampled chain's
 WARMUP = 3  # timings dropped: first calls allocate
+NATIVE = "native"  # the proposal in one native call (verify_service/native_heads.py)
+
+
+def ways(heads: MedusaHeads) -> tuple[str, ...]:
+    """The proposals compared: float32, int8 and, where it runs, native."""
+    return (FLOAT32, INT8) if native_heads.unavailable(heads) else (FLOAT32, INT8, NATIVE)
+
+
+def prepare(heads: MedusaHeads, way: str) -> None:
+    """The heads' weights packed for `way` (untimed: packing takes longer than a proposal)."""
+    if way != NATIVE:
+        heads.fix_precision(way)
+
+
+def proposals_of(heads: MedusaHeads, way: str, native, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Every head's best proposal [rows, K] the given way (prepared)."""
+    if way == NATIVE:
+        return native.ranked(features, tokens, 1, len(heads.heads))[0][..., 0]
+    return heads.propose(features, tokens)
 
 
 def cold_proposals(lm: CausalLM, heads: MedusaHeads, repeats: int) -> dict:
     """ms of a proposal of every head after a one-row decoding pass, by rows and precision (medians)."""
     def work() -> dict:
         session = lm.new_session([(5 * j) % (lm.vocab_size - 10) + 10 for j in range(200)])
+        native = native_heads.NativeHeads(heads) if NATIVE in ways(heads) else None
         times: dict[str, list[float]] = {}
         for _ in range(repeats + WARMUP):
             for rows in ROWS:
                 features = torch.randn(rows, heads.config.hidden_size)
                 tokens = torch.randint(0, heads.config.vocab_size, (rows,))
-                for precision in (FLOAT32, INT8):
-                    heads.fix_precision(precision)
+                for way in ways(heads):
+                    prepare(heads, way)
                     lm.forward(session, [5])  # a pass streams the target's weights, as serving does
                     start = time.perf_counter()
-                    heads.ranked(features, tokens, None, 1)
-                    times.setdefault(f"{rows} row(s), {precision}", []).append((time.perf_counter() - start) * 1e3)
+                    proposals_of(heads, way, native, features, tokens)
+                    times.setdefault(f"{rows} row(s), {way}", []).append((time.perf_counter() - start) * 1e3)
         return {name: round(statistics.median(values[WARMUP:]), 2) for name, values in times.items()}
     return lm.run(work)  # on the model thread: torch work on another would start a second OpenMP team
 
 
 @torch.inference_mode()
 def agreement(loaded, heads: MedusaHeads, prompts: list[dict], tokens: int) -> dict:
-    """Over every answer row of the target's greedy answers: how often int8's proposal equals float32's,
-    and how often each precision's head k proposes the answer's token k + 1 after the row's next one."""
-    same, hits, rows = [0] * len(heads.heads), {FLOAT32: [0] * len(heads.heads), INT8: [0] * len(heads.heads)}, 0
-    tokenizer, model = loaded.tokenizer, loaded.model
+    """Over every answer row of the target's greedy answers: how often int8's (and native) proposals equal
+    float32's, how often each way's head k proposes the answer's token k + 1 after the row's next one,
+    and how often its heads 1..k all do (a chain a round keeps up to depth k)."""
+    compared = ways(heads)
+    native = native_heads.NativeHeads(heads) if NATIVE in compared else None
+    k_heads = len(heads.heads)
+    same = {way: [0] * k_heads for way in compared[1:]}
+    hits = {way: [0] * k_heads for way in compared}
+    chains = {way: [0] * k_heads for way in compared}
+    tokenizer, model, rows = loaded.tokenizer, loaded.model, 0
     for prompt in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt["prompt"]}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]  # [1, P]
         answer = model.generate(ids, max_new_tokens=tokens, do_sample=False)[0]  # [P + n]
         hidden = model(answer[None], output_hidden_states=True).hidden_states[-1][0]  # [P + n, H]: after the final norm
-        at = list(range(ids.shape[1] - 1, answer.shape[0] - len(heads.heads) - 1))  # rows whose heads' tokens are all in the answer
+        at = list(range(ids.shape[1] - 1, answer.shape[0] - k_heads - 1))  # rows whose heads' tokens are all in the answer
         if not at:
             continue
         proposed = {}
-        for precision in (FLOAT32, INT8):
-            heads.fix_precision(precision)
-            proposed[precision] = heads.propose(hidden[at], answer[[row + 1 for row in at]])  # [rows, K]
-        for k in range(len(heads.heads)):
-            truth = answer[[row + 2 + k for row in at]]
-            same[k] += int((proposed[FLOAT32][:, k] == proposed[INT8][:, k]).sum())
-            for precision in hits:
-                hits[precision][k] += int((proposed[precision][:, k] == truth).sum())
+        for way in compared:
+            prepare(heads, way)
+            proposed[way] = proposals_of(heads, way, native, hidden[at], answer[[row + 1 for row in at]])  # [rows, K]
+        for way, proposals in proposed.items():
+            chain = torch.ones(len(at), dtype=torch.bool)
+            for k in range(k_heads):
+                hit = proposals[:, k] == answer[[row + 2 + k for row in at]]
+                chain &= hit
+                hits[way][k] += int(hit.sum())
+                chains[way][k] += int(chain.sum())
+                if way in same:
+                    same[way][k] += int((proposals[:, k] == proposed[FLOAT32][:, k]).sum())
         rows += len(at)
     share = lambda counts: [round(count / max(rows, 1), 4) for count in counts]  # noqa: E731
-    return {"rows": rows, "int8_equals_float32_by_head": share(same),
-            "top1_by_head": {precision: share(counts) for precision, counts in hits.items()}}
+    return {"rows": rows, **{f"{way}_equals_float32_by_head": share(counts) for way, counts in same.items()},
+            "top1_by_head": {way: share(counts) for way, counts in hits.items()},
+            "chain_by_depth": {way: share(counts) for way, counts in chains.items()}}
 
 
 def main() -> None:

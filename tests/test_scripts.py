@@ -227,11 +227,16 @@ def test_heads_precision_times_and_compares_float32_and_int8_heads(tiny, tmp_pat
                                                  f"--limit 1 --tokens 8 --repeats 1")
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
     assert result["command"].startswith("python scripts/heads_precision.py") and result["machine"]["date"]
-    assert set(result["proposal_ms_after_a_pass"]) == {f"{rows} row(s), {precision}" for rows in (1, 4) for precision in ("float32", "int8")}
+    from verify_service import native_heads
+
+    compared = ("float32", "int8") + (() if native_heads.unavailable(heads) else ("native",))
+    assert set(result["proposal_ms_after_a_pass"]) == {f"{rows} row(s), {way}" for rows in (1, 4) for way in compared}
     assert min(result["proposal_ms_after_a_pass"].values()) > 0
     agreement = result["agreement"]
     assert agreement["rows"] > 0 and len(agreement["int8_equals_float32_by_head"]) == len(heads.heads)
     assert all(0 <= share <= 1 for shares in agreement["top1_by_head"].values() for share in shares)
+    assert set(agreement["chain_by_depth"]) == set(compared)  # a chain up to depth k never hits more often than head k alone
+    assert all(chain <= top1 for way in compared for chain, top1 in zip(agreement["chain_by_depth"][way], agreement["top1_by_head"][way]))
 
 
 def test_tracing_overhead_times_the_three_stacks():

@@ -2,7 +2,9 @@
 
 Why: a few of a CPU pass's steps have no PyTorch kernel that keeps a row's bits its own while serving
 many rows at once: the int4 products (int4_tiles.py) and attention over a KV store in place
-(store_attention.py). The C files are compiled with the system's C compiler into specd's cache folder
+(store_attention.py); and where framework operators between products cost more than the products,
+whole steps run in one call: a pass's decoder layers (native_decoder.py) and the Medusa heads'
+proposals (verify_service/native_heads.py). The C files are compiled with the system's C compiler into specd's cache folder
 (runtime_cache.cache_root(), ~1 s), or beside their sources when an image is built (`python -m
 specd_engine.native`), and the library's name is a digest of the sources and flags, so an edit never
 loads a stale build. OpenMP binds to the runtime torch already loaded (libgomp.so.1 by soname), so the

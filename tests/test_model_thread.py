@@ -55,7 +55,8 @@ def test_every_pass_and_the_scorers_own_torch_work_run_on_the_model_thread(tiny,
         monkeypatch.setattr(scorer.lm.lean, "forward_ragged", lambda *args, **kwargs: (record("pass"), ragged(*args, **kwargs))[1])
     else:
         loaded.model.register_forward_pre_hook(lambda module, args: record("pass"))
-    heads.heads[0][0].register_forward_pre_hook(lambda module, args: record("heads"))  # head 1's block: every proposal runs it
+    ranked = heads.ranked  # every proposal, native (verify_service/native_heads.py) or the framework's
+    monkeypatch.setattr(heads, "ranked", lambda *args, **kwargs: (record("heads"), ranked(*args, **kwargs))[1])
     for name in ("encode_features", "warp_probs"):
         real = getattr(scorer_module, name)
         monkeypatch.setattr(scorer_module, name, lambda *args, _real=real, _name=name: (record(_name), _real(*args))[1])

@@ -77,3 +77,13 @@ def test_ranked_proposes_natively_only_for_the_row_counts_chosen(tiny):
     heads.native, heads.native_rows = native, {1: True, 4: False}
     assert torch.equal(heads.ranked(features[:1], next_tokens[:1], None, 1)[1], native.ranked(features[:1], next_tokens[:1], 1, 3)[1])
     assert torch.equal(heads.ranked(features, next_tokens, None, 1)[1], framework[1])
+
+
+def test_no_rows_propose_nothing_and_too_many_candidates_are_refused(tiny):
+    """An empty batch gets empty proposals; more candidates than the heads' vocabulary holds is a clear error."""
+    heads, loaded = random_token_heads(tiny, chained=True)
+    native = native_or_skip(heads)
+    tokens, probs = native.ranked(torch.empty(0, loaded.model.config.hidden_size), torch.empty(0, dtype=torch.long), 2, 3)
+    assert tokens.shape == probs.shape == (0, 3, 2)
+    with pytest.raises(ValueError, match="refused"):
+        native.ranked(torch.randn(1, loaded.model.config.hidden_size), torch.tensor([1]), heads.config.draft_vocab_size + 1, 1)

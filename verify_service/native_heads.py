@@ -89,5 +89,6 @@ class NativeHeads:
         failed = _kernel()(ctypes.byref(self._model), features.data_ptr(), tokens.data_ptr(), rows, depth, candidates,
                            int4_tiles.instruction_set() != "amx", torch.get_num_threads(), ids.data_ptr(), probs.data_ptr())
         if failed:
-            raise MemoryError("the native Medusa heads ran out of memory")
+            raise ValueError(f"the native Medusa heads refused {rows} row(s) × {candidates} candidates of a "
+                             f"{self.heads.config.draft_vocab_size}-token vocabulary, or ran out of memory")
         return ids, probs

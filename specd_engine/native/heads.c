@@ -100,7 +100,8 @@ static float dot(const float *a, const float *b, int H) {
 /* Each row's candidates of one head: tokens and confidences [candidates] from its scores s [V'] and x [H]. */
 static void candidates_of(const specd_heads *m, const float *s, const float *x, int candidates, int *columns,
                           int64_t *tokens, float *probs) {
-    const int R = m->rescored > candidates ? m->rescored : candidates;
+    const int wanted = m->rescored > candidates ? m->rescored : candidates;
+    const int R = wanted < m->draft_vocab ? wanted : m->draft_vocab;
     float exact[R];
     top_columns(s, m->draft_vocab, R, columns);
     for (int j = 0; j < R; j++) exact[j] = dot(m->rows + (size_t)columns[j] * m->hidden, x, m->hidden);
@@ -121,10 +122,11 @@ static void candidates_of(const specd_heads *m, const float *s, const float *x, 
 }
 
 /* The first `depth` heads' proposals for rows features [N, H] whose next tokens are next_tokens [N]: tokens
- * and probs [N, depth, candidates]. 0, or -1 when memory ran out. */
+ * and probs [N, depth, candidates]. 0, or -1 when memory ran out or candidates exceed the vocabulary. */
 int specd_heads_propose(const specd_heads *m, const float *features, const int64_t *next_tokens, int N, int depth,
                         int candidates, int avx512, int threads, int64_t *tokens, float *probs) {
     const int H = m->hidden, V = m->draft_vocab, R = m->rescored > candidates ? m->rescored : candidates;
+    if (N <= 0 || depth <= 0 || candidates <= 0 || candidates > V) return N < 0 || depth < 0 || candidates > V ? -1 : 0;
     const int4_kernel mm = avx512 ? specd_int4_mm_avx512 : specd_int4_mm;
     const int8_kernel mm8 = avx512 ? specd_int8_mm_avx512 : specd_int8_mm;
     int widest = H;

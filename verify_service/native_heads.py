@@ -67,7 +67,7 @@ class NativeHeads:
         self.blocks = [[Int8Linear(block.linear.weight.detach().float(), tiles=True) for block in head] for head in heads.heads]
         self.biases = [[block.linear.bias.detach().float().contiguous() for block in head] for head in heads.heads]
         self.product = Int4Linear(heads.head_columns.T, tiles=True)  # [V', H] rows
-        self.rows = heads.head_columns.T.contiguous()  # [V', H] float32
+        self.rows = heads.rescoring if heads.rescoring is not None else heads.head_columns.T.contiguous()  # [V', H] float32, shared
         self.embedding = heads.embedding.contiguous() if config.next_token_input else torch.zeros(1, config.hidden_size)
         self.vocab_ids = heads.vocab_ids.contiguous()
         self._blocks = (_Block * (len(self.blocks) * config.num_layers))(*(

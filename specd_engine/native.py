@@ -74,17 +74,13 @@ def entry(name: str, argtypes: list) -> ctypes._CFuncPtr:
     """The library's function `name` (returning int), its argument types set once; the library must load."""
     with _entries_lock:
         if name not in _entries:
-            function = getattr(load_library(), name)
+            library, why = load()
+            if library is None:
+                raise OSError(why)
+            function = getattr(library, name)
             function.restype, function.argtypes = ctypes.c_int, argtypes
             _entries[name] = function
         return _entries[name]
-
-
-def load_library() -> ctypes.CDLL:
-    library, why = load()
-    if library is None:
-        raise OSError(why)
-    return library
 
 
 def tile_unit() -> bool:

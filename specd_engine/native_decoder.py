@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from specd_engine import int4_tiles, lean_forward, native, store_attention
-from specd_engine.quantized import Int4Linear
+from specd_engine.quantized import PRODUCTS, Int4Linear
 
 CHOICES = ("native", "framework")  # SPECD_DECODER: native = one call a pass where it runs
 
@@ -33,8 +33,8 @@ _choice = os.environ.get("SPECD_DECODER", "native")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", native.Int4Weight), ("o", native.Int4Weight),
-                ("gate_up", native.Int4Weight), ("down", native.Int4Weight), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [(name, native.Int4Weight) for name in PRODUCTS] + \
+               [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
 
 
 class _Decoder(ctypes.Structure):
@@ -58,7 +58,7 @@ def unavailable(lean, store) -> str:
     if int4_tiles.unavailable():
         return f"no int4 tiles: {int4_tiles.unavailable()}"
     layer = lean.layers[0]
-    products = [getattr(each, name) for each in lean.layers for name in ("qkv", "o", "gate_up", "down")]
+    products = [getattr(each, name) for each in lean.layers for name in PRODUCTS]
     if not all(isinstance(product, Int4Linear) and product.tiles for product in products):
         return "a product that is not a tile-packed int4 one"
     if lean.embed.weight.dtype != torch.float32 or any(each.input_norm.dtype != torch.float32 for each in lean.layers):
@@ -85,8 +85,9 @@ class NativeDecoder:
         first = lean.layers[0]
         self.lean, self.store = lean, store
         self._layers = (_Layer * len(lean.layers))(*(
-            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), native.Int4Weight.of(layer.qkv), native.Int4Weight.of(layer.o), native.Int4Weight.of(layer.gate_up),
-                   native.Int4Weight.of(layer.down), store.keys[index].data_ptr(), store.values[index].data_ptr())
+            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                   *(native.Int4Weight.of(getattr(layer, name)) for name in PRODUCTS),
+                   store.keys[index].data_ptr(), store.values[index].data_ptr())
             for index, layer in enumerate(lean.layers)))
         self._model = _Decoder(len(lean.layers), first.qkv.in_features, first.heads, first.kv_heads, first.head_dim,
                                first.intermediate, store.slots, store.capacity, store.keys[0].dtype == torch.bfloat16,

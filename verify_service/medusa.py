@@ -351,7 +351,6 @@ class MedusaHeads(nn.Module):
         REDUCED_MARGIN faster. Returns rows → what was measured ("" for every row count where it cannot run)."""
         from verify_service import native_heads
 
-        self.native, self.native_rows = None, {}
         why = native_heads.unavailable(self)
         if why:
             return {n: f"; proposals by the framework (native: {why})" for n in rows}

@@ -55,8 +55,15 @@ def _kernel():
     return native.entry("specd_heads_propose", [ctypes.POINTER(_Heads), pointer, pointer] + [number] * 5 + [pointer, pointer])
 
 
+def tiled_block(heads, index: int, layer: int) -> Int8Linear:
+    """Head index's block `layer` in 8 bits on specd's tiles: the framework's packing (MedusaHeads.packed_blocks)
+    where it already holds one, else packed the same way."""
+    packed = heads.packed_blocks.get((index, layer))
+    return packed if packed is not None and packed.tiles else Int8Linear(heads.heads[index][layer].linear.weight.detach().float(), tiles=True)
+
+
 class NativeHeads:
-    """`heads`' blocks and product packed in 4 bits once, and their proposals in one call (module docstring)."""
+    """`heads`' blocks (8 bits) and product (4 bits) packed once, and their proposals in one call (module docstring)."""
 
     def __init__(self, heads):
         why = unavailable(heads)
@@ -64,7 +71,7 @@ class NativeHeads:
             raise ValueError(f"the Medusa heads cannot propose natively here: {why}")
         config = heads.config
         self.heads = heads
-        self.blocks = [[Int8Linear(block.linear.weight.detach().float(), tiles=True) for block in head] for head in heads.heads]
+        self.blocks = [[tiled_block(heads, index, layer) for layer in range(config.num_layers)] for index in range(config.num_heads)]
         self.biases = [[block.linear.bias.detach().float().contiguous() for block in head] for head in heads.heads]
         self.product = Int4Linear(heads.head_columns.T, tiles=True)  # [V', H] rows
         self.rows = heads.rescoring if heads.rescoring is not None else heads.head_columns.T.contiguous()  # [V', H] float32, shared

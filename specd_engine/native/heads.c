@@ -29,10 +29,6 @@
 
 #include "tiles.h"
 
-typedef void (*int8_kernel)(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
-void specd_int8_mm(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
-void specd_int8_mm_avx512(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
-
 typedef struct {
     const int8_t *weight; /* [H, in] in 8 bits (int4_tiles.pack8) */
     const float *scale;   /* [H] */
@@ -48,6 +44,12 @@ typedef struct {
     const float *embedding;         /* the target's input embedding [V, H] */
     const int64_t *vocab_ids;       /* [V']: the target id of each column */
 } specd_heads;
+
+/* Columns a row's candidates are chosen among: the `rescored` best, at least `candidates`, at most the vocabulary. */
+static int rescored_count(const specd_heads *m, int candidates) {
+    const int wanted = m->rescored > candidates ? m->rescored : candidates;
+    return wanted < m->draft_vocab ? wanted : m->draft_vocab;
+}
 
 /* x [H] += silu(y + bias) */
 static void residual_silu(float *x, const float *y, const float *bias, int H) {
@@ -100,8 +102,7 @@ static float dot(const float *a, const float *b, int H) {
 /* Each row's candidates of one head: tokens and confidences [candidates] from its scores s [V'] and x [H]. */
 static void candidates_of(const specd_heads *m, const float *s, const float *x, int candidates, int *columns,
                           int64_t *tokens, float *probs) {
-    const int wanted = m->rescored > candidates ? m->rescored : candidates;
-    const int R = wanted < m->draft_vocab ? wanted : m->draft_vocab;
+    const int R = rescored_count(m, candidates);
     float exact[R];
     top_columns(s, m->draft_vocab, R, columns);
     for (int j = 0; j < R; j++) exact[j] = dot(m->rows + (size_t)columns[j] * m->hidden, x, m->hidden);
@@ -125,8 +126,9 @@ static void candidates_of(const specd_heads *m, const float *s, const float *x, 
  * and probs [N, depth, candidates]. 0, or -1 when memory ran out or candidates exceed the vocabulary. */
 int specd_heads_propose(const specd_heads *m, const float *features, const int64_t *next_tokens, int N, int depth,
                         int candidates, int avx512, int threads, int64_t *tokens, float *probs) {
-    const int H = m->hidden, V = m->draft_vocab, R = m->rescored > candidates ? m->rescored : candidates;
+    const int H = m->hidden, V = m->draft_vocab;
     if (N <= 0 || depth <= 0 || candidates <= 0 || candidates > V) return N < 0 || depth < 0 || candidates > V ? -1 : 0;
+    const int R = rescored_count(m, candidates);
     const int4_kernel mm = avx512 ? specd_int4_mm_avx512 : specd_int4_mm;
     const int8_kernel mm8 = avx512 ? specd_int8_mm_avx512 : specd_int8_mm;
     int widest = H;

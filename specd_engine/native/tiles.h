@@ -1,5 +1,5 @@
 /* What specd's kernels share: Intel AMX's tile configuration (palette 1), the widening of bfloat16 lanes
- * to float32, the vector exp of attention's softmax and of SiLU, and the int4 products' entry points (for
+ * to float32, the vector exp of attention's softmax and of SiLU, and the int4 and int8 products' entry points (for
  * the native decoder's and the Medusa heads' calls). */
 #ifndef SPECD_TILES_H
 #define SPECD_TILES_H
@@ -65,5 +65,10 @@ typedef void (*int4_kernel)(const void *, const uint8_t *, const uint16_t *, con
 void specd_int4_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 void specd_int4_mm_avx512(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 void specd_int4_prompt_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+
+/* out [M, N] = x [M, K] · Wᵀ for 8-bit weights (int4_tiles.c): (x, weights, scale, out, M, K, N, threads, floats) */
+typedef void (*int8_kernel)(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
+void specd_int8_mm(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
+void specd_int8_mm_avx512(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
 
 #endif

@@ -37,8 +37,11 @@ from specd_engine import native
 log = logging.getLogger(__name__)
 
 # instruction set → what its code executes, as /proc/cpuinfo names it; the first this CPU runs serves
-ISAS = {"amx": native.TILE_FLAGS, "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
-ENTRY_POINTS = {"amx": ("specd_int4_mm", "specd_int8_mm"), "avx512-bf16": ("specd_int4_mm_avx512", "specd_int8_mm_avx512")}
+ISAS = {"amx": native.TILE_FLAGS, "avx512-vnni": ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
+        "avx512-bf16": ("avx512f", "avx512bw", "avx512_bf16")}
+ENTRY_POINTS = {"amx": ("specd_int4_mm", "specd_int8_mm"), "avx512-vnni": ("specd_int4_mm_vnni", "specd_int8_mm_avx512"),
+                "avx512-bf16": ("specd_int4_mm_avx512", "specd_int8_mm_avx512")}
+CODES = {"amx": 0, "avx512-bf16": 1, "avx512-vnni": 2}  # what the native calls take (native/tiles.h, int4_kernel_for)
 PROMPT_ENTRY_POINTS = {"amx": "specd_int4_prompt_mm"}  # prompt_product: where the tile unit sums all of K
 KERNELS = ("auto", "tiles", "torch")  # --int4-kernel: auto = tiles where this machine runs them
 TILE_OUT, TILE_IN = 16, 32  # a weight tile: outputs × inputs (one 4-bit group)
@@ -49,6 +52,7 @@ _reason: Optional[str] = None  # why the tiles cannot serve here ("" once they c
 _runnable: list[str] = []  # the instruction sets this process runs, best first (ISAS' order)
 _isa: Optional[str] = None  # the one products take
 _choice = os.environ.get("SPECD_INT4_KERNEL", "auto")
+_isa_asked = os.environ.get("SPECD_INT4_ISA", "")  # an instruction set of ISAS instead of the best this CPU runs (to compare)
 
 
 def use(kernel: str) -> None:
@@ -84,6 +88,16 @@ def instruction_set() -> str:
     return _isa or ""
 
 
+def code() -> int:
+    """The instruction set products take, as the native decoder's and heads' calls name it (CODES)."""
+    return CODES[instruction_set()]
+
+
+def input_precision() -> str:
+    """What the 4-bit products round their inputs to here: 8-bit groups on AVX-512 VNNI, else bfloat16."""
+    return "8-bit" if instruction_set() == "avx512-vnni" else "bfloat16"
+
+
 def runnable_instruction_sets() -> list[str]:
     """Every instruction set of ISAS this process runs, best first (tests compare them)."""
     _load()
@@ -105,7 +119,9 @@ def _load() -> None:
         if _reason is not None:
             return
         _library, _reason = _loaded_library()
-        _isa = _runnable[0] if _runnable else None
+        if _isa_asked and _isa_asked not in _runnable:
+            raise ValueError(f"SPECD_INT4_ISA={_isa_asked}: this process runs {', '.join(_runnable) or 'none of ISAS'}")
+        _isa = _isa_asked or (_runnable[0] if _runnable else None)
         if _reason:
             log.info("int4 products: PyTorch's kernel (%s)", _reason)
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from specd_engine import kv_cache, quantized
+from specd_engine import int4_tiles, kv_cache, quantized
 from specd_engine.quantized import Int4Linear
 
 log = logging.getLogger(__name__)
@@ -435,8 +435,8 @@ def pack_int4(lean: LeanLlama, device: torch.device) -> None:
         lean.lm_head, head = quantized.Int8Linear(lean.lm_head.weight), "8 bits a weight"
     except ValueError as why:
         log.warning("the LM head stays float32: %s", why)
-    log.info("weights: %d of %d decoder products in 4-bit groups, the LM head in %s, bfloat16 inputs", packed,
-             len(quantized.PRODUCTS) * len(lean.layers), head)
+    log.info("weights: %d of %d decoder products in 4-bit groups (%s inputs), the LM head in %s, bfloat16 inputs", packed,
+             len(quantized.PRODUCTS) * len(lean.layers), int4_tiles.input_precision(), head)
     if not choose_query_block(lean.layers[0], device):
         lean.query_per_call = True
         log.warning("this machine's attention rounds a query by the queries batched beside it: each row of a "

@@ -32,7 +32,7 @@ FOLDER = Path(__file__).parent / "native"
 SOURCES = sorted(FOLDER.glob("*.c"))
 HEADERS = sorted(FOLDER.glob("*.h"))
 TILE_FLAGS = ("amx_tile", "amx_bf16", "avx512bw", "avx512_bf16")  # what the tile-unit code executes (/proc/cpuinfo)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: Optional[tuple[Optional[ctypes.CDLL], str]] = None  # (library, why not): decided once a process

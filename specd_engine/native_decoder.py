@@ -111,7 +111,7 @@ class NativeDecoder:
                            rows.slots.data_ptr(), rows.seen.data_ptr(), None if compact is None else compact.data_ptr(),
                            0 if compact is None else compact.shape[1], rows.writes.data_ptr(),
                            prompt.data_ptr() if tiles else None, len(prompt) if tiles else 0,
-                           int4_tiles.instruction_set() != "amx", store_attention.tiles(), None if wanted is None else wanted.data_ptr(), len(layers),
+                           int4_tiles.code(), store_attention.tiles(), None if wanted is None else wanted.data_ptr(), len(layers),
                            None if captured is None else captured.data_ptr(), torch.get_num_threads())
         if failed:
             raise ValueError(f"the native decoder refused rows of slots {rows.slots.tolist()} seeing {rows.seen.tolist()} of "

@@ -164,7 +164,7 @@ def test_the_8_bit_tile_kernel_matches_pytorch_s_and_gives_a_row_its_own_bits(ti
         assert torch.equal(tiles(x[start : start + count])[row - start], together[row])
 
 
-@pytest.mark.skipif(len(int4_tiles.runnable_instruction_sets()) < 2, reason="one instruction set here: nothing to compare")
+@pytest.mark.skipif(not {"amx", "avx512-bf16"} <= set(ISAS_HERE), reason="AMX and AVX-512 BF16 are not both here: nothing to compare")
 def test_the_two_instruction_sets_agree_within_bfloat16_rounding():
     """On a CPU with both (an AMX Xeon), the AVX-512 BF16 products are the AMX ones but for how each sums a
     group's pairs: outputs within a bfloat16 step or two, int4 and 8-bit alike."""
@@ -178,6 +178,40 @@ def test_the_two_instruction_sets_agree_within_bfloat16_rounding():
         int4_tiles.use_instruction_set(before)
     (amx4, amx8), (vector4, vector8) = outputs["amx"], outputs["avx512-bf16"]
     assert (amx4 - vector4).abs().max() <= 2 ** -6 * amx4.abs().max() and (amx8 - vector8).abs().max() <= 2 ** -6 * amx8.abs().max()
+
+
+@pytest.mark.skipif("avx512-vnni" not in ISAS_HERE, reason="the 8-bit-input products run on AVX-512 VNNI, which this CPU lacks")
+@pytest.mark.parametrize("shape", [(48, 96), (960, 576), (576, 1536)])
+def test_the_vnni_products_sum_each_rows_8_bit_groups_exactly(shape):
+    """int4_tiles on AVX-512 VNNI: each row's group of 32 inputs as bytes round(x / d), d = max|x| / 127, summed
+    with the weight's levels exactly, then scaled by the group's d, scale and zero: the kernel's rows within
+    their bfloat16 rounding of that math in float64, for rows of several magnitudes, a zero group among them,
+    float32 and bfloat16 rows alike. A nibble read against the wrong input would miss by far more."""
+    before = int4_tiles.use_instruction_set("avx512-vnni")
+    try:
+        n, k = shape
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(13)) * 0.05
+        linear = quantized.Int4Linear(weight, tiles=True)
+        x = torch.randn(19, k, generator=torch.Generator().manual_seed(14)) * torch.logspace(-3, 2, 19)[:, None]
+        x[4, 32:64] = 0.0  # a group with nothing in it
+        x = x.to(torch.bfloat16).float()  # so that float32 and bfloat16 rows are the same inputs
+        got = linear.rows(x)  # [19, n]
+        assert torch.equal(got, linear.rows(x.to(torch.bfloat16)).float())
+        groups = x.view(-1, k // 32, 32)  # [M, G, 32]
+        largest = groups.abs().amax(dim=-1, keepdim=True)  # float32, as the kernel's
+        step = largest / 127.0
+        # tensor by tensor: a correctly rounded quotient, as the kernel's (a scalar over a tensor is 127 · (1 / x) in torch)
+        inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, torch.zeros_like(largest))
+        levels = (groups * inverse).round().to(torch.float64)  # to nearest even, as the kernel's conversion
+        q = int4_tiles.unpack(linear.nibbles, n, k).to(torch.float64).view(n, k // 32, 32)  # [N, G, 32]
+        scale = linear.tile_scale.permute(0, 2, 1).reshape(n, k // 32).double()  # [N, G]
+        zero = linear.tile_zero.permute(0, 2, 1).reshape(n, k // 32).double()
+        sums = torch.einsum("mgk,ngk->mng", levels, q)  # [M, N, G], exact
+        expected = (step.double().squeeze(-1)[:, None, :] * (scale * sums + (zero - 8 * scale) * levels.sum(-1)[:, None, :])).sum(-1)
+        assert (got.double() - expected).abs().max() <= 2 ** -8 * expected.abs().max()
+        assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
+    finally:
+        int4_tiles.use_instruction_set(before)
 
 
 def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():

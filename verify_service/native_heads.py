@@ -94,7 +94,7 @@ class NativeHeads:
         ids = torch.empty((rows, depth, candidates), dtype=torch.long)
         probs = torch.empty((rows, depth, candidates))
         failed = _kernel()(ctypes.byref(self._model), features.data_ptr(), tokens.data_ptr(), rows, depth, candidates,
-                           int4_tiles.instruction_set() != "amx", torch.get_num_threads(), ids.data_ptr(), probs.data_ptr())
+                           int4_tiles.code(), torch.get_num_threads(), ids.data_ptr(), probs.data_ptr())
         if failed:
             raise ValueError(f"the native Medusa heads refused {rows} row(s) × {candidates} candidates of a "
                              f"{self.heads.config.draft_vocab_size}-token vocabulary, or ran out of memory")

@@ -150,7 +150,7 @@ int specd_decoder_pass(const specd_decoder *m, float *x, int R, const float *cos
     float *h = scratch, *qkv = h + (size_t)R * C, *q = qkv + (size_t)R * width, *k = q + (size_t)R * H * D;
     float *v = k + (size_t)R * Hkv * D, *attended = v + (size_t)R * Hkv * D, *out = attended + (size_t)R * H * D;
     float *gu = out + (size_t)R * C, *act = gu + (size_t)R * 2 * I, *gather_in = act + (size_t)R * I;
-    row_plan plan = {R, prompt_count, prompt_rows, NULL, 0, 0, isa ? specd_int4_mm_avx512 : specd_int4_mm, specd_int4_prompt_mm,
+    row_plan plan = {R, prompt_count, prompt_rows, NULL, 0, 0, int4_kernel_for(isa), specd_int4_prompt_mm,
                      gather_in, gather_in + (size_t)R * widest_in, threads};
     if (prompt_count) {  /* each set as a run of consecutive rows where it is one (no gather), else its rows */
         int count = 0;

@@ -125,12 +125,12 @@ static void candidates_of(const specd_heads *m, const float *s, const float *x, 
 /* The first `depth` heads' proposals for rows features [N, H] whose next tokens are next_tokens [N]: tokens
  * and probs [N, depth, candidates]. 0, or -1 when memory ran out or candidates exceed the vocabulary. */
 int specd_heads_propose(const specd_heads *m, const float *features, const int64_t *next_tokens, int N, int depth,
-                        int candidates, int avx512, int threads, int64_t *tokens, float *probs) {
+                        int candidates, int isa, int threads, int64_t *tokens, float *probs) {
     const int H = m->hidden, V = m->draft_vocab;
     if (N <= 0 || depth <= 0 || candidates <= 0 || candidates > V) return N < 0 || depth < 0 || candidates > V ? -1 : 0;
     const int R = rescored_count(m, candidates);
-    const int4_kernel mm = avx512 ? specd_int4_mm_avx512 : specd_int4_mm;
-    const int8_kernel mm8 = avx512 ? specd_int8_mm_avx512 : specd_int8_mm;
+    const int4_kernel mm = int4_kernel_for(isa);
+    const int8_kernel mm8 = int8_kernel_for(isa);
     int widest = H;
     for (int b = 0; b < m->heads * m->layers; b++) widest = m->block[b].in > widest ? m->block[b].in : widest;
     float *x = malloc(sizeof(float) * N * H), *u = malloc(sizeof(float) * N * widest), *y = malloc(sizeof(float) * N * H);

@@ -65,10 +65,20 @@ typedef void (*int4_kernel)(const void *, const uint8_t *, const uint16_t *, con
 void specd_int4_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 void specd_int4_mm_avx512(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 void specd_int4_prompt_mm(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
+void specd_int4_mm_vnni(const void *, const uint8_t *, const uint16_t *, const uint16_t *, void *, int, int, int, int, int);
 
 /* out [M, N] = x [M, K] · Wᵀ for 8-bit weights (int4_tiles.c): (x, weights, scale, out, M, K, N, threads, floats) */
 typedef void (*int8_kernel)(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
 void specd_int8_mm(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
 void specd_int8_mm_avx512(const void *, const int8_t *, const float *, void *, int, int, int, int, int);
+
+/* The products of an instruction set's code (int4_tiles.CODES): 0 AMX, 1 AVX-512 BF16, 2 AVX-512 VNNI (its
+ * 8-bit weights as AVX-512 BF16's). */
+static inline int4_kernel int4_kernel_for(int isa) {
+    return isa == 2 ? specd_int4_mm_vnni : isa == 1 ? specd_int4_mm_avx512 : specd_int4_mm;
+}
+static inline int8_kernel int8_kernel_for(int isa) {
+    return isa ? specd_int8_mm_avx512 : specd_int8_mm;
+}
 
 #endif

@@ -7,7 +7,7 @@ SPECD  := $(VENV)/bin/specd
 PROTO_SRC := $(wildcard protos/specd/v1/*.proto)
 
 .PHONY: setup run demo test test-slow images test-images protos check-protos bench deploy-check clients lint-protos clean \
-	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass flat-fold-widths int4-kernels heads-precision sampled-coupling long-prompts overload \
+	train-heads-gpu train-eagle3-gpu gpu-check eval-feature-heads eval-medusa-heads tracing-overhead ab-gateways pass-anatomy graphed-pass flat-fold-widths int4-kernels int4-inputs heads-precision sampled-coupling long-prompts overload \
 	setup-llama-cpp
 
 setup: $(VENV)/.installed  ## create .venv with the CPU build of torch, the dependencies and specd itself
@@ -92,8 +92,11 @@ pass-anatomy: setup  ## where a verify pass's time goes as rows and sessions gro
 flat-fold-widths: setup  ## the flat pass's folded attention at key widths of 64, 128, 256 beside the ragged pass (FOLD_ARGS="--repeats 7"; docs/design/engine-room.md)
 	$(PY) scripts/flat_fold_widths.py $(FOLD_ARGS)
 
-int4-kernels: setup  ## the int4 target's passes with specd's AMX tile kernel beside PyTorch's int4 kernel (INT4_ARGS="--repeats 9"; docs/design/engine-room.md)
+int4-kernels: setup  ## the int4 target's passes with specd's tile kernel on each instruction set beside PyTorch's int4 kernel (INT4_ARGS="--repeats 9"; docs/design/engine-room.md)
 	$(PY) scripts/int4_kernels.py $(INT4_ARGS)
+
+int4-inputs: setup  ## each instruction set's int4 target against the float32 one, teacher-forced (INPUTS_ARGS="--limit 8 --tokens 48"; docs/design/engine-room.md)
+	$(PY) scripts/int4_inputs.py $(INPUTS_ARGS)
 
 heads-precision: setup  ## the Medusa heads' proposals in float32 and 8 bits: cost after a served pass, agreement (HEADS_ARGS="--limit 12"; docs/design/medusa-heads.md)
 	$(PY) scripts/heads_precision.py $(HEADS_ARGS)

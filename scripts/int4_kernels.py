@@ -1,7 +1,8 @@
 """The int4 target's passes with specd's tile kernel beside PyTorch's int4 kernel.
 
 specd_engine/int4_tiles.py multiplies every row of a pass by a weight tile at once (Intel AMX, or
-AVX-512 BF16 where the CPU has no AMX); PyTorch's kernel computes each row on its own, and its prompt
+AVX-512 VNNI with 8-bit input groups or AVX-512 BF16 where the CPU has no AMX; the tiles are timed on
+each instruction set this machine runs); PyTorch's kernel computes each row on its own, and its prompt
 rows take a dense bfloat16 copy of the weights where the machine's GEMM is cheaper
 (quantized.choose_prompt_kernel). This times, interleaved round by round in one process, the
 target's int4 products and 8-bit LM head alone at several row counts, one ragged pass of the int4
@@ -63,6 +64,17 @@ def same_alone_and_beside(lm: CausalLM, lengths: list[int]) -> bool:
     return lm.run(torch.equal, alone, together)
 
 
+def on_isa(isa: str, run):
+    """`run` with the tiles' products on the instruction set `isa` (and the one before after it)."""
+    def timed():
+        before = int4_tiles.use_instruction_set(isa)
+        try:
+            return run()
+        finally:
+            int4_tiles.use_instruction_set(before)
+    return timed
+
+
 def main() -> None:
     args, command = pass_timing_args(__doc__, "int4_kernels.py", repeats=9)
     load = functools.partial(load_causal_lm, args.target, device="cpu")
@@ -75,21 +87,26 @@ def main() -> None:
     threads = torch.get_num_threads()
     for lm in models.values():
         lm.tune(threads=threads)  # PyTorch's prompt rows take a dense weight where the GEMM is cheaper, as a verify chooses
+    # kernel → (its CausalLM, the tiles' instruction set): the tiles once on each instruction set this machine runs
+    kernels = {"torch": (models["torch"], None), **{f"tiles {isa}": (models.get("tiles"), isa) for isa in int4_tiles.runnable_instruction_sets()}}
+    wrapped = lambda isa, run: on_isa(isa, run) if isa else run  # noqa: E731
     scaled = lambda values: [max(1, round(value * args.scale)) for value in values]  # noqa: E731
     result = {"command": command, "machine": machine_facts(), "threads": threads, "tiles_unavailable": int4_tiles.unavailable(),
               "tiles_instruction_set": int4_tiles.instruction_set(), "torch_prompt_kernel": models["torch"].passes.prompt_kernel,
               "products_ms": {}, "ms": {},
-              "same_alone_and_beside": {kernel: same_alone_and_beside(lm, scaled([300, 120, 700, 64])) for kernel, lm in models.items()}}
+              "same_alone_and_beside": {kernel: wrapped(isa, lambda lm=lm: same_alone_and_beside(lm, scaled([300, 120, 700, 64])))()
+                                        for kernel, (lm, isa) in kernels.items()}}
     for rows in PRODUCT_ROWS:
-        result["products_ms"][f"{rows} rows"] = median_ms({kernel: products_run(lm, rows) for kernel, lm in models.items()}, args.repeats)
+        result["products_ms"][f"{rows} rows"] = median_ms({kernel: wrapped(isa, products_run(lm, rows)) for kernel, (lm, isa) in kernels.items()},
+                                                          args.repeats)
         print(f"products and LM head, {rows} rows", result["products_ms"][f"{rows} rows"], flush=True)
     for name, (lengths, rows) in SHAPES.items():
-        runs = {kernel: pass_run(lm, scaled(lengths), rows) for kernel, lm in models.items()}  # kernel → (run, sessions held)
-        result["ms"][name] = median_ms({kernel: run for kernel, (run, _) in runs.items()}, args.repeats)
+        runs = {kernel: pass_run(lm, scaled(lengths), rows) for kernel, (lm, _) in kernels.items()}  # kernel → (run, sessions held)
+        result["ms"][name] = median_ms({kernel: wrapped(kernels[kernel][1], run) for kernel, (run, _) in runs.items()}, args.repeats)
         print(name, result["ms"][name], flush=True)
         del runs
     for length in scaled(PROMPTS):
-        runs = {kernel: prefill_run(lm, length) for kernel, lm in models.items()}
+        runs = {kernel: wrapped(isa, prefill_run(lm, length)) for kernel, (lm, isa) in kernels.items()}
         result["ms"][f"prefill {length}"] = median_ms(runs, args.repeats)
         print(f"prefill {length}", result["ms"][f"prefill {length}"], flush=True)
     print_and_save(result, args.out)

@@ -200,17 +200,30 @@ def test_flat_fold_widths_times_the_ragged_pass_and_each_width(tmp_path):
 
 def test_int4_kernels_times_each_kernel_and_checks_a_row_alone_and_beside_others(tmp_path):
     """`make int4-kernels` on a tiny model: every shape timed with PyTorch's kernel and, where this machine
-    runs them, specd's tiles; a row's logits the same alone and beside other sessions with each."""
+    runs them, specd's tiles on each instruction set; a row's logits the same alone and beside other sessions with each."""
     from specd_engine import int4_tiles
 
     target = build_model(tmp_path / "target", seed=1)
     printed = make("int4-kernels", INT4_ARGS=f"--target {target} --scale 0.1 --repeats 1")
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
-    kernels = {"torch"} if int4_tiles.unavailable() else {"torch", "tiles"}
+    kernels = {"torch"} | {f"tiles {isa}" for isa in int4_tiles.runnable_instruction_sets()}  # the tiles on each instruction set here
     assert result["tiles_unavailable"] == int4_tiles.unavailable() and result["same_alone_and_beside"] == dict.fromkeys(kernels, True)
     assert len(result["ms"]) == 8 and all(set(entry) == kernels and min(entry.values()) > 0 for entry in result["ms"].values())
     assert len(result["products_ms"]) == 5 and all(set(entry) == kernels for entry in result["products_ms"].values())
     assert result["tiles_instruction_set"] == int4_tiles.instruction_set()
+
+
+def test_int4_inputs_compares_each_instruction_set_with_float32(tmp_path):
+    """`make int4-inputs` on a tiny model: every instruction set the tiles run on here scored against the
+    float32 model on the same tokens, agreement and KL in range."""
+    from specd_engine import int4_tiles
+
+    target = build_model(tmp_path / "target", seed=1)
+    printed = make("int4-inputs", INPUTS_ARGS=f"--target {target} --prompt-ids 8 --limit 2 --tokens 4")
+    result = json.loads(printed[printed.index("{"):])
+    assert result["positions"] == 8 and result["instruction_sets"] == int4_tiles.runnable_instruction_sets()
+    assert set(result["vs_float32"]) == set(result["instruction_sets"])
+    assert all(0 <= entry["argmax_agreement"] <= 1 and entry["mean_kl"] >= 0 for entry in result["vs_float32"].values())
 
 
 def test_heads_precision_times_and_compares_float32_and_int8_heads(tiny, tmp_path):

@@ -25,7 +25,7 @@ MAKE_TARGETS = {"train-heads-gpu": "gpu_train_heads.sh", "eval-feature-heads": "
                 "eval-medusa-heads": "medusa_compare.py", "tracing-overhead": "tracing_overhead.py", "gpu-check": "gpu_check.sh",
                 "train-eagle3-gpu": "gpu_train_eagle3.sh", "wire-bytes": "wire_bytes.py", "ab-gateways": "ab_gateways.py",
                 "pass-anatomy": "pass_anatomy.py", "graphed-pass": "graphed_pass.py", "flat-fold-widths": "flat_fold_widths.py",
-                "int4-kernels": "int4_kernels.py", "heads-precision": "heads_precision.py",
+                "int4-kernels": "int4_kernels.py", "int4-inputs": "int4_inputs.py", "heads-precision": "heads_precision.py",
                 "sampled-coupling": "sampled_coupling.py", "setup-llama-cpp": "setup_llama_cpp.sh"}
 
 

@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
              "float32), int4 (CPU: 4-bit groups, bfloat16 inputs, an 8-bit LM head; ~2x faster; greedy output equals this "
              "verify's own target-only) or auto (int4 on a CPU for a model whose file stores them in 4 bits, as the default "
              "target's GGUF does; else float); docs/design/cpu-vs-llama-cpp.md", choices=["auto", "float", "int4"])
-    add_flag(verify, "int4-kernel", "auto", "int4 products: auto (specd's AMX tile kernel where the CPU has AMX and a C compiler "
-             "is found, else PyTorch's), tiles (an error where they cannot run) or torch (PyTorch's kernel); "
-             "docs/design/engine-room.md", choices=["auto", "tiles", "torch"])
+    add_flag(verify, "int4-kernel", "auto", "int4 products: auto (specd's tile kernel where a C compiler is found: AMX, else AVX-512 "
+             "VNNI with 8-bit input groups, else AVX-512 BF16; SPECD_INT4_ISA names one; else PyTorch's), tiles (an error "
+             "where they cannot run) or torch (PyTorch's kernel); docs/design/engine-room.md", choices=["auto", "tiles", "torch"])
     add_flag(verify, "kv-token-budget", 0, "positions all sessions may hold before Prefill/Verify get RESOURCE_EXHAUSTED "
              "(0 = half the memory free after loading over the target's KV bytes per position; -1 = no budget)")
     add_flag(verify, "medusa-heads", "auto", "Medusa heads proposing drafts from the target's last hidden state: a heads folder, "

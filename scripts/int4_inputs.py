@@ -71,11 +71,8 @@ def main() -> None:
             log_p = logits.log_softmax(-1)
             choices = []
             for isa in isas:
-                before = int4_tiles.use_instruction_set(isa)
-                try:
+                with int4_tiles.instruction_set_as(isa):
                     got, _ = answer(quantized, prompt, args.tokens, ids)
-                finally:
-                    int4_tiles.use_instruction_set(before)
                 choices.append(got.argmax(-1))
                 agree[isa] += int((choices[-1] == logits.argmax(-1)).sum())
                 kl[isa] += float((log_p.exp() * (log_p - got.log_softmax(-1))).sum())

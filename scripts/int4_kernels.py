@@ -64,14 +64,11 @@ def same_alone_and_beside(lm: CausalLM, lengths: list[int]) -> bool:
     return lm.run(torch.equal, alone, together)
 
 
-def on_isa(isa: str, run):
-    """`run` with the tiles' products on the instruction set `isa` (and the one before after it)."""
+def on_isa(isa: str | None, run):
+    """`run` with the tiles' products on the instruction set `isa` (None: as they are)."""
     def timed():
-        before = int4_tiles.use_instruction_set(isa)
-        try:
+        with int4_tiles.instruction_set_as(isa):
             return run()
-        finally:
-            int4_tiles.use_instruction_set(before)
     return timed
 
 
@@ -89,24 +86,23 @@ def main() -> None:
         lm.tune(threads=threads)  # PyTorch's prompt rows take a dense weight where the GEMM is cheaper, as a verify chooses
     # kernel → (its CausalLM, the tiles' instruction set): the tiles once on each instruction set this machine runs
     kernels = {"torch": (models["torch"], None), **{f"tiles {isa}": (models.get("tiles"), isa) for isa in int4_tiles.runnable_instruction_sets()}}
-    wrapped = lambda isa, run: on_isa(isa, run) if isa else run  # noqa: E731
     scaled = lambda values: [max(1, round(value * args.scale)) for value in values]  # noqa: E731
     result = {"command": command, "machine": machine_facts(), "threads": threads, "tiles_unavailable": int4_tiles.unavailable(),
               "tiles_instruction_set": int4_tiles.instruction_set(), "torch_prompt_kernel": models["torch"].passes.prompt_kernel,
               "products_ms": {}, "ms": {},
-              "same_alone_and_beside": {kernel: wrapped(isa, lambda lm=lm: same_alone_and_beside(lm, scaled([300, 120, 700, 64])))()
+              "same_alone_and_beside": {kernel: on_isa(isa, lambda lm=lm: same_alone_and_beside(lm, scaled([300, 120, 700, 64])))()
                                         for kernel, (lm, isa) in kernels.items()}}
     for rows in PRODUCT_ROWS:
-        result["products_ms"][f"{rows} rows"] = median_ms({kernel: wrapped(isa, products_run(lm, rows)) for kernel, (lm, isa) in kernels.items()},
+        result["products_ms"][f"{rows} rows"] = median_ms({kernel: on_isa(isa, products_run(lm, rows)) for kernel, (lm, isa) in kernels.items()},
                                                           args.repeats)
         print(f"products and LM head, {rows} rows", result["products_ms"][f"{rows} rows"], flush=True)
     for name, (lengths, rows) in SHAPES.items():
         runs = {kernel: pass_run(lm, scaled(lengths), rows) for kernel, (lm, _) in kernels.items()}  # kernel → (run, sessions held)
-        result["ms"][name] = median_ms({kernel: wrapped(kernels[kernel][1], run) for kernel, (run, _) in runs.items()}, args.repeats)
+        result["ms"][name] = median_ms({kernel: on_isa(kernels[kernel][1], run) for kernel, (run, _) in runs.items()}, args.repeats)
         print(name, result["ms"][name], flush=True)
         del runs
     for length in scaled(PROMPTS):
-        runs = {kernel: wrapped(isa, prefill_run(lm, length)) for kernel, (lm, isa) in kernels.items()}
+        runs = {kernel: on_isa(isa, prefill_run(lm, length)) for kernel, (lm, isa) in kernels.items()}
         result["ms"][f"prefill {length}"] = median_ms(runs, args.repeats)
         print(f"prefill {length}", result["ms"][f"prefill {length}"], flush=True)
     print_and_save(result, args.out)

@@ -24,6 +24,7 @@ runs neither or there is no compiler, Int4Linear keeps PyTorch's kernel: `unavai
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -111,6 +112,17 @@ def use_instruction_set(isa: str) -> str:
         raise ValueError(f"this process cannot run the int4 tiles on {isa!r} (runs: {', '.join(_runnable) or 'none'})")
     before, _isa = _isa, isa
     return before
+
+
+@contextlib.contextmanager
+def instruction_set_as(isa: Optional[str]):
+    """Products inside the block run on `isa` (use_instruction_set), the one before after it; None: as they are."""
+    before = use_instruction_set(isa) if isa else None
+    try:
+        yield
+    finally:
+        if before:
+            use_instruction_set(before)
 
 
 def _load() -> None:

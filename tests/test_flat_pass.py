@@ -303,17 +303,16 @@ def test_the_native_decoder_scores_within_rounding_of_the_framework_s_layers(def
     # the products' inputs in bfloat16 (AVX-512 VNNI's 8-bit groups would round the two orders' sums to different
     # levels: a coarser rounding than the one this holds the layers' math to)
     bfloat16_inputs = [isa for isa in int4_tiles.runnable_instruction_sets() if isa != "avx512-vnni"]
-    before = int4_tiles.use_instruction_set(bfloat16_inputs[0]) if bfloat16_inputs else None
     try:
-        for (logits, layers), (reference, reference_layers) in zip(*lm.run(lambda: (scored(True), scored(False)))):
+        with int4_tiles.instruction_set_as(bfloat16_inputs[0] if bfloat16_inputs else None):
+            made = lm.run(lambda: (scored(True), scored(False)))
+        for (logits, layers), (reference, reference_layers) in zip(*made):
             assert torch.equal(logits.argmax(-1), reference.argmax(-1))
             assert (logits - reference).abs().max() <= 2e-2 * reference.abs().max()
             assert (layers - reference_layers).abs().max() <= 2e-2 * reference_layers.abs().max()
             assert not torch.equal(layers[:, 0], layers[:, 1])  # two layers' outputs, not one twice
     finally:
         lm.capture_layers([])
-        if before:
-            int4_tiles.use_instruction_set(before)
 
 
 def test_a_native_pass_s_rows_keep_their_bits_when_prompt_rows_sit_on_both_sides_of_them(default_flat):

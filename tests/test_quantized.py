@@ -70,9 +70,8 @@ def tile_isa(request):
     """Each instruction set this machine runs the tile kernel on (AMX and AVX-512 BF16 on an AMX Xeon), in turn."""
     if request.param == "none here":
         pytest.skip(f"int4 tiles: {int4_tiles.unavailable()}")
-    before = int4_tiles.use_instruction_set(request.param)
-    yield request.param
-    int4_tiles.use_instruction_set(before)
+    with int4_tiles.instruction_set_as(request.param):
+        yield request.param
 
 
 def assert_each_row_its_own(product, x: torch.Tensor, together: torch.Tensor, rows, counts) -> None:
@@ -173,9 +172,8 @@ def test_the_two_instruction_sets_agree_within_bfloat16_rounding():
     x = torch.randn(21, 576, generator=torch.Generator().manual_seed(10))
     outputs = {}
     for isa in int4_tiles.runnable_instruction_sets():
-        before = int4_tiles.use_instruction_set(isa)
-        outputs[isa] = (int4.rows(x), int8(x))
-        int4_tiles.use_instruction_set(before)
+        with int4_tiles.instruction_set_as(isa):
+            outputs[isa] = (int4.rows(x), int8(x))
     (amx4, amx8), (vector4, vector8) = outputs["amx"], outputs["avx512-bf16"]
     assert (amx4 - vector4).abs().max() <= 2 ** -6 * amx4.abs().max() and (amx8 - vector8).abs().max() <= 2 ** -6 * amx8.abs().max()
 
@@ -187,8 +185,7 @@ def test_the_vnni_products_sum_each_rows_8_bit_groups_exactly(shape):
     with the weight's levels exactly, then scaled by the group's d, scale and zero: the kernel's rows within
     their bfloat16 rounding of that math in float64, for rows of several magnitudes, a zero group among them,
     float32 and bfloat16 rows alike. A nibble read against the wrong input would miss by far more."""
-    before = int4_tiles.use_instruction_set("avx512-vnni")
-    try:
+    with int4_tiles.instruction_set_as("avx512-vnni"):
         n, k = shape
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(13)) * 0.05
         linear = quantized.Int4Linear(weight, tiles=True)
@@ -210,8 +207,6 @@ def test_the_vnni_products_sum_each_rows_8_bit_groups_exactly(shape):
         expected = (step.double().squeeze(-1)[:, None, :] * (scale * sums + (zero - 8 * scale) * levels.sum(-1)[:, None, :])).sum(-1)
         assert (got.double() - expected).abs().max() <= 2 ** -8 * expected.abs().max()
         assert ((got.double() - expected).abs() <= 2 ** -8 * expected.abs() + 1e-6 * expected.abs().max()).all()
-    finally:
-        int4_tiles.use_instruction_set(before)
 
 
 def test_prompt_rows_are_a_view_where_consecutive_and_score_alike_either_way():

@@ -101,18 +101,25 @@ static uint16_t *last_rows(const uint16_t *x, int first, int rest, int K) {
     return rows;
 }
 
+/* A buffer of at least `bytes` that a caller keeps for its next calls (*buffer and *held its own per-thread
+ * statics): grown, in whole pages, only when a call needs more than it holds. */
+static void *kept_buffer(void **buffer, size_t *held, size_t bytes) {
+    if (bytes > *held) {
+        free(*buffer);
+        *held = (bytes + 4095) / 4096 * 4096;
+        *buffer = aligned_alloc(64, *held);
+    }
+    return *buffer;
+}
+
 /* The rows as bfloat16: x itself, or float32 rows rounded to nearest even (as torch's cast) into a buffer
  * this thread keeps for its next calls. */
 static const uint16_t *bfloat16_rows(const void *x, int floats, int M, int K) {
-    static __thread uint16_t *buffer = NULL;
+    static __thread void *kept = NULL;
     static __thread size_t held = 0;
     if (!floats) return x;
     const size_t count = (size_t)M * K;
-    if (count > held) {
-        free(buffer);
-        held = (count + 4095) / 4096 * 4096;
-        buffer = aligned_alloc(64, held * 2);
-    }
+    uint16_t *buffer = kept_buffer(&kept, &held, count * 2);
     const float *rows = x;
     for (size_t i = 0; i < count; i += 16)  /* K % 32 == 0 */
         _mm256_store_si256((__m256i *)(buffer + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(rows + i)));
@@ -624,16 +631,11 @@ static inline __attribute__((always_inline)) void vnni_rows(const int8_t *xq, in
  * block of 16 outputs takes them VECTOR_ROWS at a time. */
 void specd_int4_mm_vnni(const void *x, const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero,
                         void *out, int M, int K, int N, int threads, int floats) {
-    static __thread int8_t *buffer = NULL;
+    static __thread void *kept = NULL;
     static __thread size_t held = 0;
     const int groups = K / 32, blocks = N / 16;
-    const size_t bytes = (size_t)M * K, need = bytes + 2 * sizeof(float) * (size_t)M * groups + 64;
-    if (need > held) {
-        free(buffer);
-        held = (need + 4095) / 4096 * 4096;
-        buffer = aligned_alloc(64, held);
-    }
-    int8_t *xq = buffer;
+    const size_t bytes = (size_t)M * K;
+    int8_t *buffer = kept_buffer(&kept, &held, bytes + 2 * sizeof(float) * (size_t)M * groups + 64), *xq = buffer;
     float *d = (float *)(buffer + (bytes + 63) / 64 * 64), *s = d + (size_t)M * groups;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= STACK_ROWS)
     for (int m = 0; m < M; m++) quantize_row(x, floats, m, K, xq + (size_t)m * K, d + (size_t)m * groups, s + (size_t)m * groups);

@@ -58,7 +58,7 @@ from transformers import DynamicCache
 from specd_common import tree
 from specd_common.errors import InvalidArgument, ResourceExhausted
 from specd_engine import kv_cache, lean_forward, native_decoder, quantized, store_attention
-from specd_engine.passes import PassOutput, keeps_hidden, logit_rows, prompt_rows
+from specd_engine.passes import PassOutput, keeps_hidden, logit_rows, prompt_positions, prompt_rows
 from specd_engine.sessions import Feed
 from specd_engine.tuning import PassRuntime
 
@@ -638,10 +638,10 @@ class FlatPasses:
             if hidden is None:
                 # several sessions decoding one row each: gathering their keys costs less than a call a session,
                 # on a CPU too; one session reads a view of its slot (no copy)
-                prompt = prompt_rows(feeds, self.prompt_kernel)
-                if self.native_layers:
-                    hidden, layers = self.decoder.forward(ids, rows, keep, captured, native_decoder.prompt_row_numbers(prompt))
+                if self.native_layers:  # prompt rows may take the prompt tiles, and dot products in attention
+                    hidden, layers = self.decoder.forward(ids, rows, keep, captured, native_decoder.prompt_row_numbers(prompt_positions(feeds)))
                 else:
+                    prompt = prompt_rows(feeds, self.prompt_kernel)
                     gather = self.gather or len(ids) == len(feeds) > 1
                     hidden, layers = forward_flat(self.lean, self.store, ids, rows, gather, keep, captured, prompt)  # [R, H], [R, L, H] or None
             logits = self.lean.lm_head(hidden[wanted]).float() if wanted else None  # [W, V]

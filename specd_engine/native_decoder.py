@@ -71,7 +71,7 @@ def unavailable(lean, store) -> str:
 def _kernel():
     pointer, number = ctypes.c_void_p, ctypes.c_int
     return native.entry("specd_decoder_pass", [ctypes.POINTER(_Decoder), pointer, number] + [pointer] * 5 +
-                        [number, pointer, pointer, number, number, number, pointer, number, pointer, number])
+                        [number, pointer, pointer, number, number, number, number, number, pointer, number, pointer, number])
 
 
 class NativeDecoder:
@@ -97,8 +97,9 @@ class NativeDecoder:
                 prompt: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """flat_pass.forward_flat's pass (the rows' keys and values written into the store; the final hidden
         state [R, C] after the final norm, and with keep_hidden the captured layers' outputs [R, L, C]) in one
-        native call. `prompt`: the rows that are prompt positions, ascending (int32 [P]), where products take
-        the prompt tiles."""
+        native call. `prompt`: the rows that are prompt positions, ascending (int32 [P]): they take the prompt
+        tiles in products where the model has them, and bfloat16 dot products in attention where
+        store_attention.prompt_dots()."""
         lean = self.lean
         x = lean.embed(ids).contiguous()  # [R, C], updated in place
         cos, sin = (part[:, 0].contiguous() for part in lean_forward.rotary_rows(lean.rotary, x, rows.positions))  # [R, D] each
@@ -106,11 +107,12 @@ class NativeDecoder:
         captured = torch.empty((x.shape[0], len(layers), x.shape[1])) if layers else None  # [R, L, C]
         wanted = torch.tensor(layers, dtype=torch.int32) if layers else None
         compact = None if rows.compact is None else rows.compact.contiguous()
-        tiles = prompt is not None and len(prompt) and lean.layers[0].qkv.prompt_tiles
+        tiles = bool(prompt is not None and len(prompt) and lean.layers[0].qkv.prompt_tiles)
+        dots = bool(prompt is not None and len(prompt) and self.store.keys[0].dtype == torch.bfloat16 and store_attention.prompt_dots())
         failed = _kernel()(ctypes.byref(self._model), x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
                            rows.slots.data_ptr(), rows.seen.data_ptr(), None if compact is None else compact.data_ptr(),
                            0 if compact is None else compact.shape[1], rows.writes.data_ptr(),
-                           prompt.data_ptr() if tiles else None, len(prompt) if tiles else 0,
+                           prompt.data_ptr() if tiles or dots else None, len(prompt) if tiles or dots else 0, tiles, dots,
                            int4_tiles.code(), store_attention.tiles(), None if wanted is None else wanted.data_ptr(), len(layers),
                            None if captured is None else captured.data_ptr(), torch.get_num_threads())
         if failed:

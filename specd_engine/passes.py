@@ -97,8 +97,11 @@ def prompt_rows(feeds: Sequence[Feed], kernel: Optional[str]) -> Optional[lean_f
     """The rows of a pass over the feeds' tokens that are prompt positions, where prompt rows take dense
     products (`kernel`, quantized.PROMPT_KERNELS); None where none does. A row is one by its position
     alone (Feed.prompt_rows), so it is scored alike in a chunk of any size and beside any rows."""
-    if kernel is None:
-        return None
+    return None if kernel is None else prompt_positions(feeds)
+
+
+def prompt_positions(feeds: Sequence[Feed]) -> Optional[lean_forward.PromptRows]:
+    """The rows of a pass over the feeds' tokens that are prompt positions (Feed.prompt_rows); None where none is."""
     prompt, at = [], 0
     for feed in feeds:
         prompt += range(at, at + feed.prompt_rows)

@@ -33,9 +33,12 @@ MAX_GROUP = 16  # query heads a key head the kernel takes (native/attention.c)
 STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads keys and values as (queries are float32)
 
 KERNELS = ("auto", "lanes")  # SPECD_ATTENTION_KERNEL: auto = the tile unit where the CPU has AMX
+PROMPT_KERNELS = ("dots", "lanes")  # SPECD_PROMPT_ATTENTION: dots = prompt rows by bfloat16 dot products where they run
+DOT_FLAGS = ("avx512_bf16", "avx512bw")  # what dots_run executes (VDPBF16PS, VPERMW)
 
 _function = None  # specd_attend_rows, once loaded
 _choice = os.environ.get("SPECD_ATTENTION_KERNEL", "auto")
+_prompt_choice = os.environ.get("SPECD_PROMPT_ATTENTION", "dots")
 
 
 def use(kernel: str) -> None:
@@ -52,9 +55,24 @@ def tiles() -> bool:
     return _choice == "auto" and native.tile_unit()
 
 
+def use_for_prompts(kernel: str) -> None:
+    """Which code prompt rows over a bfloat16 store take from now on: dots (bfloat16 dot products where the CPU
+    has AVX-512 BF16 and attention does not take the tile unit) or lanes (the code generated rows take)."""
+    global _prompt_choice
+    if kernel not in PROMPT_KERNELS:
+        raise ValueError(f"the prompt attention kernel must be one of {', '.join(PROMPT_KERNELS)}, not {kernel!r}")
+    _prompt_choice = kernel
+
+
+def prompt_dots() -> bool:
+    """Whether prompt rows over a bfloat16 store take bfloat16 dot products in this process (native/attention.c,
+    dots_run): their queries and softmax weights rounded to bfloat16, every sum in float32, a row's bits its own."""
+    return _prompt_choice == "dots" and not tiles() and not native.missing_cpu_flags(DOT_FLAGS)
+
+
 def identity() -> str:
-    """The kernel's build and its code (tiles or lanes), for keys of cached timings."""
-    return f"{native.identity()}-{'tiles' if tiles() else 'lanes'}"
+    """The kernel's build and its code (tiles or lanes, and prompt dots), for keys of cached timings."""
+    return f"{native.identity()}-{'tiles' if tiles() else 'lanes'}{'-dots' if prompt_dots() else ''}"
 
 
 def unavailable(layer, device: torch.device, dtype: torch.dtype) -> str:
@@ -77,18 +95,21 @@ def _kernel():
         function = native.load()[0].specd_attend_rows
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float] + \
-            [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
+            [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
         _function = function
     return _function
 
 
 def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
-           columns: Optional[torch.Tensor], new: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+           columns: Optional[torch.Tensor], new: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+           prompt: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [R, Hq, D] float32 over the store's keys and values [S, Hkv, capacity, D] (STORE_DTYPES): row r over the first
     seen[r] (int32) columns of slot slots[r] (int64), or over columns[r, :seen[r]] (int64 [R, K]) where a
     tree's node reads compacted keys → [R, Hq, D]. With `new` = (k, v [R, Hkv, D] float32, writes [R] int64),
     the rows' keys and values are first written into column writes[r] of their slots, rounded as
-    `.to(keys.dtype)` rounds them: one call a layer instead of four ops. Call unavailable() first."""
+    `.to(keys.dtype)` rounds them: one call a layer instead of four ops. `prompt` (bool [R]): the rows that are
+    prompt positions, which take bfloat16 dot products where prompt_dots() (the native decoder's prompt rows do).
+    Call unavailable() first."""
     if keys.dtype != values.dtype or keys.dtype not in STORE_DTYPES:
         raise ValueError(f"store attention reads keys and values of one of {STORE_DTYPES}, not {keys.dtype} and {values.dtype}")
     q = q.contiguous()
@@ -100,12 +121,13 @@ def attend(layer, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, slo
         k, v, writes = (part.contiguous() for part in new)
         if k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape or k.shape[0] != q.shape[0]:
             raise ValueError(f"new keys and values must be float32 [R, Hkv, D], got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    flags = prompt.to(torch.uint8).contiguous() if prompt is not None and prompt_dots() else None  # [R]
     failed = _kernel()(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), seen.data_ptr(),
                        None if columns is None else columns.data_ptr(), 0 if columns is None else columns.shape[1],
                        out.data_ptr(), q.shape[0], layer.heads, layer.kv_heads, keys.shape[0], keys.shape[2], layer.head_dim,
                        layer.scaling, keys.dtype == torch.bfloat16, torch.get_num_threads(), tiles(),
                        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
-                       None if writes is None else writes.data_ptr())
+                       None if writes is None else writes.data_ptr(), None if flags is None else flags.data_ptr())
     if failed:
         raise ValueError(f"store attention refused rows of slots {slots.tolist()} seeing {seen.tolist()} of "
                          f"{keys.shape[0]} slots × {keys.shape[2]} columns")

@@ -215,15 +215,19 @@ def test_int4_kernels_times_each_kernel_and_checks_a_row_alone_and_beside_others
 
 def test_int4_inputs_compares_each_instruction_set_with_float32(tmp_path):
     """`make int4-inputs` on a tiny model: every instruction set the tiles run on here scored against the
-    float32 model on the same tokens, agreement and KL in range."""
-    from specd_engine import int4_tiles
+    float32 model on the same tokens, agreement and KL in range; with --flat --prompt-attention, through flat
+    passes, each instruction set once a prompt attention kernel where prompt rows take dot products here."""
+    from specd_engine import int4_tiles, store_attention
 
     target = build_model(tmp_path / "target", seed=1)
-    printed = make("int4-inputs", INPUTS_ARGS=f"--target {target} --prompt-ids 8 --limit 2 --tokens 4")
-    result = json.loads(printed[printed.index("{"):])
-    assert result["positions"] == 8 and result["instruction_sets"] == int4_tiles.runnable_instruction_sets()
-    assert set(result["vs_float32"]) == set(result["instruction_sets"])
-    assert all(0 <= entry["argmax_agreement"] <= 1 and entry["mean_kl"] >= 0 for entry in result["vs_float32"].values())
+    isas = int4_tiles.runnable_instruction_sets()
+    for extra, variants in (("", isas), ("--flat --prompt-attention", [f"{isa}, prompt {kernel}" for isa in isas for kernel in store_attention.PROMPT_KERNELS]
+                                         if store_attention.prompt_dots() else isas)):
+        printed = make("int4-inputs", INPUTS_ARGS=f"--target {target} --prompt-ids 8 --limit 2 --tokens 4 {extra}")
+        result = json.loads(printed[printed.index("{"):])
+        assert result["positions"] == 8 and result["variants"] == variants and result["flat"] == bool(extra)
+        assert set(result["vs_float32"]) == set(variants)
+        assert all(0 <= entry["argmax_agreement"] <= 1 and entry["mean_kl"] >= 0 for entry in result["vs_float32"].values())
 
 
 def test_heads_precision_times_and_compares_float32_and_int8_heads(tiny, tmp_path):

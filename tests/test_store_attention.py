@@ -182,3 +182,69 @@ def test_the_kernel_writes_a_pass_s_keys_as_the_store_s_own_cast_does_before_any
     assert out[:3].isfinite().all()
     with pytest.raises(ValueError, match="refused"):
         store_attention.attend(LAYER, keys, values, q[:1], slots[:1], seen[:1], None, (k[:1], v[:1], torch.tensor([256])))
+
+
+needs_dots = pytest.mark.skipif(not store_attention.prompt_dots(), reason="prompt rows take dot products only on AVX-512 BF16 without AMX")
+
+
+def bf16_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: int, seen: int, layer=LAYER) -> torch.Tensor:
+    """A prompt row's attention as dots_run computes it, in float64: the query and the softmax weights rounded to
+    bfloat16 (the store's keys and values already are) → [Hq, D]."""
+    group = layer.heads // layer.kv_heads
+    k, v = keys[slot][:, :seen].double(), values[slot][:, :seen].double()  # [Hkv, n, D]
+    query = q.to(torch.bfloat16).double().view(layer.kv_heads, group, layer.head_dim)  # [Hkv, group, D]
+    weights = torch.softmax(query @ k.transpose(1, 2) * layer.scaling, dim=-1)  # [Hkv, group, n]
+    unnormalized = torch.exp(torch.log(weights) - torch.log(weights).amax(-1, keepdim=True))  # p_j = exp(s_j - m)
+    out = unnormalized.to(torch.bfloat16).double() @ v / unnormalized.sum(-1, keepdim=True)
+    return out.reshape(layer.heads, layer.head_dim).float()
+
+
+@needs_dots
+@pytest.mark.parametrize("layer", [LAYER, SimpleNamespace(heads=8, kv_heads=2, head_dim=128, scaling=128 ** -0.5)])
+def test_prompt_rows_take_bfloat16_dot_products_within_their_rounding(layer):
+    """dots_run's math: bfloat16 queries and weights, float32 sums, over a row's own keys (an odd count too)."""
+    generator = torch.Generator().manual_seed(7)
+    shape = (3, layer.kv_heads, 700, layer.head_dim)
+    keys, values = (torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([1] * 19 + [2], dtype=torch.long)
+    seen = torch.tensor(list(range(481, 500)) + [7], dtype=torch.int32)
+    q = torch.randn((20, layer.heads, layer.head_dim), generator=generator)
+    prompt = torch.ones(20, dtype=torch.bool)
+    out = store_attention.attend(layer, keys, values, q, slots, seen, None, prompt=prompt)
+    exact = store_attention.attend(layer, keys, values, q, slots, seen, None)
+    assert not torch.equal(out, exact)  # the prompt rows did take the other kernel
+    for r in range(20):
+        assert (out[r] - bf16_reference(q[r], keys, values, int(slots[r]), int(seen[r]), layer)).abs().max() < 2e-3, r
+
+
+@needs_dots
+def test_a_prompt_row_s_bits_are_its_own_in_any_chunk_beside_any_rows_and_on_any_thread_count():
+    """A prompt of 40 rows attended in chunks of 1, 4, 16 and 40, beside a decode row of the same slot and
+    another session's prompt rows: every prompt row has the bits it has alone; the decode row keeps the 16-lane
+    code's bits (prompt rows take dot products, generated rows do not)."""
+    keys, values = store(slots=4, capacity=200, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randn((40, LAYER.heads, LAYER.head_dim), generator=generator)
+    seen = torch.arange(1, 41, dtype=torch.int32)
+    slot = torch.full((40,), 3, dtype=torch.long)
+    alone = torch.stack([store_attention.attend(LAYER, keys, values, q[r : r + 1], slot[:1], seen[r : r + 1], None,
+                                                prompt=torch.ones(1, dtype=torch.bool))[0] for r in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for chunk in (1, 4, 16, 40):
+                for start in range(0, 40, chunk):
+                    rows = slice(start, start + chunk)
+                    n = len(range(40)[rows])
+                    extra_q = torch.randn((6, LAYER.heads, LAYER.head_dim), generator=generator)
+                    together = store_attention.attend(
+                        LAYER, keys, values, torch.cat([extra_q[:3], q[rows], extra_q[3:]]),
+                        torch.cat([torch.tensor([0, 0, 3]), slot[rows], torch.tensor([1, 1, 1])]),
+                        torch.cat([torch.tensor([5, 6, 150], dtype=torch.int32), seen[rows], torch.tensor([9, 10, 11], dtype=torch.int32)]),
+                        None, prompt=torch.tensor([True, True, False] + [True] * n + [True] * 3))
+                    assert torch.equal(together[3 : 3 + n], alone[rows]), (count, chunk, start)
+                    decode = store_attention.attend(LAYER, keys, values, extra_q[2:3], torch.tensor([3]), torch.tensor([150], dtype=torch.int32), None)
+                    assert torch.equal(together[2], decode[0])
+    finally:
+        torch.set_num_threads(threads)

@@ -23,6 +23,9 @@
  * queries a tile. Its order is fixed too, so a row's bits are still its own; they are not those of the
  * 16-lane sums above, so a machine keeps one of the two (store_attention.py).
  *
+ * Prompt rows flagged by the caller take bfloat16 dot products instead where the store is bfloat16 and the tile
+ * unit is not used (dots_run, below): a prompt row attends hundreds of keys, and that code keeps no lane sums.
+ *
  * Layout: q and out [R, Hq, D] float32; keys and values [S, Hkv, capacity, D] float32, or bfloat16 where bf16
  * (widened to float32 as they are read: decoding reads every cached key and value a pass, and at long
  * contexts that memory traffic, not the arithmetic, sets a pass's attention time);
@@ -351,6 +354,151 @@ static inline __attribute__((always_inline)) void attend_run(const float *q, siz
                     scratch->pparts, scratch->pairs, scratch->zeros, scratch->sums);
 }
 
+/* Prompt rows by bfloat16 dot products (VDPBF16PS), where the CPU has AVX-512 BF16 and no AMX and the store is
+ * bfloat16: a run of up to PROMPT_RUN prompt rows of one slot, its n × group queries 16 to a vector (lane l of
+ * vector a: query 16a + l). Each query and each softmax weight is rounded to bfloat16 (the keys and values already
+ * are), and every product is summed in float32:
+ *   s_j = scale · Σ_p (q_{2p} k_{j,2p} + q_{2p+1} k_{j,2p+1})     p = 0 .. D/2 - 1 in order
+ *   m = max_j s_j,  p_j = exp(s_j - m),  l = Σ_j p_j              j in order
+ *   out_d = (Σ_i (p_{2i} v_{2i,d} + p_{2i+1} v_{2i+1,d})) / l        key pairs i from 0 in order
+ * over the row's own keys j < seen: a key past them gets p = 0 and adds exactly nothing, and the pairs start at key
+ * 0 whatever the run, so a row's bits are its own at any chunking, beside any rows and on any thread count. They are
+ * not the 16-lane code's (which keeps the queries and weights in float32), so only prompt rows take them: a prompt
+ * position is always a prompt row (CausalLM.prompt_end), and generated rows keep the 16-lane code.
+ * Why: a prompt row attends hundreds of keys; the 16-lane code's per-key lane sums made attention 37% of a 1,000-token
+ * prefill on a 2-vCPU AMD EPYC (Zen 4); a VDPBF16PS takes 32 products with no reduction across lanes. */
+#define PROMPT_RUN 16 /* prompt rows of one slot an item attends by dot products */
+
+typedef struct { /* a thread's scratch for dots_run, sized for the pass's widest row */
+    uint32_t *qt, *pp, *vp; /* queries as bfloat16 pairs, the weights' pairs, the values' pairs */
+    float *st;              /* scores and weights [keys][vectors × 16] */
+} dots_scratch;
+
+/* The dims' places among a key pair's words (unpacklo/hi_epi16 of two rows: each 128-bit lane's first 4 dims, then its last 4). */
+static inline int pair_place(int d) {
+    const int e = d % 32, lane = e / 8, r = e % 8;
+    return d / 32 * 32 + (r < 4 ? 0 : 16) + 4 * lane + r % 4;
+}
+
+/* acc[a][m] = Σ_p qt[a][p] · key m's word p, for 4 keys and NV query vectors (constant where inlined). */
+static inline __attribute__((always_inline)) void dots_scores4(const uint32_t *qt, const uint32_t *const key[4], int words, int NV,
+                                                               float scale, float *st, size_t row) {
+    __m512 acc[3][4];
+    for (int a = 0; a < NV; a++)
+        for (int m = 0; m < 4; m++) acc[a][m] = _mm512_setzero_ps();
+    for (int p = 0; p < words; p++) {
+        __m512bh qv[3];
+        for (int a = 0; a < NV; a++) qv[a] = (__m512bh)_mm512_loadu_si512(qt + ((size_t)a * words + p) * 16);
+        for (int m = 0; m < 4; m++) {
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)key[m][p]);
+            for (int a = 0; a < NV; a++) acc[a][m] = _mm512_dpbf16_ps(acc[a][m], kb, qv[a]);
+        }
+    }
+    for (int m = 0; m < 4; m++)
+        for (int a = 0; a < NV; a++) _mm512_storeu_ps(st + (size_t)m * row + 16 * a, _mm512_mul_ps(acc[a][m], _mm512_set1_ps(scale)));
+}
+
+/* acc[a][k] = Σ_i pp[i][a] · vp[i][dim k], for 8 dims and NV query vectors, then / l into ot[a][k][16]. */
+static inline __attribute__((always_inline)) void dots_values8(const uint32_t *pp, const uint32_t *vp, const int place[8], int pairs,
+                                                               int vectors, int D, int NV, const __m512 *inverse, float *ot) {
+    __m512 acc[3][8];
+    for (int a = 0; a < NV; a++)
+        for (int k = 0; k < 8; k++) acc[a][k] = _mm512_setzero_ps();
+    for (int i = 0; i < pairs; i++) {
+        __m512bh w[3];
+        for (int a = 0; a < NV; a++) w[a] = (__m512bh)_mm512_loadu_si512(pp + ((size_t)i * vectors + a) * 16);
+        for (int k = 0; k < 8; k++) {
+            const __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vp[(size_t)i * D + place[k]]);
+            for (int a = 0; a < NV; a++) acc[a][k] = _mm512_dpbf16_ps(acc[a][k], w[a], vb);
+        }
+    }
+    for (int a = 0; a < NV; a++)
+        for (int k = 0; k < 8; k++) _mm512_storeu_ps(ot + ((size_t)a * 8 + k) * 16, _mm512_mul_ps(acc[a][k], inverse[a]));
+}
+
+/* One key head for a run of n prompt rows (layout as attend_run's; a bfloat16 store; D % 32 == 0). */
+static void dots_run(const float *q, size_t stride, const uint16_t *keys, const uint16_t *values, const int32_t *seen,
+                     int n, int group, int D, float scale, float *out, const dots_scratch *w) {
+    const int queries = n * group, vectors = (queries + 15) / 16, words = D / 2, row = 16 * vectors;
+    int most = 0;
+    for (int t = 0; t < n; t++) most = seen[t] > most ? seen[t] : most;
+    const int blocks = (most + 3) / 4 * 4, pairs = (most + 1) / 2;
+    memset(w->qt, 0, sizeof(uint32_t) * (size_t)vectors * words * 16);
+    for (int u = 0; u < queries; u++) {  /* queries as bfloat16 pairs, transposed: qt[a][p][lane] */
+        const float *qu = q + (size_t)(u / group) * stride + (size_t)(u % group) * D;
+        uint32_t pair[16];
+        for (int c = 0; c < D; c += 32) {
+            _mm512_storeu_si512(pair, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qu + c + 16), _mm512_loadu_ps(qu + c)));
+            for (int p = 0; p < 16; p++) w->qt[((size_t)(u / 16) * words + c / 2 + p) * 16 + u % 16] = pair[p];
+        }
+    }
+    for (int a0 = 0; a0 < vectors; a0 += 3) {
+        const int NV = vectors - a0 < 3 ? vectors - a0 : 3;
+        const uint32_t *qt = w->qt + (size_t)a0 * words * 16;
+        for (int b = 0; b < blocks; b += 4) {
+            const uint32_t *key[4];  /* past the run's keys its last, scored and then dropped (-inf) */
+            for (int m = 0; m < 4; m++) key[m] = (const uint32_t *)(keys + (size_t)(b + m < most ? b + m : most - 1) * D);
+            float *st = w->st + (size_t)b * row + 16 * a0;
+            if (NV == 3) dots_scores4(qt, key, words, 3, scale, st, row);
+            else if (NV == 2) dots_scores4(qt, key, words, 2, scale, st, row);
+            else dots_scores4(qt, key, words, 1, scale, st, row);
+        }
+    }
+    __m512 inverse[MAX_GROUP * PROMPT_RUN / 16];
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int a = 0; a < vectors; a++) {  /* each lane's softmax over its own keys, then the weights' pairs */
+        int lanes[16];
+        for (int l = 0; l < 16; l++) lanes[l] = 16 * a + l < queries ? seen[(16 * a + l) / group] : most;
+        const __m512i own = _mm512_loadu_si512(lanes);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < most; j++) {
+            float *s = w->st + (size_t)j * row + 16 * a;
+            const __m512 kept = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpgt_epi32_mask(own, _mm512_set1_epi32(j)), _mm512_loadu_ps(s));
+            _mm512_storeu_ps(s, kept);
+            top = _mm512_max_ps(top, kept);
+        }
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < most; j++) {
+            float *s = w->st + (size_t)j * row + 16 * a;
+            const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s), top));
+            _mm512_storeu_ps(s, p);
+            total = _mm512_add_ps(total, p);
+        }
+        inverse[a] = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
+        for (int i = 0; i < pairs; i++) {
+            const __m512 first = _mm512_loadu_ps(w->st + (size_t)(2 * i) * row + 16 * a);
+            const __m512 second = 2 * i + 1 < most ? _mm512_loadu_ps(w->st + (size_t)(2 * i + 1) * row + 16 * a) : _mm512_setzero_ps();
+            _mm512_storeu_si512(w->pp + ((size_t)i * vectors + a) * 16,
+                                _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(second, first)));
+        }
+    }
+    for (int i = 0; i < pairs; i++)  /* the values as pairs of keys: word place(d) of pair i = (v_{2i,d}, v_{2i+1,d}) */
+        for (int c = 0; c < D; c += 32) {
+            const __m512i first = _mm512_loadu_si512(values + (size_t)(2 * i) * D + c);
+            const __m512i second = 2 * i + 1 < most ? _mm512_loadu_si512(values + (size_t)(2 * i + 1) * D + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(w->vp + (size_t)i * D + c, _mm512_unpacklo_epi16(first, second));
+            _mm512_storeu_si512(w->vp + (size_t)i * D + c + 16, _mm512_unpackhi_epi16(first, second));
+        }
+    float ot[3 * 8 * 16];
+    for (int a0 = 0; a0 < vectors; a0 += 3) {
+        const int NV = vectors - a0 < 3 ? vectors - a0 : 3;
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            int place[8];
+            for (int k = 0; k < 8; k++) place[k] = pair_place(d0 + k);
+            if (NV == 3) dots_values8(w->pp + 16 * a0, w->vp, place, pairs, vectors, D, 3, inverse + a0, ot);
+            else if (NV == 2) dots_values8(w->pp + 16 * a0, w->vp, place, pairs, vectors, D, 2, inverse + a0, ot);
+            else dots_values8(w->pp + 16 * a0, w->vp, place, pairs, vectors, D, 1, inverse + a0, ot);
+            for (int a = 0; a < NV; a++)
+                for (int l = 0; l < 16 && 16 * (a0 + a) + l < queries; l++) {
+                    const int u = 16 * (a0 + a) + l;
+                    float *o = out + (size_t)(u / group) * stride + (size_t)(u % group) * D + d0;
+                    for (int k = 0; k < 8; k++) o[k] = ot[((size_t)a * 8 + k) * 16 + l];
+                }
+        }
+    }
+}
+
 /* 16 float32 lanes as bfloat16, rounded as PyTorch's vectorized cast rounds them (to nearest even; a NaN
  * becomes 0xFFFF), denormals kept: a key the kernel writes has the bits `.to(torch.bfloat16)` gives it. */
 static inline __m256i bfloat16_lanes(__m512 x) {
@@ -386,13 +534,16 @@ static void write_rows(const float *k, const float *v, const int64_t *slots, con
  * is outside what it serves or a row would read or write outside the store (nothing is written then).
  * With new_keys and new_values (not NULL), the rows' own keys and values are written first (write_rows, at `writes`). Consecutive
  * rows of one slot that read its leading columns (a chain's, a prompt chunk's) share an item, so their
- * keys come from memory once; runs are cut so the threads still get about four items each. */
+ * keys come from memory once; runs are cut so the threads still get about four items each. `prompt` (R flags, or
+ * NULL): rows that are prompt positions, which take bfloat16 dot products (dots_run) where the store is bfloat16
+ * and the tile unit is not used; the caller passes it only where the CPU has AVX-512 BF16. */
 int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
                       int capacity, int D, float scale, int bf16, int threads, int amx,
-                      const float *new_keys, const float *new_values, const int64_t *writes) {
+                      const float *new_keys, const float *new_values, const int64_t *writes, const uint8_t *prompt) {
     const int group = heads / kv_heads;
     const int tiles = amx && bf16 && D % 32 == 0;
+    const int dots = prompt && bf16 && !tiles && !columns && D % 32 == 0;  /* prompt rows by dot products (dots_run) */
     if (D % 16 || group > MAX_GROUP || heads % kv_heads) return -1;
     int most = 1;
     for (int r = 0; r < R; r++) {
@@ -405,20 +556,33 @@ int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *s
     int longest = (R * kv_heads + 4 * threads - 1) / (4 * threads);  /* rows a run: enough items to share out */
     longest = columns ? 1 : longest < 1 ? 1 : longest > MAX_RUN ? MAX_RUN : longest;
     if (tiles && longest * group > 16) longest = 16 / group;  /* a run's queries fill one tile */
+    int prompted = 0;  /* prompt rows by dot products: runs of them as long as the threads still get items */
+    for (int r = 0; dots && r < R; r++) prompted += prompt[r] != 0;
+    int longest_prompt = (prompted * kv_heads + 4 * threads - 1) / (4 * threads);
+    longest_prompt = longest_prompt < 1 ? 1 : longest_prompt > PROMPT_RUN ? PROMPT_RUN : longest_prompt;
     int *starts = malloc(sizeof(int) * (R + 1)), runs = 0;
     if (!starts) return -1;
     for (int r = 0; r < R; runs++) {
         starts[runs] = r;
-        const int first = r++;
-        while (r < R && r - first < longest && slots[r] == slots[first]) r++;
+        const int first = r++, by_dots = prompted && prompt[first], limit = by_dots ? longest_prompt : longest;
+        while (r < R && r - first < limit && slots[r] == slots[first] && (prompted && prompt[r]) == by_dots) r++;
     }
     starts[runs] = R;
     const size_t scratch = (size_t)longest * group * ((most + 15) / 16 * 16);
+    int short_of_memory = 0;
+    const size_t vectors = ((size_t)longest_prompt * group + 15) / 16, keys_up = (most + 3) / 4 * 4, pairs = (most + 1) / 2;
 #pragma omp parallel num_threads(threads)
     {
         if (new_keys)  /* its loop ends in a barrier: every row's keys are in before any row reads */
             write_rows(new_keys, new_values, slots, writes, keys, values, R, kv_heads, capacity, D, bf16);
         float *scores = aligned_alloc(64, (scratch * sizeof(float) + 63) / 64 * 64);
+        dots_scratch mine = {0};
+        if (prompted) {  /* a thread whose scratch is not there attends nothing and the call fails */
+            mine.qt = malloc(sizeof(uint32_t) * vectors * 16 * (size_t)D / 2);
+            mine.pp = malloc(sizeof(uint32_t) * pairs * vectors * 16);
+            mine.vp = malloc(sizeof(uint32_t) * pairs * (size_t)D);
+            mine.st = malloc(sizeof(float) * keys_up * vectors * 16);
+        }
         tile_scratch own = {0};
         char *block = NULL;
         if (tiles) {  /* one block a thread: parts, pparts, pairs, gathered, zeros (bfloat16), then ctile, sums */
@@ -436,21 +600,30 @@ int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *s
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < runs * kv_heads; item++) {
+            if (prompted && !(mine.qt && mine.pp && mine.vp && mine.st)) {
+                short_of_memory = 1;
+                continue;
+            }
             const int run = item / kv_heads, h = item % kv_heads, r = starts[run];
             const size_t head = ((size_t)slots[r] * kv_heads + h) * capacity * D;
             const char *k = (const char *)keys + head * (bf16 ? 2 : 4), *v = (const char *)values + head * (bf16 ? 2 : 4);
             const float *qr = q + ((size_t)r * heads + (size_t)h * group) * D;
             const int64_t *cr = columns ? columns + (size_t)r * columns_width : NULL;
             float *o = out + ((size_t)r * heads + (size_t)h * group) * D;
-            if (bf16) attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 1, scale, scores, o, tiles, capacity, &own);
+            if (prompted && prompt[r]) dots_run(qr, (size_t)heads * D, (const uint16_t *)k, (const uint16_t *)v, seen + r, starts[run + 1] - r, group, D, scale, o, &mine);
+            else if (bf16) attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 1, scale, scores, o, tiles, capacity, &own);
             else attend_run(qr, (size_t)heads * D, k, v, cr, seen + r, starts[run + 1] - r, group, D, 0, scale, scores, o, 0, capacity, &own);
         }
         free(scores);
+        free(mine.qt);
+        free(mine.pp);
+        free(mine.vp);
+        free(mine.st);
         if (tiles) {
             free(block);
             _tile_release();
         }
     }
     free(starts);
-    return 0;
+    return short_of_memory ? -1 : 0;
 }

@@ -18,7 +18,8 @@
  *   x += (silu(g) · u) · Wdownᵀ                       silu(g) = g · σ(g), σ from exp of -|g|
  * Every loop computes a row alone in a fixed order, and the products and attention keep a row's bits its own,
  * so a row's bits do not depend on what shares its pass or on the thread count. Prompt rows take the prompt
- * tiles in every product where the model asks for them (prompt_rows), as the framework's pass does.
+ * tiles in every product where the model asks for them (prompt_products), as the framework's pass does, and
+ * bfloat16 dot products in attention where the caller asks (prompt_attention: attention.c's dots_run).
  *
  * Layout: x [R, C]; cos and sin [R, D] (sin with its first half negated); the store's keys and values
  * [S, Hkv, capacity, D]; slots, seen, columns and writes as specd_attend_rows takes them; captured
@@ -37,7 +38,7 @@
 int specd_attend_rows(const float *q, void *keys, void *values, const int64_t *slots, const int32_t *seen,
                       const int64_t *columns, int columns_width, float *out, int R, int heads, int kv_heads, int store_slots,
                       int capacity, int D, float scale, int bf16, int threads, int amx,
-                      const float *new_keys, const float *new_values, const int64_t *writes);
+                      const float *new_keys, const float *new_values, const int64_t *writes, const uint8_t *prompt);
 
 typedef struct {
     const float *input_norm, *post_norm; /* [C] */
@@ -134,25 +135,29 @@ static void add_rows(float *x, const float *y, size_t count) {
 /* 0, or -1 where attention refused the rows (a slot, width or column out of the store's range) or memory ran out. */
 int specd_decoder_pass(const specd_decoder *m, float *x, int R, const float *cos, const float *sin,
                        const int64_t *slots, const int32_t *seen, const int64_t *columns, int columns_width, const int64_t *writes,
-                       const int32_t *prompt_rows, int prompt_count, int isa, int amx_attention,
-                       const int32_t *capture, int captures, float *captured, int threads) {
+                       const int32_t *prompt_rows, int prompt_count, int prompt_products, int prompt_attention, int isa,
+                       int amx_attention, const int32_t *capture, int captures, float *captured, int threads) {
     const int C = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->intermediate;
     const int width = (H + 2 * Hkv) * D;
     const int widest_in = larger(C, larger(I, H * D)), widest_out = larger(width, larger(2 * I, C));  /* a product's K and N */
     const size_t floats = (size_t)R * (2 * C + width + 2 * H * D + 2 * Hkv * D + 3 * I + widest_in + widest_out);
     float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
-    int32_t *others = prompt_count ? malloc(sizeof(int32_t) * (R - prompt_count + 1)) : NULL;
-    if (!scratch || (prompt_count && !others)) {
+    const int products_prompt = prompt_products ? prompt_count : 0;  /* prompt rows the prompt tiles multiply */
+    int32_t *others = products_prompt ? malloc(sizeof(int32_t) * (R - products_prompt + 1)) : NULL;
+    uint8_t *attending = prompt_attention && prompt_count ? calloc(R, 1) : NULL;  /* prompt rows by dot products */
+    if (!scratch || (products_prompt && !others) || (prompt_attention && prompt_count && !attending)) {
         free(scratch);
         free(others);
+        free(attending);
         return -1;
     }
+    for (int p = 0; attending && p < prompt_count; p++) attending[prompt_rows[p]] = 1;
     float *h = scratch, *qkv = h + (size_t)R * C, *q = qkv + (size_t)R * width, *k = q + (size_t)R * H * D;
     float *v = k + (size_t)R * Hkv * D, *attended = v + (size_t)R * Hkv * D, *out = attended + (size_t)R * H * D;
     float *gu = out + (size_t)R * C, *act = gu + (size_t)R * 2 * I, *gather_in = act + (size_t)R * I;
-    row_plan plan = {R, prompt_count, prompt_rows, NULL, 0, 0, int4_kernel_for(isa), specd_int4_prompt_mm,
+    row_plan plan = {R, products_prompt, prompt_rows, NULL, 0, 0, int4_kernel_for(isa), specd_int4_prompt_mm,
                      gather_in, gather_in + (size_t)R * widest_in, threads};
-    if (prompt_count) {  /* each set as a run of consecutive rows where it is one (no gather), else its rows */
+    if (products_prompt) {  /* each set as a run of consecutive rows where it is one (no gather), else its rows */
         int count = 0;
         for (int r = 0, p = 0; r < R; r++) {
             if (p < prompt_count && prompt_rows[p] == r) p++;
@@ -169,7 +174,7 @@ int specd_decoder_pass(const specd_decoder *m, float *x, int R, const float *cos
         product(&plan, &layer->qkv, h, C, qkv, width);
         rotate_rows(qkv, cos, sin, q, k, v, R, H, Hkv, D, threads);
         failed = specd_attend_rows(q, layer->keys, layer->values, slots, seen, columns, columns_width, attended, R, H, Hkv,
-                                   m->store_slots, m->capacity, D, m->scaling, m->bf16_store, threads, amx_attention, k, v, writes);
+                                   m->store_slots, m->capacity, D, m->scaling, m->bf16_store, threads, amx_attention, k, v, writes, attending);
         product(&plan, &layer->o, attended, H * D, out, C);
         add_rows(x, out, (size_t)R * C);
         rms_rows(x, layer->post_norm, h, R, C, m->eps, threads);
@@ -183,5 +188,6 @@ int specd_decoder_pass(const specd_decoder *m, float *x, int R, const float *cos
     }
     free(scratch);
     free(others);
+    free(attending);
     return failed ? -1 : 0;
 }

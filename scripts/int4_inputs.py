@@ -5,7 +5,7 @@ The int4 tiles round a product's inputs to bfloat16 (AMX, AVX-512 BF16) or to by
 answers prompts with the float32 target, then scores the same tokens (teacher-forced) with the int4
 target on every instruction set the tiles run on here, and reports per instruction set the next-token
 argmax agreement with float32 and the mean KL(p_float32 || p_int4), and how often the instruction sets
-agree with each other. With --prompt-attention each instruction set is scored twice more, its prompt rows'
+agree with each other. With --prompt-attention each instruction set is scored twice, its prompt rows'
 attention by the 16-lane code and by bfloat16 dot products (store_attention.prompt_dots; with --flat, the
 verify's flat pass and native decoder, where they take effect). One JSON object (docs/design/engine-room.md).
 

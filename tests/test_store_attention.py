@@ -193,8 +193,8 @@ def bf16_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sl
     group = layer.heads // layer.kv_heads
     k, v = keys[slot][:, :seen].double(), values[slot][:, :seen].double()  # [Hkv, n, D]
     query = q.to(torch.bfloat16).double().view(layer.kv_heads, group, layer.head_dim)  # [Hkv, group, D]
-    weights = torch.softmax(query @ k.transpose(1, 2) * layer.scaling, dim=-1)  # [Hkv, group, n]
-    unnormalized = torch.exp(torch.log(weights) - torch.log(weights).amax(-1, keepdim=True))  # p_j = exp(s_j - m)
+    scores = query @ k.transpose(1, 2) * layer.scaling  # [Hkv, group, n]
+    unnormalized = torch.exp(scores - scores.amax(-1, keepdim=True))  # p_j = exp(s_j - m)
     out = unnormalized.to(torch.bfloat16).double() @ v / unnormalized.sum(-1, keepdim=True)
     return out.reshape(layer.heads, layer.head_dim).float()
 

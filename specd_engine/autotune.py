@@ -47,6 +47,9 @@ FORWARDS = ("auto", "ragged", "flat", "transformers")
 # What a flat pass's KV store keeps keys and values as (flat_pass.store_dtype decides auto).
 KV_DTYPES = ("auto", "float32", "bfloat16")
 MEASURED_POSITIONS = (1, 2, 4, 8)  # forward sizes timed at start-up; others are interpolated
+# A prompt chunk's size, timed too where one thread count serves every pass (int4: one_thread_count):
+# prompts and batches run on the count rounds chose, and there a second core pays nearly in full.
+CHUNK_POSITIONS = 32
 # Position counts rounds use: target-only and the one-token probe (1), speculative rounds (k + 1 = 2..5).
 ROUND_POSITIONS = (1, 2, 3, 4, 5)
 # A verify times batched rounds at start-up with every row scoring 1 position (plain decoding), 4 (k = 3
@@ -155,18 +158,35 @@ def choose_runtime(costs: Costs, device: str = "cpu") -> RuntimeChoice:
                          threads_by_size=per_size if len(set(per_size.values())) > 1 else {}, costs_ms=table)
 
 
+def timed_sizes(one_count: bool) -> tuple[int, ...]:
+    """The forward sizes a model's start-up times: a prompt chunk's too where one thread count must serve
+    every pass (one_thread_count weighs it)."""
+    return MEASURED_POSITIONS + ((CHUNK_POSITIONS,) if one_count else ())
+
+
 def one_thread_count(choice: RuntimeChoice, costs: Costs) -> RuntimeChoice:
-    """`choice` with a single thread count for every forward size: the fewest threads within the
-    tolerance of the cheapest summed over the sizes rounds use (ROUND_POSITIONS), each size on its
-    cheapest layout at that count. For a model whose exactness needs a position's logits to be the same
-    bits in a pass of any size (int4: specd_engine/quantized.py): CPU SDPA for one query over 64 or
-    more keys splits the keys by thread count (flash-decoding style), so a row scored on 1 thread
-    and the same row scored on 2 differ by rounding, and a verify judging drafts on another thread
-    count than its one-position passes changed greedy output (6 of 244 speculative requests of the
-    e2e prompts through `specd up`, 2-core AMD EPYC, 2026-11-27; 0 of 90 of the first prompt since)."""
-    total = {t: sum(min(interpolate(timings, n) for timings in by_layout.values()) for n in ROUND_POSITIONS)
-             for t, by_layout in costs.items()}
-    threads = fewest_threads(total)
+    """`choice` with a single thread count for every forward size, each size on its cheapest layout at
+    that count. For a model whose exactness needs a position's logits to be the same bits in a pass of
+    any size (int4: specd_engine/quantized.py): CPU SDPA for one query over 64 or more keys splits the
+    keys by thread count (flash-decoding style), so a row scored on 1 thread and the same row scored on
+    2 differ by rounding, and a verify judging drafts on another thread count than its one-position
+    passes changed greedy output (6 of 244 speculative requests of the e2e prompts through `specd up`,
+    2-core AMD EPYC, 2026-11-27; 0 of 90 of the first prompt since).
+
+    That count serves rounds (ROUND_POSITIONS, summed) and prompt chunks and batches (the largest size
+    timed) alike, so it is weighed on both: the fewest threads within the tolerance of the best score,
+    a count's score being its cost over the cheapest on each. Weighing rounds alone chose 1 thread on
+    the 2-core EPYC when 1–5-position passes came out within 10% (median costs 4.9–7.5 ms either way in
+    a quiet start), and served prompts 1.6–1.8x slower than 2 threads (300 tokens: 315 against 172–195
+    ms; 2026-12-07)."""
+    def cheapest(by_layout: dict, n: int) -> float:
+        return min(interpolate(timings, n) for timings in by_layout.values())
+
+    rounds = {t: sum(cheapest(by_layout, n) for n in ROUND_POSITIONS) for t, by_layout in costs.items()}
+    largest = max(n for by_layout in costs.values() for timings in by_layout.values() for n in timings)
+    chunk = {t: cheapest(by_layout, largest) for t, by_layout in costs.items()}
+    score = {t: rounds[t] / min(rounds.values()) + chunk[t] / min(chunk.values()) for t in costs}
+    threads = fewest_threads(score)
     layouts = compress(best_layouts(costs[threads], sizes()))
     return replace(choice, threads=threads, threads_by_size={}, layouts=layouts)
 

@@ -706,6 +706,13 @@ def stack_runtime(addresses: dict) -> dict:
     return chosen
 
 
+def pricing_line(pricing: dict) -> str:
+    """The verify's start-up pass pricing (autotune.pass_pricing) in one line."""
+    named = {"sessions_8_x": "8 sessions", "sessions_32_x": "32 sessions", "positions_4_x": "4 positions"}
+    parts = [f"{label} {pricing[key]}x" for key, label in named.items() if key in pricing]
+    return f"verify pass pricing over one session at one position ({pricing['session_ms']} ms): " + ", ".join(parts)
+
+
 def speedup_cell(overall: dict) -> str:
     """The speedup, with its range over repeats when there were several ("0.989 (0.95–1.02)")."""
     spread = overall.get("speedup_by_repeat")

@@ -558,6 +558,7 @@ def run_bench(args: argparse.Namespace) -> int:
     report["machine"] = bench.machine_facts()
     report["command"] = " ".join(["specd", *args.argv])
     report["stack_runtime"] = runtime
+    report["pass_pricing"] = autotune.pass_pricing(runtime.get("verify", {}))
     report["settings"] = {
         "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
         "concurrency": args.concurrency, "repeats": repeats, "specd_drafter": HEADS_ONLY if heads_default else args.drafter,
@@ -577,6 +578,8 @@ def run_bench(args: argparse.Namespace) -> int:
     tables = [bench.arrival_table(report)] if args.arrival else [bench.markdown_table(report), bench.kinds_table(report)]
     if args.sequential_too:
         tables.append(bench.scaling_table(report))
+    if report.get("pass_pricing"):
+        tables.append(bench.pricing_line(report["pass_pricing"]))
     print(json.dumps(report, indent=2) if args.json else "\n\n".join(tables))
     return 0
 

@@ -77,6 +77,7 @@ class RuntimeChoice:
     source: str = "measured"  # measured | flags | default
     kv_token_budget: int = 0  # positions all sessions may hold (0 = none); see kv_token_budget()
     batch_costs_ms: dict = field(default_factory=dict)  # rows → positions per row → ms of one batched round (verify)
+    session_costs_ms: dict = field(default_factory=dict)  # positions → ms of one session's round timed as the batches (pass_pricing)
     heads_product: dict = field(default_factory=dict)  # rows → the Medusa heads' product precision and its timings (verify)
     settled_in_serving: dict = field(default_factory=dict)  # size → what ServingTrials chose there and the medians that chose it
     weights: str = "float"  # the linear products' weights: float as loaded, or int4 (specd_engine/quantized.py)
@@ -116,6 +117,28 @@ class RuntimeChoice:
     def summary(self) -> str:
         """One log line: the choice and what it was chosen from."""
         return json.dumps(asdict(self), separators=(",", ":"))
+
+
+def pass_pricing(runtime: dict) -> dict[str, float]:
+    """What a verify's pass costs beside one session's, from the start-up timings in its runtime (a
+    RuntimeChoice's asdict, or its summary() read back: keys ints or strings): 8 and 32 sessions at one
+    position each, and one session at 4 positions (k = 3 drafts), each over one session at one position
+    timed the same way (BATCH_CONTEXT positions cached, the replies included). Issue 57's bars (8 sessions
+    ≤ 2.5x, 32 ≤ 7x, 4 positions ≤ 1.4x) are these numbers. {} where they were not timed."""
+    def by_int(table: dict) -> dict:
+        return {int(key): value for key, value in table.items()}
+
+    alone, batches = by_int(runtime.get("session_costs_ms") or {}), by_int(runtime.get("batch_costs_ms") or {})
+    if not alone.get(1):
+        return {}
+    priced = {f"sessions_{rows}_x": by_int(batches.get(rows, {})).get(1) for rows in (8, 32)}
+    priced["positions_4_x"] = alone.get(4)
+    return {"session_ms": alone[1], **{name: round(ms / alone[1], 2) for name, ms in priced.items() if ms}}
+
+
+def priced_rows(max_batch_size: int) -> list[int]:
+    """Rows a verify times its rounds for at start-up: one session (pass_pricing's baseline), then batch_sizes."""
+    return [1, *batch_sizes(max_batch_size)]
 
 
 def batch_sizes(max_batch_size: int) -> list[int]:

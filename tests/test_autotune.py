@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from specd_app import bench
+from specd_engine import autotune
 from specd_engine.autotune import (
     PLAIN, PREPACKED, TALL, RuntimeChoice, ServingTrials, available_cores, choose_runtime, compress, fewest_threads, interpolate,
     one_thread_count, thread_candidates, timed_sizes, MEASURED_POSITIONS,
@@ -143,6 +145,16 @@ def test_the_choice_records_what_chose_it():
     record = json.loads(choice.summary())
     assert record["source"] == "measured" and record["threads"] in (1, 2)
     assert record["costs_ms"]["2"][PREPACKED]["4"] == 83.0
+
+
+def test_pass_pricing_is_each_cost_over_one_session_timed_alike():
+    """autotune.pass_pricing over a runtime read back from JSON (string keys), as `specd bench` prints it."""
+    runtime = {"session_costs_ms": {"1": 5.0, "4": 6.0, "8": 9.0}, "batch_costs_ms": {"8": {"1": 12.5}, "32": {"1": 36.0, "4": 90.0}}}
+    pricing = autotune.pass_pricing(runtime)
+    assert pricing == {"session_ms": 5.0, "sessions_8_x": 2.5, "sessions_32_x": 7.2, "positions_4_x": 1.2}
+    assert bench.pricing_line(pricing).endswith("(5.0 ms): 8 sessions 2.5x, 32 sessions 7.2x, 4 positions 1.2x")
+    assert autotune.pass_pricing({"batch_costs_ms": runtime["batch_costs_ms"]}) == {}  # no baseline timed: nothing priced
+    assert autotune.pass_pricing({"session_costs_ms": {1: 4.0}}) == {"session_ms": 4.0}
 
 
 def test_fewest_threads_within_the_tolerance():
@@ -415,5 +427,8 @@ def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, mon
     assert second.lm.runtime.source == "cached" and first.lm.runtime.source == "measured"
     assert (second.lm.runtime.layouts, second.lm.runtime.threads) == (first.lm.runtime.layouts, first.lm.runtime.threads)
     assert second.lm.runtime.batch_costs_ms == first.lm.runtime.batch_costs_ms != {}
+    assert set(first.lm.runtime.batch_costs_ms) == {2} and set(first.lm.runtime.session_costs_ms) == set(autotune.BATCH_POSITIONS)
+    pricing = autotune.pass_pricing(json.loads(first.info().runtime_config))  # as `specd bench` reads it
+    assert pricing["session_ms"] == first.lm.runtime.session_costs_ms[1] > 0 and pricing["positions_4_x"] > 0
     Scorer(load_causal_lm(str(model)), BatchPolicy(max_batch_size=4), max_threads=2, startup=startup)  # another batch size: a miss
     assert len(measured) == 6

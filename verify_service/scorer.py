@@ -148,7 +148,9 @@ class Scorer:
             runtime.heads_product = self.lm.run(self.medusa.tune_product, measure=timings.measure)
         self.batcher = make_batcher(self.lm, batching, finish=self._finish)  # None: one session per forward
         if self.batcher is not None:  # what a batch costs as its rows draft: the gateway's speculation cap reads it
-            runtime.batch_costs_ms = self.measure_batch_costs(autotune.batch_sizes(batching.max_batch_size), measure=timings.measure)
+            costs = self.measure_batch_costs(autotune.priced_rows(batching.max_batch_size), measure=timings.measure)
+            runtime.session_costs_ms = costs.pop(1, {})  # the batches' own baseline (autotune.pass_pricing), not a batch
+            runtime.batch_costs_ms = costs
         self._info.runtime_profile.prefill_ms_per_token = self.measure_prefill_cost(measure=timings.measure)
         timings.finish()
         if runtime.source == "measured":
@@ -173,7 +175,7 @@ class Scorer:
             "kv_dtype": self.lm.store.kv_dtype if self.lm.store is not None else "",
             "weights": self.lm.weights, "int4_kernel": quantized.products_kernel(self.lm.lean.layers) if self.lm.lean is not None else "",
             "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
-            "positions": list(autotune.timed_sizes(self.lm.weights == "int4")), "batch_rows": autotune.batch_sizes(batching.max_batch_size),
+            "positions": list(autotune.timed_sizes(self.lm.weights == "int4")), "batch_rows": autotune.priced_rows(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",
             "prefill_tokens": PREFILL_TIMING_TOKENS, "attention": attention_mode(self.lm),

@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json-schema", default="", help="structured output: every service mode's request must answer in JSON "
                        "matching this schema file (GenerateRequest.constraint), target_only too; the report adds each mode's "
                        "forced-round share. The transformers modes cannot be constrained: use --no-hf")
-    bench.add_argument("--seed", type=int, default=None, help="seed every sampled prompt (reproducible samples; a seeded request "
-                       "drafts a fixed k by default, so the default is no seed, as most users send)")
+    bench.add_argument("--seed", type=int, default=None, help="seed every sampled prompt (reproducible samples: a seeded request is "
+                       "judged by the coupled rule, whatever k its rounds take; the default is no seed, as most users send)")
     bench.add_argument("--sequential-too", action="store_true", help="with --concurrency N > 1: also run every service mode one "
                        "request at a time, and report both side by side (N at once over one at a time, TTFT and ITL of each, "
                        "each prompt's prefill, and how close N at once comes to all prefills + batched decoding)")

@@ -181,10 +181,16 @@ def choose_runtime(costs: Costs, device: str = "cpu") -> RuntimeChoice:
                          threads_by_size=per_size if len(set(per_size.values())) > 1 else {}, costs_ms=table)
 
 
-def timed_sizes(one_count: bool) -> tuple[int, ...]:
-    """The forward sizes a model's start-up times: a prompt chunk's too where one thread count must serve
+def one_count_serves(weights: str) -> bool:
+    """Whether one thread count serves every pass of a model with these weights (one_thread_count): int4's
+    exactness needs it."""
+    return weights == "int4"
+
+
+def timed_sizes(weights: str) -> tuple[int, ...]:
+    """The forward sizes a model's start-up times: a prompt chunk's too where one thread count serves
     every pass (one_thread_count weighs it)."""
-    return MEASURED_POSITIONS + ((CHUNK_POSITIONS,) if one_count else ())
+    return MEASURED_POSITIONS + ((CHUNK_POSITIONS,) if one_count_serves(weights) else ())
 
 
 def one_thread_count(choice: RuntimeChoice, costs: Costs) -> RuntimeChoice:

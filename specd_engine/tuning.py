@@ -92,7 +92,7 @@ def tune(lm: Any, threads: int = 0, max_threads: int = 0, repeats: int = 5,
         runtime.choice = autotune.RuntimeChoice("cpu", counts[0], {1: next(iter(runtime.layouts))}, source="flags")
         choose_prompt_kernel(lm, counts[0], measure)
         return runtime.choice
-    prompt = [i % lm.vocab_size for i in range(1, autotune.CHUNK_POSITIONS + 1)]  # any ids: the cost does not depend on them; the longest size timed
+    prompt = [i % lm.vocab_size for i in range(1, autotune.CHUNK_POSITIONS + 1)]  # any ids; as long as the largest size timed
     session = lm.new_session(prompt)
 
     def timed_forward(positions: int, layout: str):
@@ -104,13 +104,12 @@ def tune(lm: Any, threads: int = 0, max_threads: int = 0, repeats: int = 5,
 
         return run
 
-    one_count = lm.weights == "int4"  # exactness: every pass on one thread count, never trialled on another
-    costs = autotune.measure_forward_costs(timed_forward, counts, sorted(runtime.layouts), autotune.timed_sizes(one_count),
+    costs = autotune.measure_forward_costs(timed_forward, counts, sorted(runtime.layouts), autotune.timed_sizes(lm.weights),
                                            repeats=repeats, measure=measure)
     if not costs:  # no start-up time left to measure: the default runtime stands
         return runtime.choice
     choice = autotune.choose_runtime(costs)
-    if one_count:
+    if autotune.one_count_serves(lm.weights):  # exactness: every pass on one thread count, never trialled on another
         choice, runtime.trials = autotune.one_thread_count(choice, costs), None
     else:
         runtime.trials = autotune.ServingTrials.from_costs(choice, costs)

@@ -97,7 +97,7 @@ def test_one_thread_count_weighs_prompt_chunks_beside_rounds():
     with_chunk = {t: {PLAIN: ms({**timings, 32: chunk})} for (t, timings), chunk in zip(rounds.items(), (55.1, 30.6))}
     assert one_thread_count(choose_runtime(without_chunk), without_chunk).threads == 1
     assert one_thread_count(choose_runtime(with_chunk), with_chunk).threads == 2
-    assert timed_sizes(True)[-1] == 32 and timed_sizes(False) == MEASURED_POSITIONS
+    assert timed_sizes("int4")[-1] == 32 and timed_sizes("float") == MEASURED_POSITIONS
 
 
 def test_an_int4_model_runs_every_pass_on_the_thread_count_it_chose(tiny):
@@ -269,7 +269,6 @@ def test_available_cores_stay_within_the_cgroup_cpu_quota(tmp_path, monkeypatch)
     many threads at most; cgroup v2 (cpu.max) and v1 (cpu/cpu.cfs_quota_us) both read."""
     import os
 
-    from specd_engine import autotune
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     affinity = len(os.sched_getaffinity(0))
@@ -407,7 +406,6 @@ def test_a_budget_cuts_the_rounds_short_and_such_timings_are_not_cached(tmp_path
 def test_a_verify_started_twice_on_a_warm_cache_measures_only_once(tmp_path, monkeypatch):
     """Scorer's start-up: the forward costs, the batch costs, the prefill cost (and the heads' product) are
     timed on the first start and read on the second, which chooses the same runtime from them."""
-    from specd_engine import autotune
     from specd_common.config import BatchPolicy, StartupMeasurement
     from specd_engine.models import load_causal_lm
     from tests.tiny_models import build_model

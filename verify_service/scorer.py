@@ -175,7 +175,7 @@ class Scorer:
             "kv_dtype": self.lm.store.kv_dtype if self.lm.store is not None else "",
             "weights": self.lm.weights, "int4_kernel": quantized.products_kernel(self.lm.lean.layers) if self.lm.lean is not None else "",
             "key_block": kv_cache.KEY_BLOCK, "threads": autotune.threads_to_try(threads, max_threads),
-            "positions": list(autotune.timed_sizes(self.lm.weights == "int4")), "batch_rows": autotune.priced_rows(batching.max_batch_size),
+            "positions": list(autotune.timed_sizes(self.lm.weights)), "batch_rows": autotune.priced_rows(batching.max_batch_size),
             "batch_positions": list(autotune.BATCH_POSITIONS), "batch_context": autotune.BATCH_CONTEXT,
             "medusa": runtime_cache.digest(self.medusa.config) if self.medusa is not None else "",
             "prefill_tokens": PREFILL_TIMING_TOKENS, "attention": attention_mode(self.lm),

@@ -187,6 +187,7 @@ class Generation:
         self._cut_off = cut_off  # the gateway's shutdown grace is over: end with the partial answer
         self._speculation_allowed = speculation_allowed
         self._running = running  # requests this gateway runs now (the batch this request's rounds share)
+        self._plain_steps_cap = options.plain_steps  # passes a plain round's Verify may decode (_plain_steps)
         self._text = TextStream(backends.tokenizer.decode, spec.stop)
         self.sessions = SessionSet(self.request_id, spec.warp.to_proto(common_pb2.SamplingParams), backends.keeper)
         self._verify = Link()
@@ -258,14 +259,19 @@ class Generation:
         masks = self._constrain(plan, draft_probs)
         proposed = time.perf_counter()
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
-        scores = self._verify_drafts(plan, self.planner.decide_heads_ask(ctx), masks)
-        # 4. Judge
+        steps = self._plain_steps(plan, free, ctx)
+        scores = self._verify_drafts(plan, self.planner.decide_heads_ask(ctx), masks, steps)
+        # 4. Judge (a plain call that decoded several passes: its tokens are the target's own)
         outcome = self._judge(plan, draft_probs, scores, masks)
+        decoded = self._decoded(plan, scores)
+        passes = max(len(decoded), 1)
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
-        self.stats.count_round(verdict.chain, outcome.accepted)
-        self.stats.count_prediction(plan.expected, outcome.accepted + 1)
+        self._verify.sync.agreed += passes - 1  # the verify's session holds every decoded token but the last
+        for _ in range(passes):
+            self.stats.count_round(verdict.chain, outcome.accepted)
+            self.stats.count_prediction(plan.expected, outcome.accepted + 1)
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)
@@ -273,18 +279,20 @@ class Generation:
             self.stats.forced_rounds += 1
             self.stats.forced_tokens += len(plan.drafts)
         # 6. Emit
-        emitted = outcome.emitted(plan.drafts)
+        emitted = decoded or outcome.emitted(plan.drafts)
         chunk = self._emit(emitted, round_logprobs(scores, emitted, self.spec.top_logprobs, self.spec.warp.greedy))
         if self.spec.speculate and not free:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
-            self.backends.observe_round(len(emitted), len(plan.drafts) + 1, time.perf_counter() - started,
-                                        self._running(), ctx.allowed)
+            share = (time.perf_counter() - started) / passes  # a plain call's passes are plain rounds, each its share
+            for index in range(passes):
+                tokens = len(emitted) if passes == 1 else int(index < len(emitted))
+                self.backends.observe_round(tokens, len(plan.drafts) + 1, share, self._running(), ctx.allowed)
         self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy or bool(scores.sampled_token_ids),
                            len(self.sequence))
         if self.draft.features is not None:
             self.draft.features.truncate(len(self.sequence) - 1)  # only committed positions' features stay
         seconds = time.perf_counter() - started
         if not free:
-            self._measure_costs(plan, started, proposed)
+            self._measure_costs(plan, started, proposed, passes)
             self.guard.observe(len(emitted), seconds, plain=not plan.drafts and not self.heads.asked, alone=ctx.alone,
                                forced=plan.source == FORCED, expected=plan.expected)
         self.stats.rested_rounds = self.guard.rested
@@ -332,12 +340,13 @@ class Generation:
             return draft_probs
         return [] if self.spec.warp.greedy else [one_hot(token) for token in plan.drafts]
 
-    def _measure_costs(self, plan: RoundPlan, started: float, proposed: float) -> None:
+    def _measure_costs(self, plan: RoundPlan, started: float, proposed: float, passes: int = 1) -> None:
         """The round's time after its Propose (the Verify, judging the drafts, decoding distributions,
         committing and emitting: all a round costs beside its drafts) and its Propose's into the shared
-        step costs of its kind (adaptive.StepCosts): the planner prices a round as it was served."""
+        step costs of its kind (adaptive.StepCosts): the planner prices a round as it was served (a plain
+        call of several passes, each pass its share)."""
         costs = self.costs
-        costs.observe_verify(len(plan.drafts) + 1, time.perf_counter() - proposed, heads=self.heads.asked,
+        costs.observe_verify(len(plan.drafts) + 1, (time.perf_counter() - proposed) / passes, heads=self.heads.asked,
                              tree=bool(plan.parents))
         if plan.source == DRAFT and proposed - started > POLICY.min_draft_s:
             costs.observe_draft(plan.k, proposed - started)
@@ -396,8 +405,28 @@ class Generation:
         """New tokens this request may still emit (its own limit and the model's context)."""
         return min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
 
-    def _verify_drafts(self, plan: RoundPlan, ask_heads: bool, masks: list[common_pb2.TokenMask]) -> verify_pb2.VerifyResponse:
-        """Score the drafts (a tree when the plan has parents), on another replica if this one fails."""
+    def _plain_steps(self, plan: RoundPlan, free: bool, ctx: RoundContext) -> int:
+        """Passes this round's Verify may decode (VerifyRequest.plain_steps): several where the round
+        drafts nothing and the next ones could not either (speculation off for the request, not allowed
+        under the load or resting), and only the tokens come back (no grammar, log probabilities or a
+        feature drafter's features); else 1. Why: each round trip between passes (RPCs, the gateway's
+        round, the verify's hand-offs) cost 5-6 ms beside a 10 ms pass of 8 sessions on a 2-vCPU EPYC."""
+        if free or plan.drafts or (self.spec.speculate and ctx.allowed) or self.grammar is not None \
+                or self.spec.top_logprobs is not None or self.draft.features is not None:
+            return 1
+        return max(min(self._plain_steps_cap, self._tokens_left()), 1)
+
+    def _decoded(self, plan: RoundPlan, scores: verify_pb2.VerifyResponse) -> list[int]:
+        """The tokens of a plain call that decoded several passes, in order ([] for any other round)."""
+        if plan.drafts:
+            return []
+        chosen = list(scores.argmax_token_ids if self.spec.warp.greedy else scores.sampled_token_ids)
+        return chosen if len(chosen) > 1 else []
+
+    def _verify_drafts(self, plan: RoundPlan, ask_heads: bool, masks: list[common_pb2.TokenMask],
+                       steps: int = 1) -> verify_pb2.VerifyResponse:
+        """Score the drafts (a tree when the plan has parents), on another replica if this one fails;
+        a plain round decodes up to `steps` passes."""
         features = self.draft.features
         coupled = (verify_pb2.CoupledDraw(seed=self.spec.seed, return_target_probs=self.spec.top_logprobs is not None)
                    if self._coupled(plan) else None)  # the coupled rule's draws, made by the verify: a token a row, not p
@@ -414,6 +443,8 @@ class Generation:
                 allowed_tokens=masks,
                 top_logprobs=max(self.spec.top_logprobs, 1) if self.spec.top_logprobs is not None and self.spec.warp.greedy else 0,
                 coupled_draw=coupled,
+                plain_steps=steps if steps > 1 else 0,
+                stop_token_ids=self.backends.target_info.eos_token_ids if steps > 1 else (),
             )
             try:
                 scores = coalescer_of(self._verify.replica).verify(request, self._timeout())

@@ -82,11 +82,12 @@ class GenerationObserver:
                 raise
 
     def round(self, run_round: Callable[[], Chunk]) -> Chunk:
-        """Run one speculative round (one target pass) under a `specd.round` span; count it."""
+        """Run one round (one target pass; a plain call decodes several) under a `specd.round` span; count it."""
         if not self.active:
             return run_round()
         stats, generated = self.generation.stats, self.generation.generated
         drafted_before, accepted_before, emitted_before = stats.draft_tokens, stats.accepted_tokens, len(generated)
+        passes_before = stats.target_passes
         predicted_before = stats.predicted_tokens
         lookups_before, heads_before, trees_before = stats.lookup_rounds, stats.head_rounds, stats.tree_rounds
         forced_before, forced_tokens_before, rested_before = stats.forced_rounds, stats.forced_tokens, stats.rested_rounds
@@ -112,6 +113,7 @@ class GenerationObserver:
                 span.set_attributes(
                     {
                         "specd.draft.length": draft_length,
+                        "specd.round.passes": stats.target_passes - passes_before,  # > 1: a plain call of several (plain_steps)
                         "specd.round.lookup": stats.lookup_rounds > lookups_before,
                         "specd.round.heads": stats.head_rounds > heads_before,
                         "specd.round.tree": stats.tree_rounds > trees_before,

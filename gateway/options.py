@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specd_common.tree import MAX_DRAFT_TOKENS, MAX_SPECULATED_OUTCOMES
+from specd_common.tree import MAX_DRAFT_TOKENS, MAX_PLAIN_STEPS, MAX_SPECULATED_OUTCOMES
 
 DRAFT_TIMEOUT_S = 5.0  # a draft slower than this is treated as down: speculation must never stall a request
 MAX_QUEUE_S = 30.0  # a client without a deadline waits at most about this long for its first token, else is refused
@@ -27,6 +27,7 @@ class GatewayOptions:
     draft_branches: int = 4  # candidates per drafted position a greedy adaptive request may draft a tree with (gateway/engine.py)
     lookup_tokens: int = 8  # longest prompt-lookup copy the gateway proposes itself (a lookup round); 0: none
     lookup_min_ngram: int = 2  # shortest suffix n-gram a copy needs (specd_common.lookup.prompt_lookup's min_ngram)
+    plain_steps: int = 4  # passes one Verify of a round with nothing to draft decodes: the round trip is paid once in 4
     connect_timeout_s: float = 600.0  # how long start-up waits for the model services
     resolve_period_s: float = 5.0  # dns:/// replica pools are looked up again this often (and after a failure)
     auth_token: str = ""  # required as `authorization: Bearer <token>` when set
@@ -38,6 +39,8 @@ class GatewayOptions:
             raise ValueError(f"draft length policy must be 'adaptive' or 'fixed', got {self.draft_length_policy!r}")
         if not 0 <= self.speculated_outcomes <= MAX_SPECULATED_OUTCOMES:
             raise ValueError(f"speculated outcomes must be in [0, {MAX_SPECULATED_OUTCOMES}], got {self.speculated_outcomes}")
+        if not 1 <= self.plain_steps <= MAX_PLAIN_STEPS:
+            raise ValueError(f"plain steps must be in [1, {MAX_PLAIN_STEPS}], got {self.plain_steps}")
         if not 0 <= self.lookup_tokens <= MAX_DRAFT_TOKENS or self.lookup_min_ngram < 1:
             raise ValueError(f"lookup tokens must be in [0, {MAX_DRAFT_TOKENS}] and lookup min n-gram ≥ 1, "
                              f"got {self.lookup_tokens} and {self.lookup_min_ngram}")

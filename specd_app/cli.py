@@ -243,6 +243,9 @@ def add_gateway_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "lookup-tokens", defaults.lookup_tokens, "longest prompt-lookup copy the gateway drafts itself when the sequence's last n-gram "
              "occurred before (a lookup round: no draft round trip; length chosen per round from measured costs; 0 = off)")
     add_flag(parser, "lookup-min-ngram", defaults.lookup_min_ngram, f"lookup rounds: {LOOKUP_MIN_NGRAM_HELP}")
+    add_flag(parser, "plain-steps", defaults.plain_steps, "passes one Verify decodes for a request that drafts nothing (speculation "
+             "off, not allowed under load, or resting): its tokens arrive this many at a time and the round trip is paid once for them "
+             "(1 = a round trip a token; docs/design/batching.md)")
     add_flag(parser, "max-speculative-requests", defaults.max_speculative_requests, "above this many running requests, rounds are target-only (0 = no limit; -1 = auto: "
              "the most at which the verify's batch costs, measured at its start-up, and the tokens a round yields here say speculating pays)")
     add_flag(parser, "speculated-outcomes", defaults.speculated_outcomes, "while the target verifies, a draft service with a speculation "
@@ -336,6 +339,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         draft_branches=args.draft_branches,
         lookup_tokens=args.lookup_tokens,
         lookup_min_ngram=args.lookup_min_ngram,
+        plain_steps=args.plain_steps,
         connect_timeout_s=args.connect_timeout,
         resolve_period_s=args.resolve_period,
         max_queue_s=args.max_queue_time,

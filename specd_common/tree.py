@@ -22,6 +22,7 @@ MAX_DRAFT_TOKENS = 16  # drafts in a round's chain (num_draft_tokens, lookup cop
 MAX_BRANCHES = 4  # candidates per drafted position of a tree (draft_branches, ProposeRequest.branches)
 MAX_TREE_NODES = 32  # drafted nodes one Verify scores or one Propose returns at most (k × branches)
 MAX_SPECULATED_OUTCOMES = 16  # ProposeRequest.speculate_outcomes: 16 × k head steps already outlast a CPU verify pass
+MAX_PLAIN_STEPS = 16  # VerifyRequest.plain_steps: passes one plain Verify decodes at most (a round's tokens, as a chain's)
 MAX_VERIFY_PARTS = 64  # VerifyBatchRequest.parts: twice a verify's default batch of 32 sessions, so a caller never splits a pass
 
 

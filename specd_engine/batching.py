@@ -41,12 +41,17 @@ and closes at the first of
 The window starts when the worker is free, not when the oldest request arrived: otherwise sessions
 that fell out of step (one group queued while the other ran) would alternate forever, each group
 alone; waiting a few ms for the group on its way back through the gateway merges them.
-With one active session nothing waits; `max_batch_size` 1 bypasses the batcher entirely.
+With one active session nothing waits, nor while a round queued again (Again, below) waits: its
+session's next pass runs at once and those between rounds join the one after (waiting for them held
+every such pass a quarter of one). `max_batch_size` 1 bypasses the batcher entirely.
 
 A service may also `finish` a batch: turn every caller's logits into its reply in one call on the
 worker's side (the verify's Medusa heads propose for all the batch's rows in one product per head,
 instead of one product per session). Callers then get what `finish` returns instead of logits; a
-reply that is an exception is raised to its caller alone.
+reply that is an exception is raised to its caller alone. A reply that is `Again(token)` asks for
+another pass: the token joins the caller's session and its round is queued again, ahead of new
+arrivals, without going back to the caller (plain decoding steps in one call: the verify's
+VerifyRequest.plain_steps). The caller's future answers with its last pass's reply.
 """
 
 from __future__ import annotations
@@ -94,6 +99,15 @@ class _Request:
     tag: Any = None  # the caller's, handed to `finish` with its logits
     parents: Optional[list[int]] = None  # a tree's (specd_common/tree.py); None for a chain
     future: Future = field(default_factory=Future)
+    again: bool = False  # queued again by its finish (Again): its caller is still waiting, not on its way back
+
+
+@dataclass(frozen=True)
+class Again:
+    """A `finish` reply that asks for another pass for its caller: `token` joins the session (the
+    module docstring)."""
+
+    token: int
 
 
 @dataclass(eq=False)
@@ -284,7 +298,9 @@ class ForwardBatcher:
             if self._closed:
                 self._fail_queued()
                 return None
-            deadline = self._clock() + self.window_s()
+            # a round queued again runs at once: the sessions out between rounds join the pass after
+            # (waiting for them held every further pass a quarter of one)
+            deadline = self._clock() + (0.0 if any(request.again for request in self._queue) else self.window_s())
             while self._queued_sessions() < self._batch_target() and not self._closed:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
@@ -361,15 +377,30 @@ class ForwardBatcher:
             self.stats.batches += 1
             self.stats.requests += len(requests)
             self.stats.sizes[len(requests)] += 1
+        again = []
         for request, result in zip(requests, results):
             if isinstance(result, Exception):  # finish failed this caller alone
                 request.future.set_exception(result)
+            elif isinstance(result, Again):
+                again.append((request, result.token))
             else:
                 request.future.set_result(result)
+        self._queue_again(again)
         for _, prefill in prefilling:
             if not self.lm.unprefilled(prefill.session):
                 prefill.session.prefilled_at = self._clock()
                 self._finish_prefill(prefill)
+
+    def _queue_again(self, again: list[tuple[_Request, int]]) -> None:
+        """Rounds whose finish asked for another pass (Again): each session takes its token and its
+        round waits at the head of the queue, where the next batch takes it first."""
+        for request, token in again:
+            request.session.apply_commit(len(request.session.tokens), [token])
+            request.again = True
+        if again:
+            with self._condition:
+                self._queue.extendleft(reversed([request for request, _ in again]))
+                self._condition.notify()
 
     def _streams_since(self, sessions: list[KVSession]) -> list[float]:
         """When each stream a pass's prompt chunks must respect began: those with a round in it, and those

@@ -110,6 +110,7 @@ def start_cluster(
     medusa_heads: Optional[Path] = None,
     weights: str = "float",
     forward: str = "auto",
+    plain_steps: int = 4,
 ) -> Cluster:
     """Start the three services in this process (real gRPC over loopback sockets).
 
@@ -120,7 +121,8 @@ def start_cluster(
     model_interceptors: more gRPC interceptors on draft and verify (e.g. one that slows them down);
     lookup_tokens: the gateway's own prompt-lookup copies (tests/test_lookup_rounds.py; off by default here);
     medusa_heads: a heads folder the verify serves (tests/test_medusa.py); drafter "" starts no draft service;
-    weights / forward: the verify's --weights (tests/test_quantized.py) and --forward (tests/test_flat_pass.py).
+    weights / forward: the verify's --weights (tests/test_quantized.py) and --forward (tests/test_flat_pass.py);
+    plain_steps: the gateway's --plain-steps (tests/test_plain_steps.py).
     """
     import dataclasses
 
@@ -158,6 +160,7 @@ def start_cluster(
             speculated_outcomes=speculated_outcomes,
             auth_token=auth_token,
             lookup_tokens=lookup_tokens,
+            plain_steps=plain_steps,
         ),
         backend_tls=backend_tls,
         http_port=http_port,

@@ -12,7 +12,7 @@ from specd.v1 import common_pb2, verify_pb2
 from specd_common import tree
 from specd_engine import autotune, flat_pass, kv_cache, quantized, runtime_cache, store_attention
 from specd_engine.autotune import COLS, MKL, PLAIN, PREPACKED, ROWS, TALL
-from specd_engine.batching import BatchPolicy, make_batcher
+from specd_engine.batching import Again, BatchPolicy, make_batcher
 from specd_common.config import ServerConfig, StartupMeasurement
 from specd_common.errors import require
 from specd_engine.features import encode_features
@@ -73,6 +73,14 @@ class Part:
     top_logprobs: int = 0  # greedy: the likeliest tokens of each row to return with their log probabilities
     draw: Optional[Draw] = None  # sampling: the verify draws each row's token (the coupled rule)
     head_depth: int = 0  # when head_drafts: proposals of the first head_depth heads (0: all)
+    steps: int = 1  # plain decoding: passes this call may run, each from the last one's token (VerifyRequest.plain_steps)
+    stop_ids: frozenset = frozenset()  # with steps: tokens after which no further pass runs
+    produced: list = field(default_factory=list)  # with steps: the tokens of the passes run so far
+
+    def again(self, own: torch.Tensor, room: bool) -> bool:
+        """Whether this part's next pass runs in the same call: its chosen token own [1] is not the last
+        of its steps nor a stop token, and the session has `room` for one more."""
+        return room and len(self.produced) + 1 < self.steps and int(own[0]) not in self.stop_ids
 
 
 class HeadInputs(NamedTuple):
@@ -379,7 +387,8 @@ class Scorer:
     def score(self, session: VerifySession, draft_token_ids: Sequence[int], parents: Sequence[int] = (),
               features: bool = False, head_drafts: bool = False, head_candidates: int = 1, head_rows: int = 0,
               allowed: Optional[torch.Tensor] = None, top_logprobs: int = 0,
-              coupled: Optional[verify_pb2.CoupledDraw] = None, head_depth: int = 0) -> Scores:
+              coupled: Optional[verify_pb2.CoupledDraw] = None, head_depth: int = 0, steps: int = 1,
+              stop_ids: Sequence[int] = ()) -> Scores:
         """One target forward over the pending token(s) and the drafts: k + 1 next-token positions
         (a tree's nodes when `parents` is given, in node order), with the target's features and the
         Medusa heads' proposals (head_candidates a head) there when asked for (head_inputs: which
@@ -387,7 +396,9 @@ class Scorer:
         row when a grammar constrains the answer (and, greedy, each row's top_logprobs likeliest tokens);
         a sampled session with `coupled` gets each row's drawn token instead of its p. Concurrent
         sessions' rounds, chains and trees, share one pass when batching is on, and the batch's replies
-        are made together (_finish)."""
+        are made together (_finish). With `steps` > 1 (no drafts) the call decodes up to that many
+        passes, each from the last one's token, stopping after a token in `stop_ids`: the reply holds
+        one token a pass (Part.again; ForwardBatcher's Again)."""
         session.sequence.keep_features = features or (head_drafts and self.medusa is not None)
         draw = None
         if coupled is not None and not session.warp.greedy:
@@ -395,17 +406,21 @@ class Scorer:
             depths = tree.depths(parents) if parents else range(1, len(draft_token_ids) + 1)
             draw = Draw(coupled.seed, [base] + [base + depth for depth in depths], coupled.return_target_probs)
         part = Part(session, draft_token_ids, features, head_drafts, max(head_candidates, 1), parents, head_rows, allowed,
-                    top_logprobs, draw, head_depth)
-        if self.batcher is not None and not (session.sequence.scored is not None and not draft_token_ids):  # else: no pass
-            return self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
-        if parents:
-            logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
-        else:
-            logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
-        reply = self._finish([part], [logits])[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+                    top_logprobs, draw, head_depth, max(steps, 1), frozenset(stop_ids))
+        while True:
+            if self.batcher is not None and not (session.sequence.scored is not None and not draft_token_ids):  # else: no pass
+                reply = self.batcher.forward(session.sequence, draft_token_ids, part, parents=list(parents) if parents else None)
+            else:
+                if parents:
+                    logits = self.lm.forward_tree(session.sequence, draft_token_ids, parents)  # [n + 1, V]
+                else:
+                    logits = self.lm.forward(session.sequence, draft_token_ids)  # [k + 1, V]
+                reply = self._finish([part], [logits])[0]
+            if isinstance(reply, Exception):
+                raise reply
+            if not isinstance(reply, Again):  # the batcher runs a part's further passes itself; alone, they run here
+                return reply
+            session.sequence.apply_commit(len(session.sequence.tokens), [reply.token])
 
     def _finish(self, parts: list[Part], logits: list[torch.Tensor]) -> list[Union[Scores, Exception]]:
         """What each part's Verify returns, from its logits [k + 1, V] (ForwardBatcher's finish): its
@@ -418,14 +433,19 @@ class Scorer:
         the batch's other sessions their replies: one session's fault (its warp, the heads' product it
         asked for) fails that session's Verify alone."""
         choices = [self._choice(part, rows) for part, rows in zip(parts, logits)]  # (probs, own) each, or its exception
-        live = [index for index, choice in enumerate(choices) if not isinstance(choice, Exception)]
+        again = {index for index, (part, choice) in enumerate(zip(parts, choices)) if not isinstance(choice, Exception)
+                 and part.again(choice[1], len(part.session.sequence.tokens) < self.lm.max_length - 1)}
+        for index in again:
+            parts[index].produced.append(int(choices[index][1][0]))
+        live = [index for index, choice in enumerate(choices) if not isinstance(choice, Exception) and index not in again]
         try:
             heads: list = self.head_drafts([parts[i] for i in live], [choices[i][1] for i in live])
         except Exception as error:  # handed to the sessions that asked, as their Verify's error
             log.exception("the Medusa heads' proposals failed for %d session(s)", sum(parts[i].head_drafts for i in live))
             heads = [error if parts[i].head_drafts else None for i in live]
         proposals = dict(zip(live, heads))
-        return [choice if isinstance(choice, Exception) else self._reply(part, rows, *choice, proposals[index])
+        return [Again(parts[index].produced[-1]) if index in again else choice if isinstance(choice, Exception)
+                else self._reply(part, rows, *choice, proposals[index])
                 for index, (part, rows, choice) in enumerate(zip(parts, logits, choices))]
 
     @staticmethod
@@ -436,8 +456,9 @@ class Scorer:
         warp = part.session.warp
         try:
             probs = None if warp.greedy else warp_probs(rows, warp, part.allowed)
-            if part.draw is not None and probs is not None:
-                return probs, draw_walk(probs, part.draw.seed, part.draw.positions, part.drafts, part.parents)
+            if part.draw is not None and probs is not None:  # a plain step draws its own position (Part.produced)
+                positions = [position + len(part.produced) for position in part.draw.positions]
+                return probs, draw_walk(probs, part.draw.seed, positions, part.drafts, part.parents)
             return probs, torch.argmax(constrained(rows, warp, part.allowed), dim=-1)
         except Exception as error:
             return error
@@ -452,9 +473,9 @@ class Scorer:
             features = self.last_features(part.session) if part.features else None
             if part.session.warp.greedy:
                 logprobs = top_logprobs(constrained(rows, part.session.warp, part.allowed), part.top_logprobs)
-                return Scores(argmax_token_ids=own.tolist(), features=features, head_drafts=heads, logprobs=logprobs)
+                return Scores(argmax_token_ids=part.produced + own.tolist(), features=features, head_drafts=heads, logprobs=logprobs)
             if part.draw is not None:
-                return Scores(sampled_token_ids=own.tolist(), target_probs=encode_rows(probs) if part.draw.with_probs else [],
+                return Scores(sampled_token_ids=part.produced + own.tolist(), target_probs=encode_rows(probs) if part.draw.with_probs else [],
                               features=features, head_drafts=heads)
             return Scores(target_probs=encode_rows(probs), features=features, head_drafts=heads)
         except Exception as error:  # this session's Verify fails with it (grpc_errors maps it)

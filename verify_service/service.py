@@ -16,7 +16,7 @@ from specd_common.masks import allowed_tokens
 from specd_common.sequence import validate_token_ids
 from specd_common.sessions import SessionStore, drop_if_abandoned
 from specd_common.telemetry import kv_rollback
-from specd_common.tree import MAX_DRAFT_TOKENS, MAX_TREE_NODES, MAX_VERIFY_PARTS, validate_tree
+from specd_common.tree import MAX_DRAFT_TOKENS, MAX_PLAIN_STEPS, MAX_TREE_NODES, MAX_VERIFY_PARTS, validate_tree
 from specd_common.params import Warp, check_top_logprobs
 from verify_service.scorer import Scorer, VerifySession
 
@@ -100,17 +100,19 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
                 f"head_rows must be in [0, {MAX_TREE_NODES + 1}] (0: every row), got {request.head_rows}")
         require(request.head_depth >= 0, f"head_depth must be ≥ 0 (0: every head), got {request.head_depth}")
         check_top_logprobs(request.top_logprobs)
+        steps = check_plain_steps(request, self.vocab_size)
         allowed = self._allowed(request.allowed_tokens, len(drafts) + 1)
         with self.sessions.use(request.session_id) as session:
             with kv_rollback(session.sequence):
                 self.scorer.settle_tree(session, request.commit.prefix_length, request.commit.append_token_ids)
                 session.sequence.apply_commit(request.commit.prefix_length, request.commit.append_token_ids)
             length = len(session.sequence.tokens)
-            self.sessions.account(request.session_id, length + len(drafts))  # the KV budget, before the forward
+            self.sessions.account(request.session_id, length + len(drafts) + steps - 1)  # the KV budget, before the forward
             started = time.perf_counter()
             scores = self.scorer.score(session, drafts, parents, request.return_features, request.return_head_drafts,
                                        request.head_candidates, request.head_rows, allowed, request.top_logprobs,
-                                       request.coupled_draw if request.HasField("coupled_draw") else None, request.head_depth)
+                                       request.coupled_draw if request.HasField("coupled_draw") else None, request.head_depth,
+                                       steps, request.stop_token_ids)
             model_seconds = time.perf_counter() - started
         return verify_pb2.VerifyResponse(
             argmax_token_ids=scores.argmax_token_ids,
@@ -143,6 +145,20 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     @grpc_errors
     def GetModelInfo(self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext):
         return self.scorer.info()
+
+
+def check_plain_steps(request: verify_pb2.VerifyRequest, vocab_size: int) -> int:
+    """The passes a Verify decodes (VerifyRequest.plain_steps; 0 means 1), checked: several only for a
+    plain round that reads one row a pass (no drafts, masks, log probabilities or features)."""
+    steps = request.plain_steps or 1
+    require(1 <= steps <= MAX_PLAIN_STEPS, f"plain_steps must be in [0, {MAX_PLAIN_STEPS}], got {request.plain_steps}")
+    validate_token_ids(request.stop_token_ids, vocab_size, "stop_token_ids")
+    if steps > 1:
+        require(not request.draft_token_ids and not request.allowed_tokens and not request.top_logprobs
+                and not request.return_features and not request.coupled_draw.return_target_probs,
+                "plain_steps > 1 decodes plain rounds only: send no drafts, allowed_tokens, top_logprobs, "
+                "return_features or coupled_draw.return_target_probs with it")
+    return steps
 
 
 def add_to_server(servicer: VerifyServicer, server: grpc.Server) -> None:

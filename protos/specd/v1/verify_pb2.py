@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/verify.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xcf\x01\n\x14VerifyPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x15\n\rlease_seconds\x18\x05 \x01(\x02\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x05\x12\x15\n\rprompt_length\x18\x07 \x01(\x05\"q\n\x15VerifyPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\x12*\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x13\n\x0bnext_scored\x18\x03 \x01(\x08\"\xda\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12\x1a\n\x12return_head_drafts\x18\x06 \x01(\x08\x12\x17\n\x0fhead_candidates\x18\x07 \x01(\x05\x12\x11\n\thead_rows\x18\x08 \x01(\x05\x12+\n\x0e\x61llowed_tokens\x18\t \x03(\x0b\x32\x13.specd.v1.TokenMask\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12+\n\x0c\x63oupled_draw\x18\x0b \x01(\x0b\x32\x15.specd.v1.CoupledDraw\x12\x12\n\nhead_depth\x18\x0c \x01(\x05\"8\n\x0b\x43oupledDraw\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\x1b\n\x13return_target_probs\x18\x02 \x01(\x08\"\xa3\x02\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12,\n\x0ctarget_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x12\x15\n\rmodel_seconds\x18\x04 \x01(\x01\x12*\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12)\n\x0bhead_drafts\x18\x06 \x01(\x0b\x32\x14.specd.v1.HeadDrafts\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.RowLogprobs\x12\x19\n\x11sampled_token_ids\x18\x08 \x03(\x05\"<\n\x12VerifyBatchRequest\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.specd.v1.VerifyRequest\"C\n\x13VerifyBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specd.v1.VerifyBatchResult\"^\n\x11VerifyBatchResult\x12*\n\x08response\x18\x01 \x01(\x0b\x32\x18.specd.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x0bRowLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x32\xb9\x03\n\rVerifyService\x12J\n\x07Prefill\x12\x1e.specd.v1.VerifyPrefillRequest\x1a\x1f.specd.v1.VerifyPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12J\n\x0bVerifyBatch\x12\x1c.specd.v1.VerifyBatchRequest\x1a\x1d.specd.v1.VerifyBatchResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x44\n\tKeepAlive\x12\x1a.specd.v1.KeepAliveRequest\x1a\x1b.specd.v1.KeepAliveResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/verify.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xcf\x01\n\x14VerifyPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x15\n\rlease_seconds\x18\x05 \x01(\x02\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\x05\x12\x15\n\rprompt_length\x18\x07 \x01(\x05\"q\n\x15VerifyPrefillResponse\x12\x17\n\x0fsequence_length\x18\x01 \x01(\x05\x12*\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12\x13\n\x0bnext_scored\x18\x03 \x01(\x08\"\x87\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x10.specd.v1.Commit\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12\x1a\n\x12return_head_drafts\x18\x06 \x01(\x08\x12\x17\n\x0fhead_candidates\x18\x07 \x01(\x05\x12\x11\n\thead_rows\x18\x08 \x01(\x05\x12+\n\x0e\x61llowed_tokens\x18\t \x03(\x0b\x32\x13.specd.v1.TokenMask\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12+\n\x0c\x63oupled_draw\x18\x0b \x01(\x0b\x32\x15.specd.v1.CoupledDraw\x12\x12\n\nhead_depth\x18\x0c \x01(\x05\x12\x13\n\x0bplain_steps\x18\r \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\"8\n\x0b\x43oupledDraw\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\x1b\n\x13return_target_probs\x18\x02 \x01(\x08\"\xa3\x02\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12,\n\x0ctarget_probs\x18\x02 \x03(\x0b\x32\x16.specd.v1.Distribution\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x05\x12\x15\n\rmodel_seconds\x18\x04 \x01(\x01\x12*\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x18.specd.v1.TargetFeatures\x12)\n\x0bhead_drafts\x18\x06 \x01(\x0b\x32\x14.specd.v1.HeadDrafts\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.RowLogprobs\x12\x19\n\x11sampled_token_ids\x18\x08 \x03(\x05\"<\n\x12VerifyBatchRequest\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.specd.v1.VerifyRequest\"C\n\x13VerifyBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specd.v1.VerifyBatchResult\"^\n\x11VerifyBatchResult\x12*\n\x08response\x18\x01 \x01(\x0b\x32\x18.specd.v1.VerifyResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"2\n\x0bRowLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x32\xb9\x03\n\rVerifyService\x12J\n\x07Prefill\x12\x1e.specd.v1.VerifyPrefillRequest\x1a\x1f.specd.v1.VerifyPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12J\n\x0bVerifyBatch\x12\x1c.specd.v1.VerifyBatchRequest\x1a\x1d.specd.v1.VerifyBatchResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x44\n\tKeepAlive\x12\x1a.specd.v1.KeepAliveRequest\x1a\x1b.specd.v1.KeepAliveResponse\x12M\n\x0cGetModelInfo\x12\x1d.specd.v1.GetModelInfoRequest\x1a\x1e.specd.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYPREFILLRESPONSE']._serialized_start=268
   _globals['_VERIFYPREFILLRESPONSE']._serialized_end=381
   _globals['_VERIFYREQUEST']._serialized_start=384
-  _globals['_VERIFYREQUEST']._serialized_end=730
-  _globals['_COUPLEDDRAW']._serialized_start=732
-  _globals['_COUPLEDDRAW']._serialized_end=788
-  _globals['_VERIFYRESPONSE']._serialized_start=791
-  _globals['_VERIFYRESPONSE']._serialized_end=1082
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=1084
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=1144
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1146
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1213
-  _globals['_VERIFYBATCHRESULT']._serialized_start=1215
-  _globals['_VERIFYBATCHRESULT']._serialized_end=1309
-  _globals['_ROWLOGPROBS']._serialized_start=1311
-  _globals['_ROWLOGPROBS']._serialized_end=1361
-  _globals['_VERIFYSERVICE']._serialized_start=1364
-  _globals['_VERIFYSERVICE']._serialized_end=1805
+  _globals['_VERIFYREQUEST']._serialized_end=775
+  _globals['_COUPLEDDRAW']._serialized_start=777
+  _globals['_COUPLEDDRAW']._serialized_end=833
+  _globals['_VERIFYRESPONSE']._serialized_start=836
+  _globals['_VERIFYRESPONSE']._serialized_end=1127
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=1129
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=1189
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1191
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1258
+  _globals['_VERIFYBATCHRESULT']._serialized_start=1260
+  _globals['_VERIFYBATCHRESULT']._serialized_end=1354
+  _globals['_ROWLOGPROBS']._serialized_start=1356
+  _globals['_ROWLOGPROBS']._serialized_end=1406
+  _globals['_VERIFYSERVICE']._serialized_start=1409
+  _globals['_VERIFYSERVICE']._serialized_end=1850
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class VerifyPrefillResponse(_message.Message):
     def __init__(self, sequence_length: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.TargetFeatures, _Mapping]] = ..., next_scored: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens", "top_logprobs", "coupled_draw", "head_depth")
+    __slots__ = ("session_id", "commit", "draft_token_ids", "return_features", "draft_parents", "return_head_drafts", "head_candidates", "head_rows", "allowed_tokens", "top_logprobs", "coupled_draw", "head_depth", "plain_steps", "stop_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class VerifyRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COUPLED_DRAW_FIELD_NUMBER: _ClassVar[int]
     HEAD_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: _common_pb2.Commit
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -61,7 +63,9 @@ class VerifyRequest(_message.Message):
     top_logprobs: int
     coupled_draw: CoupledDraw
     head_depth: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ..., allowed_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ..., top_logprobs: _Optional[int] = ..., coupled_draw: _Optional[_Union[CoupledDraw, _Mapping]] = ..., head_depth: _Optional[int] = ...) -> None: ...
+    plain_steps: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[_common_pb2.Commit, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., return_head_drafts: _Optional[bool] = ..., head_candidates: _Optional[int] = ..., head_rows: _Optional[int] = ..., allowed_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenMask, _Mapping]]] = ..., top_logprobs: _Optional[int] = ..., coupled_draw: _Optional[_Union[CoupledDraw, _Mapping]] = ..., head_depth: _Optional[int] = ..., plain_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CoupledDraw(_message.Message):
     __slots__ = ("seed", "return_target_probs")

@@ -276,7 +276,7 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     size served most (the bucket with the most plain rounds) has no speculating rounds measured, the
     cap is that size: speculation is tried at the load the gateway carries until its rounds are
     measured and the rates decide (a yield measured in a burst's tail among fewer requests must not
-    end the trial first). Measured rates overrule the model, smaller sizes' too: where speculating
+    end the trial first), unless even a lone request's yield would not pay there (_hopeless). Measured rates overrule the model, smaller sizes' too: where speculating
     among B measured faster than not, the model's no at a smaller size (each speculating row costs
     less there) does not cap it (in a burst's tail the requests still running are those whose drafts
     kept least: on the Xeon rounds among 4 yielded 1.46 tokens a pass where 8 yielded 2.46). With
@@ -290,8 +290,8 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
     estimate near the threshold would otherwise flip the cap with every round)."""
     sizes = sorted(batch_costs_ms)
     served = max(((shapes[rows, False].rounds, rows) for rows in sizes if (rows, False) in shapes), default=(0, 0))[1]
-    if served and (served, True) not in shapes:  # the load served most, never measured speculating: try it
-        return served
+    if served and (served, True) not in shapes and not _hopeless(served, batch_costs_ms[served], shapes, ragged):
+        return served  # the load served most, never measured speculating: try it
     drafted = [rows for rows in sizes if (rows, True) in shapes]
     if not drafted:  # cold: the smallest size
         return sizes[0] if sizes else 0
@@ -304,6 +304,18 @@ def speculation_cap(batch_costs_ms: dict[int, dict[int, float]], shapes: dict[tu
             return max(cap, 1)
         cap = rows
     return 0
+
+
+def _hopeless(rows: int, by_positions: dict[int, float], shapes: dict[tuple[int, bool], "RoundShape"], ragged: bool) -> bool:
+    """Whether speculating among `rows` requests cannot pay even if each yielded what a request alone does
+    (nothing shares its pass, so its planner drafts most; speculation_cap's trial is then not run):
+    rounds of a lone request's shape cost more, beside `rows` - 1 others, than its yield over a plain
+    round. On the 2-vCPU EPYC a trial among 8 ran most of a 16-prompt burst at 0.85x a request's
+    plain rate (8 rows of 4 positions cost 3x 8 rows of one; alone, 2.31 tokens a pass)."""
+    alone = shapes.get((1, True))
+    if alone is None or 1 not in by_positions:
+        return False
+    return expected_batch_cost(by_positions, alone.positions_share, rows, ragged) >= by_positions[1] * alone.tokens_per_pass
 
 
 def _speculation_pays(rows: int, by_positions: dict[int, float], shapes: dict[tuple[int, bool], "RoundShape"],

@@ -105,11 +105,13 @@ class Backends:
         bucket = RoundShapes.bucket(rows, list(costs))
         return position_price_s(costs[bucket], self.rounds.measured(), bucket)
 
-    def observe_round(self, tokens: int, positions: int, seconds: float, running: int, speculating: bool) -> None:
+    def observe_round(self, tokens: int, positions: int, seconds: float, running: int, speculating: bool, passes: int = 1) -> None:
         """One round's shape for the speculation cap, counted at the batch size its `running`
-        requests (this gateway's, spread over the serving verify replicas) make."""
-        self.rounds.observe(tokens, positions, seconds, RoundShapes.bucket(self._rows_per_replica(running), list(self._verify_batch_costs)),
-                            speculating)
+        requests (this gateway's, spread over the serving verify replicas) make; a plain call of several
+        `passes` counts as that many plain rounds, a token and its share of the seconds each."""
+        rows = RoundShapes.bucket(self._rows_per_replica(running), list(self._verify_batch_costs))
+        for index in range(passes):
+            self.rounds.observe(tokens if passes == 1 else int(index < tokens), positions, seconds / passes, rows, speculating)
 
     def _rows_per_replica(self, running: int) -> int:
         """The batch `running` requests of this gateway make on each serving verify replica (rounded up)."""

@@ -117,6 +117,13 @@ class SpeculationStats:
         self.predicted_tokens += expected
         self.predicted_tokens_squared_error += (kept - expected) ** 2
 
+    def count_passes(self, drafted: int, accepted: int, expected: float, passes: int = 1) -> None:
+        """A round's target passes (count_round, count_prediction): one, or a plain call's several, each
+        keeping the one token expected."""
+        for _ in range(passes):
+            self.count_round(drafted, accepted)
+            self.count_prediction(expected, accepted + 1)
+
     def count_round(self, drafted: int, accepted: int) -> None:
         """One target pass with `drafted` drafts of which the first `accepted` were kept."""
         self.target_passes += 1
@@ -256,22 +263,20 @@ class Generation:
         free, self._next_scored = self._next_scored, False  # comes at once; no price learns from it
         plan = RoundPlan(PLAIN) if free else self._forced_plan(ctx) or self.planner.plan(ctx)
         draft_probs = self._propose(plan)
-        masks = self._constrain(plan, draft_probs)
+        masks = constrain(self.grammar, plan, draft_probs, self.backends.target_info.vocab_size)
         proposed = time.perf_counter()
         # 3. Verify; meanwhile a draft service with a speculation cache prepares the next round's drafts
         steps = self._plain_steps(plan, free, ctx)
         scores = self._verify_drafts(plan, self.planner.decide_heads_ask(ctx), masks, steps)
         # 4. Judge (a plain call that decoded several passes: its tokens are the target's own)
         outcome = self._judge(plan, draft_probs, scores, masks)
-        decoded = self._decoded(plan, scores)
+        decoded = decoded_tokens(plan, scores, self.spec.warp.greedy)
         passes = max(len(decoded), 1)
         # 5. Commit
         verdict = self.planner.learn(plan, outcome)
         self._commit(plan, scores, outcome)
         self._verify.sync.agreed += passes - 1  # the verify's session holds every decoded token but the last
-        for _ in range(passes):
-            self.stats.count_round(verdict.chain, outcome.accepted)
-            self.stats.count_prediction(plan.expected, outcome.accepted + 1)
+        self.stats.count_passes(verdict.chain, outcome.accepted, plan.expected, passes)
         self.stats.lookup_rounds += bool(plan.copied)
         self.stats.head_rounds += plan.source in (HEADS, JOINED)
         self.stats.tree_rounds += bool(plan.parents)
@@ -282,10 +287,8 @@ class Generation:
         emitted = decoded or outcome.emitted(plan.drafts)
         chunk = self._emit(emitted, round_logprobs(scores, emitted, self.spec.top_logprobs, self.spec.warp.greedy))
         if self.spec.speculate and not free:  # the speculation cap weighs rounds of requests that want speculation, allowed or not
-            share = (time.perf_counter() - started) / passes  # a plain call's passes are plain rounds, each its share
-            for index in range(passes):
-                tokens = len(emitted) if passes == 1 else int(index < len(emitted))
-                self.backends.observe_round(tokens, len(plan.drafts) + 1, share, self._running(), ctx.allowed)
+            self.backends.observe_round(len(emitted), len(plan.drafts) + 1, time.perf_counter() - started,
+                                        self._running(), ctx.allowed, passes)
         self.heads.receive(scores, len(plan.drafts), plan.parents, outcome, self.spec.warp.greedy or bool(scores.sampled_token_ids),
                            len(self.sequence))
         if self.draft.features is not None:
@@ -313,24 +316,6 @@ class Generation:
             return None
         forced = self.grammar.forced(ctx.draft_cap(MAX_FORCED_DRAFTS))
         return RoundPlan(FORCED, forced, expected=len(forced) + 1.0) if forced else None
-
-    def _constrain(self, plan: RoundPlan, draft_probs: list) -> list[common_pb2.TokenMask]:
-        """A constrained answer's allowed-token masks for the round's scored positions (the verify restricts
-        the target to them), with the drafts cut before the first one its grammar forbids (and their q
-        with them): that draft would be rejected anyway. [] when unconstrained. Chains only
-        (GenerationSpec.grammar): a tree would need a mask per branch."""
-        if self.grammar is None:
-            return []
-        if plan.parents:  # never planned (GenerationSpec.branches is 1): judged as a plain round, still exact
-            log.warning("a constrained request drafted a tree (%d nodes); verifying none of it", len(plan.drafts))
-            del plan.drafts[:], plan.parents[:], draft_probs[:]
-        allowed, masks = self.grammar.masks_along(plan.drafts, self.backends.target_info.vocab_size)
-        if allowed < len(plan.drafts):
-            del plan.drafts[allowed:], draft_probs[allowed:]
-            plan.copied = min(plan.copied, allowed)
-            if plan.head_predicted is not None:
-                plan.head_predicted = plan.head_predicted[:allowed]
-        return masks
 
     def _propose(self, plan: RoundPlan) -> list:
         """Fill the plan's drafts (the draft service's, for a DRAFT round); returns their q (sampling):
@@ -406,22 +391,13 @@ class Generation:
         return min(self.spec.max_new_tokens - len(self.generated), self.max_length - len(self.sequence))
 
     def _plain_steps(self, plan: RoundPlan, free: bool, ctx: RoundContext) -> int:
-        """Passes this round's Verify may decode (VerifyRequest.plain_steps): several where the round
-        drafts nothing and the next ones could not either (speculation off for the request, not allowed
-        under the load or resting), and only the tokens come back (no grammar, log probabilities or a
-        feature drafter's features); else 1. Why: each round trip between passes (RPCs, the gateway's
-        round, the verify's hand-offs) cost 5-6 ms beside a 10 ms pass of 8 sessions on a 2-vCPU EPYC."""
+        """Passes this round's Verify may decode (VerifyRequest.plain_steps): several where it drafts
+        nothing and the next rounds could not either (speculation off, not allowed under load, resting)
+        and only tokens come back (no grammar, log probabilities or features); else 1. Why: docs/design/batching.md."""
         if free or plan.drafts or (self.spec.speculate and ctx.allowed) or self.grammar is not None \
                 or self.spec.top_logprobs is not None or self.draft.features is not None:
             return 1
         return max(min(self._plain_steps_cap, self._tokens_left()), 1)
-
-    def _decoded(self, plan: RoundPlan, scores: verify_pb2.VerifyResponse) -> list[int]:
-        """The tokens of a plain call that decoded several passes, in order ([] for any other round)."""
-        if plan.drafts:
-            return []
-        chosen = list(scores.argmax_token_ids if self.spec.warp.greedy else scores.sampled_token_ids)
-        return chosen if len(chosen) > 1 else []
 
     def _verify_drafts(self, plan: RoundPlan, ask_heads: bool, masks: list[common_pb2.TokenMask],
                        steps: int = 1) -> verify_pb2.VerifyResponse:
@@ -530,6 +506,32 @@ class Generation:
             remaining = self._time_remaining()
             return remaining is None or remaining > DEADLINE_SLACK_S
         return error.code() in REPLICA_FAULTS
+
+
+def constrain(grammar, plan: RoundPlan, draft_probs: list, vocab_size: int) -> list[common_pb2.TokenMask]:
+    """A constrained answer's allowed-token masks for the round's scored positions (the verify restricts
+    the target to them), with the drafts cut before the first one its grammar forbids (and their q
+    with them): that draft would be rejected anyway. [] when unconstrained. Chains only
+    (GenerationSpec.grammar): a tree would need a mask per branch."""
+    if grammar is None:
+        return []
+    if plan.parents:  # never planned (GenerationSpec.branches is 1): judged as a plain round, still exact
+        log.warning("a constrained request drafted a tree (%d nodes); verifying none of it", len(plan.drafts))
+        del plan.drafts[:], plan.parents[:], draft_probs[:]
+    allowed, masks = grammar.masks_along(plan.drafts, vocab_size)
+    if allowed < len(plan.drafts):
+        del plan.drafts[allowed:], draft_probs[allowed:]
+        plan.copied = min(plan.copied, allowed)
+        if plan.head_predicted is not None:
+            plan.head_predicted = plan.head_predicted[:allowed]
+    return masks
+
+
+def decoded_tokens(plan: RoundPlan, scores: verify_pb2.VerifyResponse, greedy: bool) -> list[int]:
+    """The tokens of a plain call that decoded several passes (VerifyRequest.plain_steps), in order; [] for
+    any other round."""
+    chosen = [] if plan.drafts else list(scores.argmax_token_ids if greedy else scores.sampled_token_ids)
+    return chosen if len(chosen) > 1 else []
 
 
 def round_logprobs(scores: verify_pb2.VerifyResponse, emitted: list[int], top: Optional[int],

@@ -113,7 +113,7 @@ class GenerationObserver:
                 span.set_attributes(
                     {
                         "specd.draft.length": draft_length,
-                        "specd.round.passes": stats.target_passes - passes_before,  # > 1: a plain call of several (plain_steps)
+                        "specd.round.passes": stats.target_passes - passes_before,  # > 1: a plain call's several (plain_steps)
                         "specd.round.lookup": stats.lookup_rounds > lookups_before,
                         "specd.round.heads": stats.head_rounds > heads_before,
                         "specd.round.tree": stats.tree_rounds > trees_before,
@@ -137,7 +137,7 @@ class GenerationObserver:
         self.rounds += 1
         self.finish_reason = chunk.finish_reason or self.finish_reason
         if self.metrics is not None:
-            self._count(draft_length, accepted, emitted, draft_wait, verify_wait, accept, now)
+            self._count(draft_length, accepted, emitted, draft_wait, verify_wait, accept, now, stats.target_passes - passes_before)
             if cache:
                 self.metrics.draft_cache_wait.labels(cache).observe(draft_wait)
             if stats.rested_rounds > rested_before:
@@ -147,9 +147,9 @@ class GenerationObserver:
                 self.metrics.forced_tokens.inc(stats.forced_tokens - forced_tokens_before)
         return chunk
 
-    def _count(self, draft_length, accepted, emitted, draft_wait, verify_wait, accept, now) -> None:
+    def _count(self, draft_length, accepted, emitted, draft_wait, verify_wait, accept, now, passes) -> None:
         metrics = self.metrics
-        metrics.count_round(draft_length, accepted, emitted)
+        metrics.count_round(draft_length, accepted, emitted, passes)
         metrics.draft_wait_seconds.observe(draft_wait)
         metrics.verify_wait_seconds.observe(verify_wait)
         metrics.accept_seconds.observe(accept)

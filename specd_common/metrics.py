@@ -206,9 +206,11 @@ class GatewayMetrics(ServiceMetrics):
         self.http_requests.labels(route, str(status)).inc()
         self.http_request_seconds.labels(route).observe(seconds)
 
-    def count_round(self, draft_length: int, accepted: int, emitted: int) -> None:
-        self.target_passes.inc()
-        self.tokens_per_target_pass.observe(emitted)
+    def count_round(self, draft_length: int, accepted: int, emitted: int, passes: int = 1) -> None:
+        """One round: `passes` target passes (a plain call decodes several, a token each)."""
+        self.target_passes.inc(passes)
+        for _ in range(passes):
+            self.tokens_per_target_pass.observe(emitted / passes)
         if draft_length:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(draft_length)

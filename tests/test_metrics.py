@@ -112,14 +112,15 @@ def test_each_service_counts_a_request(services):
     assert delta("gateway", "specd_generation_tokens_total") == len(response.token_ids)
     assert delta("gateway", "specd_prompt_tokens_total") == len(response.prompt_token_ids)
     assert delta_total("gateway", "specd_request_finish_total") == 1
-    assert delta("gateway", "specd_round_phase_seconds_count", phase="verify_wait") == stats.target_passes
+    # a round's phases once a round; a round is one Verify, of one pass or a plain call's several (--plain-steps)
+    rounds = delta("verify", "specd_requests_total", service="verify", method="Verify", code="OK")
+    assert delta("gateway", "specd_round_phase_seconds_count", phase="verify_wait") == rounds <= stats.target_passes
     assert value(after["gateway"], "specd_active_sessions", service="gateway") == 0
     assert value(after["gateway"], "specd_queue_depth", service="gateway") == 0
 
     # draft and verify: one RPC per round each, a prefill and a release, forward passes, sessions freed
     drafts = delta("gateway", "specd_spec_decode_num_drafts_total")
     assert delta("draft", "specd_requests_total", service="draft", method="Propose", code="OK") == drafts
-    assert delta("verify", "specd_requests_total", service="verify", method="Verify", code="OK") == stats.target_passes
     for service in ("draft", "verify"):
         assert delta(service, "specd_requests_total", service=service, method="Prefill", code="OK") == 1
         assert delta(service, "specd_requests_total", service=service, method="Release", code="OK") == 1

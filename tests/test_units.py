@@ -604,6 +604,19 @@ def test_speculation_cap_is_tried_at_the_load_served_until_speculating_rounds_ar
     assert speculation_cap(EPYC_BATCH_COSTS, {(1, True): measured_rounds(3.0)}) == 2
 
 
+def test_no_trial_runs_where_even_a_lone_requests_yield_would_not_pay():
+    """The EPYC's flat verify (2026-12-07 start-up: 8 rows of 4 positions cost 3x 8 rows of one) with
+    requests alone yielding 2.31 tokens a pass: beside 7 others that cannot pay, so 8 is not tried and the
+    model decides (2 rows pay by it, 4 do not); the padded costs of before (1.83x) let the trial run."""
+    from gateway.adaptive import RoundShape, speculation_cap
+
+    flat = {2: {1: 6.58, 4: 12.34, 8: 19.89}, 4: {1: 8.33, 4: 19.27, 8: 35.08}, 8: {1: 11.24, 4: 33.61, 8: 60.92}}
+    steady = {(8, False): RoundShape(3000, 1.0, 0.05, {1: 1.0}), (1, True): measured_rounds(2.31, {3: 0.5, 4: 0.5})}
+    assert speculation_cap(flat, steady, ragged=True) == 2
+    assert speculation_cap(EPYC_BATCH_COSTS, steady) == 8
+    assert speculation_cap(flat, steady | {(1, True): measured_rounds(3.5, {3: 0.5, 4: 0.5})}, ragged=True) == 8
+
+
 def test_a_trial_at_the_served_size_ends_by_the_measured_rates():
     """Once the trial's speculating rounds among 8 are measured, their rate decides at 8, and their yield
     prices the sizes not measured both ways (smaller ones too: 2 and 4 rows cost less than 8)."""

@@ -96,8 +96,9 @@ def test_arrival_reports_the_running_streams_latency_before_and_during_a_long_pr
                                                       {"id": "long-0", "category": "rag", "prompt": LONG}])
     # the streams outlast the long prompt's prefill even at its smallest chunks beside them (325 tokens,
     # 4 positions a pass: ~82 passes), speculating several tokens a pass
+    # (after 16 tokens: target-only's plain rounds bring up to 4 a Verify, so there are gaps before it arrives)
     report = bench(bench_cluster, tiny, tmp_path, "--prompts", str(short_prompts(tmp_path)), "--max-new-tokens", "300",
-                   "--arrival", "--arrival-streams", "2", "--arrival-after", "4", "--arrival-prompts", str(long_file), "--repeats", "2")
+                   "--arrival", "--arrival-streams", "2", "--arrival-after", "16", "--arrival-prompts", str(long_file), "--repeats", "2")
     assert_saved_with_command_machine_and_date(report)
     assert report["settings"]["arrival_prompt"] == f"{long_file}#long-0"  # the longest prompt of the file
     assert set(report["arrival"]) == {"target_only", "specd"}

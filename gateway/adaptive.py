@@ -205,6 +205,12 @@ def depth_sums(nodes: Sequence[TreeNode], values: dict[tuple[int, ...], float]) 
     return sums
 
 
+def tokens_by_pass(tokens: int, passes: int) -> list[int]:
+    """A round's emitted tokens by target pass: all of them for one pass; a plain call of several
+    (VerifyRequest.plain_steps) emits one a pass until they run out (a stop string may cut it short)."""
+    return [tokens] if passes == 1 else [int(index < tokens) for index in range(passes)]
+
+
 def mean_positions(positions_share: dict[int, float]) -> float:
     """Positions a row verifies on average, from positions → share of rounds."""
     return sum(n * share for n, share in positions_share.items())

@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gateway.adaptive import RoundShapes, SharedEstimates, StepCosts, describe_shapes, position_price_s, speculation_cap
+from gateway.adaptive import (RoundShapes, SharedEstimates, StepCosts, describe_shapes, position_price_s, speculation_cap,
+                              tokens_by_pass)
 from gateway.grammar import Grammars
 from gateway.guard import PlainRounds
 from gateway.links import SessionKeeper
@@ -110,8 +111,8 @@ class Backends:
         requests (this gateway's, spread over the serving verify replicas) make; a plain call of several
         `passes` counts as that many plain rounds, a token and its share of the seconds each."""
         rows = RoundShapes.bucket(self._rows_per_replica(running), list(self._verify_batch_costs))
-        for index in range(passes):
-            self.rounds.observe(tokens if passes == 1 else int(index < tokens), positions, seconds / passes, rows, speculating)
+        for emitted in tokens_by_pass(tokens, passes):
+            self.rounds.observe(emitted, positions, seconds / passes, rows, speculating)
 
     def _rows_per_replica(self, running: int) -> int:
         """The batch `running` requests of this gateway make on each serving verify replica (rounded up)."""

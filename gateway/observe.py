@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from opentelemetry import trace
 
+from gateway.adaptive import tokens_by_pass
 from specd_common import telemetry
 from specd_common.metrics import GatewayMetrics
 
@@ -149,7 +150,7 @@ class GenerationObserver:
 
     def _count(self, draft_length, accepted, emitted, draft_wait, verify_wait, accept, now, passes) -> None:
         metrics = self.metrics
-        metrics.count_round(draft_length, accepted, emitted, passes)
+        metrics.count_round(draft_length, accepted, tokens_by_pass(emitted, passes))
         metrics.draft_wait_seconds.observe(draft_wait)
         metrics.verify_wait_seconds.observe(verify_wait)
         metrics.accept_seconds.observe(accept)

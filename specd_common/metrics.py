@@ -9,7 +9,7 @@ services in one process (the tests) apart. Torch-free: the gateway imports it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -206,11 +206,12 @@ class GatewayMetrics(ServiceMetrics):
         self.http_requests.labels(route, str(status)).inc()
         self.http_request_seconds.labels(route).observe(seconds)
 
-    def count_round(self, draft_length: int, accepted: int, emitted: int, passes: int = 1) -> None:
-        """One round: `passes` target passes (a plain call decodes several, a token each)."""
-        self.target_passes.inc(passes)
-        for _ in range(passes):
-            self.tokens_per_target_pass.observe(emitted / passes)
+    def count_round(self, draft_length: int, accepted: int, emitted_by_pass: Sequence[int]) -> None:
+        """One round: its target passes, each with the tokens it emitted (a plain call decodes several,
+        gateway/adaptive.py tokens_by_pass)."""
+        self.target_passes.inc(len(emitted_by_pass))
+        for emitted in emitted_by_pass:
+            self.tokens_per_target_pass.observe(emitted)
         if draft_length:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(draft_length)
